@@ -1,0 +1,100 @@
+"""Offline engine throughput: N mixed requests submitted together (continuous
+batching) vs the same requests one at a time, and optionally vs HF
+transformers `generate` one at a time on the same model and device.
+
+    pdd bench offline [--model DIR] [--num-requests 64] [--hf]
+"""
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+
+import torch
+
+
+def _requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args) -> dict:
+    from pdd.engine.llm import LLM
+    from pdd.engine.sampling_params import SamplingParams
+    from pdd.cli import _engine_kwargs
+
+    kw = _engine_kwargs(args)
+    llm = LLM(kw.pop("model"), **kw)
+    engine = llm.engine
+    vocab = min(engine.model_config.vocab_size, llm.tokenizer.vocab_size)
+    prompts = _requests(args.num_requests, args.min_prompt, args.max_prompt, vocab)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    out_tokens = args.num_requests * args.max_tokens
+    in_tokens = sum(map(len, prompts))
+
+    llm.generate(prompts[:2], sp)  # warm-up (allocator, kernels)
+    engine.kv.pool.reset_prefix_cache()
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    batched = llm.generate(prompts, sp)
+    _sync(engine.device)
+    t_batched = time.perf_counter() - t0
+
+    engine.kv.pool.reset_prefix_cache()
+    t0 = time.perf_counter()
+    solo = [llm.generate([p], sp)[0] for p in prompts]
+    _sync(engine.device)
+    t_solo = time.perf_counter() - t0
+    assert [o.token_ids for o in batched] == [o.token_ids for o in solo], "batched != solo output"
+
+    result = {
+        "model": str(engine.model_dir), "device": str(engine.device), "dtype": str(engine.dtype),
+        "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+        "num_requests": args.num_requests, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "pdd_batched_s": t_batched, "pdd_batched_out_tok_s": out_tokens / t_batched,
+        "pdd_solo_s": t_solo, "pdd_solo_out_tok_s": out_tokens / t_solo,
+    }
+    if args.hf:
+        result.update(_run_hf(engine, prompts, args.max_tokens))
+        result["batched_vs_hf"] = result["pdd_batched_out_tok_s"] / result["hf_solo_out_tok_s"]
+    result["batched_vs_solo"] = result["pdd_batched_out_tok_s"] / result["pdd_solo_out_tok_s"]
+    return result
+
+
+def _run_hf(engine, prompts, max_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype).to(engine.device)
+    dev = engine.device
+
+    def gen(p):
+        ids = torch.tensor([p], device=dev)
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+
+    with torch.no_grad():
+        gen(prompts[0])
+        _sync(dev)
+        t0 = time.perf_counter()
+        for p in prompts:
+            gen(p)
+        _sync(dev)
+    t = time.perf_counter() - t0
+    return {"hf_solo_s": t, "hf_solo_out_tok_s": len(prompts) * max_tokens / t}
+
+
+def main(args) -> int:
+    result = run(args)
+    for k, v in result.items():
+        print(f"{k:>24}: {v:.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,124 @@
+"""`pdd` — the one executable.
+
+    pdd make-model --preset tiny --out DIR     random-weight HF checkpoint, no download
+    pdd generate --prompt TEXT [--model DIR]   offline generation with the engine
+    pdd bench offline                          engine throughput benchmark (CPU or GPU)
+
+Each subcommand imports what it needs lazily so `pdd admin` and the router
+never pay for importing torch.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def cmd_make_model(args) -> int:
+    from pdd.model.make_model import make_model
+
+    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+    print(out)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from pdd.engine.llm import LLM
+    from pdd.engine.sampling_params import SamplingParams
+
+    kw = _engine_kwargs(args)
+    llm = LLM(kw.pop("model"), **kw)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+                        ignore_eos=args.ignore_eos)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], sp)
+    else:
+        out = llm.generate([args.prompt], sp)[0]
+    print(out.text)
+    if args.verbose:
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, ids={out.token_ids}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pdd.bench import offline
+
+    return offline.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdd", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("generate", help="generate text offline")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    b = bench_sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
+    _add_engine_args(b)
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--min-prompt", type=int, default=16)
+    b.add_argument("--max-prompt", type=int, default=256)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        # Config/checkpoint/request errors carry a message meant for the user.
+        print(f"pdd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Configuration: frozen dataclasses, loaded from conf/*.toml plus PDD_* env overrides.
+
+One dataclass per concern; a TOML file has one table per dataclass
+([engine], [router], ...). Unknown keys and wrong types are errors that name
+the key: a typo in a config file must not silently fall back to a default.
+Env overrides use PDD_<TABLE>__<KEY>=value (e.g. PDD_ENGINE__BLOCK_SIZE=32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value pdd cannot use; the message names the key."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Model directory (HF format); None = the built-in tiny model.
+    model: str | None = None
+    load_format: str = "auto"            # auto | safetensors | dummy
+    dtype: str = "auto"                  # auto | float32 | float16 | bfloat16
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    # KV pool size: num_blocks wins, then kv_cache_bytes, then (GPU)
+    # gpu_memory_utilization of the device, else (CPU) 512 MiB.
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512                # longest prefill chunk of one request per step
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    seed: int = 0
+
+    def validate(self) -> "EngineConfig":
+        def bad(key, why):
+            raise ConfigError(f"engine.{key}: {why}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            bad("block_size", f"must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be >= 1")
+        if self.chunk_size < 1:
+            bad("chunk_size", "must be >= 1")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            bad("num_blocks", "must be >= 2")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            bad("load_format", f"must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            bad("dtype", f"must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        return self
+
+
+def _coerce(value, hint, key: str):
+    """Check/convert one TOML or env value against a dataclass field type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if isinstance(value, (list, tuple)):
+            return origin(_coerce(v, args[0], key) for v in value)
+    else:
+        return value
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+
+
+def build(cls, table: dict | None, section: str, env: dict | None = None):
+    """Instantiate config dataclass `cls` from a TOML table plus env overrides."""
+    table = dict(table or {})
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(table) - names
+    if unknown:
+        raise ConfigError(f"[{section}]: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    prefix = f"PDD_{section.upper()}__"
+    for var, value in env.items():
+        if var.startswith(prefix):
+            key = var[len(prefix):].lower()
+            if key not in names:
+                raise ConfigError(f"{var}: {section} has no key {key!r}")
+            table[key] = value
+    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in table.items()}
+    obj = cls(**kwargs)
+    return obj.validate() if hasattr(obj, "validate") else obj
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None

@@ -1,0 +1,141 @@
+"""The engine: scheduler + model runner + KV manager behind add/step/abort.
+
+    out = scheduler.schedule()           which requests, how many tokens each
+    result = runner.execute(out, ...)    one forward over the mixed batch
+    scheduler.update_from_output(...)    advance, append tokens, finish, free
+
+Every role (colocated, prefill, decode) runs this same loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdd.config import EngineConfig
+from pdd.engine.model_runner import ModelRunner
+from pdd.engine.request import Request
+from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.engine.scheduler import Scheduler
+from pdd.kv.manager import KVCacheManager
+from pdd.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    # (logprob of the sampled token, [(token id, logprob), ...]) per new token
+    logprobs: list = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    latency_s: float = 0.0
+    num_tokens: int = 0
+    num_decodes: int = 0
+    prefill_chunks: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from pdd.model.make_model import ensure_builtin_model
+        return ensure_builtin_model()
+    return Path(model)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # half precision on CPU is slow and loses accuracy
+    return model_cfg.dtype if model_cfg.dtype != torch.float32 else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig | None = None):
+        self.cfg = cfg = (cfg or EngineConfig()).validate()
+        self.model_dir = resolve_model_dir(cfg.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
+        torch.manual_seed(cfg.seed)
+        self.runner = ModelRunner(cfg, self.model_config, str(self.model_dir), self.device, self.dtype)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.kv)
+        pool_tokens = self.kv.pool.num_usable_blocks * cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, pool_tokens)
+        if self.model_config.sliding_window:
+            # Sliding-window attention is not implemented: stay within the window,
+            # where full attention computes the same thing.
+            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
+        self.last_step = StepStats()
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: SamplingParams | None = None, **kwargs) -> Request:
+        sampling = (sampling or SamplingParams()).validate()
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + sampling.max_tokens - kwargs.get("num_prior_output_tokens", 0)
+        if len(prompt_token_ids) >= self.max_model_len or total > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} were requested; "
+                "shorten the prompt or lower max_tokens")
+        return Request(request_id, list(prompt_token_ids), sampling,
+                       eos_token_ids=self.model_config.eos_token_ids, **kwargs)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams | None = None, **kwargs) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, sampling, **kwargs)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out:
+            self.last_step = StepStats(num_preempted=len(out.preempted))
+            return []
+        tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
+        result = self.runner.execute(out, tables)
+        logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
+        updated = self.scheduler.update_from_output(out, result.tokens)
+        outputs = []
+        for req in updated:
+            lp = logprobs.get(req.request_id)
+            outputs.append(EngineOutput(
+                req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,
+                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens))
+        self.last_step = StepStats(
+            latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
+            num_decodes=sum(1 for _, n in out.scheduled if n == 1),
+            prefill_chunks=[n for _, n in out.scheduled if n > 1], num_preempted=len(out.preempted))
+        return outputs

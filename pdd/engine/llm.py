@@ -1,0 +1,70 @@
+"""Offline API: `pdd.LLM(model).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pdd.config import EngineConfig
+from pdd.engine.engine import LLMEngine
+from pdd.engine.sampling_params import SamplingParams
+from pdd.engine.text_stream import TextStream
+from pdd.model.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = Tokenizer(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists.
+        All are submitted at once and run with continuous batching."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        outputs: dict[str, CompletionOutput] = {}
+        streams: dict[str, TextStream] = {}
+        order = []
+        for prompt, sp in zip(prompts, sampling_params):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            # Each request gets its own params object: validate() may fill in the seed.
+            sp = SamplingParams(**vars(sp))
+            self.engine.add_request(rid, ids, sp)
+            outputs[rid] = CompletionOutput(rid, ids)
+            streams[rid] = TextStream(self.tokenizer, sp.stop)
+            order.append(rid)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._collect(outputs[out.request_id], streams[out.request_id], out)
+        return [outputs[rid] for rid in order]
+
+    def _collect(self, result: CompletionOutput, stream: TextStream, out) -> None:
+        result.token_ids.extend(out.new_token_ids)
+        result.logprobs.extend(out.logprobs)
+        result.num_cached_tokens = out.num_cached_tokens
+        result.text += stream.add(out.new_token_ids)
+        if stream.stopped and not out.finished:
+            self.engine.abort_request(out.request_id)
+            result.finish_reason = "stop"
+        elif out.finished:
+            result.text += stream.finish()
+            result.finish_reason = "stop" if stream.stopped else out.finish_reason
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> CompletionOutput:
+        ids = self.tokenizer.encode_chat(messages)
+        return self.generate([ids], sampling_params)[0]

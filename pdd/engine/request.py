@@ -1,0 +1,89 @@
+"""A request as the engine sees it: tokens so far, how many have KV, its blocks."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdd.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_KV = 1   # blocks reserved, KV arriving from a prefill worker
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Tokens produced before this engine saw the request (a resumed or migrated
+    # request): they count towards max_tokens and sampling positions.
+    num_prior_output_tokens: int = 0
+    # Prefill-only requests stop after the first sampled token (prefill role).
+    prefill_only: bool = False
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens found in the prefix cache
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_prior_output_tokens
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def check_stop(self) -> bool:
+        """Set a finished status if the last token ends the request."""
+        sp = self.sampling
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= sp.min_tokens:
+            if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= sp.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

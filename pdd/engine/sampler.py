@@ -1,0 +1,140 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seed.
+
+Randomness is counter-based: the uniform noise for (request seed, position,
+vocab index) is a fixed integer hash, computed on whatever device the logits
+are on. So a request's token at a position depends only on its seed, its
+position and the logits — not on batch composition, step timing, preemption,
+or which worker runs it — and a request resumed elsewhere from
+(prompt + first k tokens) continues exactly. The token is the Gumbel-max
+choice argmax(log p - log(-log u)), which samples from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (>> is arithmetic for signed ints)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] seeds, [B] positions -> [B, vocab] float32 uniforms in (0, 1)."""
+    row = _mix64(seeds * _GOLDEN + _mix64(positions + 1))  # [B]
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix64(row[:, None] + idx[None, :] * _GOLDEN)
+    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors on the logits' device."""
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor        # [B] int64; 0 = off
+    top_p: torch.Tensor        # [B] float32
+    min_p: torch.Tensor        # [B] float32
+    seeds: torch.Tensor        # [B] int64
+    positions: torch.Tensor    # [B] int64: position of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_logprobs: int | None   # None: no row wants logprobs
+
+    @classmethod
+    def build(cls, params: list, positions: list[int], device: torch.device) -> "SamplingBatch":
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t(temps, torch.float32), top_k=t(top_k, torch.int64),
+            top_p=t(top_p, torch.float32), min_p=t(min_p, torch.float32),
+            seeds=t([p.seed for p in params], torch.int64), positions=t(positions, torch.int64),
+            all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
+            any_top_p=any(x < 1.0 for x in top_p), any_min_p=any(x > 0.0 for x in min_p),
+            max_logprobs=max(wanted) if wanted else None,
+        )
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor                   # [B] int64
+    logprobs: torch.Tensor | None = None   # [B] logprob of the sampled token
+    top_ids: torch.Tensor | None = None    # [B, N]
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """logits [B, V] float32 -> one token per row."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        tokens = torch.where(batch.temperature == 0.0, greedy, _sample_random(logits, batch))
+    result = SampleResult(tokens=tokens)
+    if batch.max_logprobs is not None:
+        # Logprobs of the model's distribution (before temperature/top-k/top-p), as
+        # the OpenAI API reports them.
+        logp = torch.log_softmax(logits, dim=-1)
+        result.logprobs = logp.gather(1, tokens[:, None])[:, 0]
+        if batch.max_logprobs > 0:
+            result.top_logprobs, result.top_ids = logp.topk(batch.max_logprobs, dim=-1)
+    return result
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temp = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
+    x = logits / temp[:, None]
+    if batch.any_top_k:
+        x = _apply_top_k(x, batch.top_k)
+    if batch.any_top_p or batch.any_min_p:
+        probs = torch.softmax(x, dim=-1)
+        if batch.any_min_p:
+            floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            x = x.masked_fill(probs < floor, float("-inf"))
+        if batch.any_top_p:
+            x = _apply_top_p(x, batch.top_p)
+    logp = torch.log_softmax(x, dim=-1)
+    u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    return (logp + gumbel).argmax(dim=-1)
+
+
+def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    k_max = int(top_k.max())
+    kth = x.topk(min(k_max, x.shape[-1]), dim=-1).values  # [B, k_max], descending
+    k = torch.where(top_k > 0, top_k, k_max).clamp(max=x.shape[-1]) - 1
+    threshold = kth.gather(1, k[:, None])
+    keep = (x >= threshold) | (top_k == 0)[:, None]
+    return x.masked_fill(~keep, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

@@ -1,0 +1,145 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill.
+
+There is no prefill phase and no decode phase: a request has
+`num_computed_tokens` (KV written) and `num_tokens` (prompt + output), and each
+step gives it some of the difference under one token budget. Running requests
+go first (their decodes keep TPOT steady), then waiting requests are admitted
+while budget, sequence slots and blocks last. A prompt longer than
+`chunk_size` is spread over several steps. When blocks run out, the newest
+running request is preempted: its blocks are freed (they stay in the prefix
+cache) and it is recomputed later.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdd.config import EngineConfig
+from pdd.engine.request import Request, RequestStatus
+from pdd.kv.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of its tokens computed this step), in schedule order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, self.cfg.chunk_size, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()  # newest admitted; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_cached = [], 0
+            if req.num_computed_tokens == 0:
+                computed, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - req.num_computed_tokens - num_cached, self.cfg.chunk_size, budget)
+            if self.kv.allocate_slots(req, n, computed) is None:
+                break
+            self.waiting.popleft()
+            if num_cached:
+                req.num_computed_tokens += num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, min(num_cached, req.num_prompt_tokens))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        log.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance the scheduled requests by what the step computed. Returns the
+        requests that got a new token (finished ones included, already freed)."""
+        updated = []
+        for (req, n), token in zip(out.scheduled, sampled):
+            if req.status.finished:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that is not the prompt's last: nothing sampled
+            req.append_token(token)
+            updated.append(req)
+            if req.check_stop() or req.prefill_only:
+                if req.prefill_only and not req.status.finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                self._finish(req)
+        return updated
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req

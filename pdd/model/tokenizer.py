@@ -1,0 +1,129 @@
+"""Tokenizer of a HF checkpoint: `tokenizer.json` through the `tokenizers`
+library, chat templates from `tokenizer_config.json` rendered with Jinja the
+way transformers renders them, and incremental detokenization for streaming.
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+from pdd.model.config import CheckpointError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        try:
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default")
+        if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            self.chat_template = (model_dir / "chat_template.jinja").read_text()
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token = _token_str(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **extra)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        # The template writes any special tokens itself (BOS included).
+        return self._tok.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                                add_special_tokens=False).ids
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without ever emitting
+    half of a multi-byte character: a delta is released only once the decoded
+    window no longer ends in U+FFFD (an incomplete byte sequence)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            delta = window[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back (even if broken)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        delta = window[len(prefix):] if len(window) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

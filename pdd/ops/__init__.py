@@ -1,0 +1,61 @@
+"""KV-cache ops, dispatched by device.
+
+Every op has a torch reference (`reference.py`) that defines its semantics and
+runs on any device. On CUDA the Triton kernels are used when they are
+available; `PDD_OPS=reference` forces the reference everywhere (debugging,
+kernel bisection).
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from pdd.ops import reference
+from pdd.ops.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
+           "scatter_blocks", "copy_blocks", "backend_for"]
+
+_triton: ModuleType | None = None
+_triton_checked = False
+
+
+def _load_triton() -> ModuleType | None:
+    global _triton, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        if os.environ.get("PDD_OPS", "").lower() != "reference":
+            try:
+                from pdd.ops import triton_ops
+                _triton = triton_ops
+            except ImportError:
+                _triton = None
+    return _triton
+
+
+def backend_for(t: torch.Tensor) -> ModuleType:
+    if t.is_cuda:
+        return _load_triton() or reference
+    return reference
+
+
+def store_kv(key, value, kv_layer, slot_mapping) -> None:
+    backend_for(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
+
+
+def paged_attention(q, kv_layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return backend_for(q).paged_attention(q, kv_layer, meta, scale)
+
+
+def gather_blocks(kv_layer, block_ids) -> torch.Tensor:
+    return backend_for(kv_layer).gather_blocks(kv_layer, block_ids)
+
+
+def scatter_blocks(kv_layer, block_ids, pages) -> None:
+    backend_for(kv_layer).scatter_blocks(kv_layer, block_ids, pages)
+
+
+def copy_blocks(src_layer, dst_layer, src_ids, dst_ids) -> None:
+    backend_for(dst_layer).copy_blocks(src_layer, dst_layer, src_ids, dst_ids)

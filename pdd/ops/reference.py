@@ -1,0 +1,102 @@
+"""Torch reference implementations of the KV-cache ops.
+
+They define what the Triton kernels must compute, run everywhere (CPU CI
+included) and stay batched: no Python loop over sequences. Attention pads each
+group (decodes, prefills) to its longest member, which is wasteful but simple;
+the kernels are the fast path.
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+import torch
+
+from pdd.ops.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write K/V of new tokens ([T, kv_heads, head_dim]) into their slots."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_layer.shape
+    flat = kv_layer.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+
+
+def _gather_context(kv_layer: torch.Tensor, block_tables: torch.Tensor):
+    """K and V of whole sequences: [B, max_blocks * block_size, kv_heads, head_dim] each."""
+    k = kv_layer[0][block_tables.long()]  # [B, max_blocks, block_size, kvh, d]
+    v = kv_layer[1][block_tables.long()]
+    b, mb, bs, kvh, d = k.shape
+    return k.reshape(b, mb * bs, kvh, d), v.reshape(b, mb * bs, kvh, d)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, Q, H, D], k/v [B, L, KVH, D], mask [B, Q, L] (True = attend) -> [B, Q, H, D]."""
+    b, nq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.float().view(b, nq, kvh, h // kvh, d)
+    scores = torch.einsum("bqkgd,blkd->bkgql", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgql,blkd->bqkgd", probs, v.float())
+    return out.reshape(b, nq, h, d).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each query token over its sequence's cached context.
+
+    q: [T, heads, head_dim]; the new tokens' K/V are already in the cache.
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        k, v = _gather_context(kv_layer, meta.block_tables[:nd])
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        mask = (key_pos[None, :] < meta.seq_lens[:nd, None])[:, None, :]  # [B, 1, L]
+        out[:nd] = _attend(q[:nd, None], k, v, mask, scale)[:, 0]
+    if nd < meta.num_seqs:
+        out[nd:] = _prefill_attention(q, kv_layer, meta, scale)
+    return out
+
+
+def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+    nd = meta.num_decodes
+    starts = meta.query_start_loc[nd:].long()
+    q_lens = starts[1:] - starts[:-1]
+    seq_lens = meta.seq_lens[nd:].long()
+    first = int(starts[0])
+    q_tokens = q[first:]
+    num_seqs = q_lens.shape[0]
+    # Pad the prefill queries into [B, Qmax, H, D] without a per-sequence loop.
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
+    idx_in_seq = torch.arange(q_tokens.shape[0], device=q.device) - (starts[:-1] - first)[seq_of_token]
+    padded = q.new_zeros(num_seqs, meta.max_query_len, *q.shape[1:])
+    padded[seq_of_token, idx_in_seq] = q_tokens
+
+    k, v = _gather_context(kv_layer, meta.block_tables[nd:])
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    # Query j of a sequence sits at absolute position seq_len - q_len + j.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
+    out = _attend(padded, k, v, mask, scale)
+    return out[seq_of_token, idx_in_seq]
+
+
+def gather_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pages of one layer into a contiguous [2, n, block_size, kv_heads, head_dim]."""
+    return kv_layer.index_select(1, block_ids.long())
+
+
+def scatter_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+    """Inverse of gather_blocks: write contiguous pages into the given blocks."""
+    kv_layer.index_copy_(1, block_ids.long(), pages.to(kv_layer.dtype))
+
+
+def copy_blocks(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_ids: torch.Tensor,
+                dst_ids: torch.Tensor) -> None:
+    """Page copy between two pools (same layout): dst[:, dst_ids] = src[:, src_ids]."""
+    scatter_blocks(dst_layer, dst_ids.to(dst_layer.device), gather_blocks(src_layer, src_ids).to(dst_layer.device))

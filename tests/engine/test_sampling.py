@@ -1,0 +1,101 @@
+"""Seeded sampling depends only on (seed, position): reproducible, batch-independent,
+and a request restarted from its prompt plus its first k tokens continues identically."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd import LLM, SamplingParams
+from pdd.engine.sampler import SamplingBatch, sample, uniform_noise
+from tests.engine.helpers import assert_all_blocks_free, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model))
+
+
+def sampled(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, **kw)
+
+
+def test_same_seed_same_tokens_other_seed_differs(llm):
+    prompt = random_prompts([20], seed=4)[0]
+    a = llm.generate([prompt], sampled(seed=11))[0].token_ids
+    b = llm.generate([prompt], sampled(seed=11))[0].token_ids
+    c = llm.generate([prompt], sampled(seed=12))[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_seeded_request_is_independent_of_its_batch(llm):
+    prompts = random_prompts([20, 3, 60, 8], seed=4)
+    alone = llm.generate([prompts[0]], sampled(seed=11))[0].token_ids
+    together = llm.generate(prompts, [sampled(seed=11), sampled(seed=1), sampled(), sampled(seed=2)])
+    assert together[0].token_ids == alone
+
+
+@pytest.mark.parametrize("k", [1, 5, 17])
+def test_restart_from_prompt_plus_k_tokens_continues_identically(llm, k):
+    prompt = random_prompts([25], seed=8)[0]
+    params = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, seed=1234, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(max_tokens=32, **params))[0].token_ids
+    resumed = llm.generate([prompt + full[:k]], SamplingParams(max_tokens=32 - k, **params))[0].token_ids
+    assert resumed == full[k:]
+    assert_all_blocks_free(llm)
+
+
+def test_unseeded_requests_differ(llm):
+    prompt = random_prompts([10], seed=1)[0]
+    outs = llm.generate([prompt] * 4, sampled())
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def _batch(n, **kw):
+    params = [SamplingParams(**{"temperature": 1.0, **kw}).validate() for _ in range(n)]
+    return SamplingBatch.build(params, list(range(n)), torch.device("cpu"))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits, _batch(6, top_k=1, seed=3)).tokens, greedy)
+    assert torch.equal(sample(logits, _batch(6, top_p=1e-6, seed=3)).tokens, greedy)
+    assert torch.equal(sample(logits, _batch(6, min_p=1.0, seed=3)).tokens, greedy)
+
+
+def test_sampling_follows_the_distribution():
+    # One row, many positions: empirical frequencies approach softmax(logits).
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0, seed=99).validate()] * 20000
+    batch = SamplingBatch.build(params, list(range(20000)), torch.device("cpu"))
+    counts = torch.bincount(sample(logits, batch).tokens, minlength=4).float() / 20000
+    assert torch.allclose(counts, torch.softmax(logits[0], -1), atol=0.015)
+
+
+def test_top_k_and_top_p_exclude_tail_tokens():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -5.0]]).repeat(2000, 1)
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=5).validate()] * 2000
+    tokens = sample(logits, SamplingBatch.build(params, list(range(2000)), torch.device("cpu"))).tokens
+    assert set(tokens.tolist()) == {0, 1}
+    params = [SamplingParams(temperature=1.0, top_p=0.6, seed=5).validate()] * 2000
+    tokens = sample(logits, SamplingBatch.build(params, list(range(2000)), torch.device("cpu"))).tokens
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_noise_is_uniform_and_a_pure_function():
+    seeds = torch.tensor([1, 1, 2], dtype=torch.int64)
+    pos = torch.tensor([5, 5, 5], dtype=torch.int64)
+    u = uniform_noise(seeds, pos, 100000)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01
+
+
+def test_logprobs_are_reported(llm):
+    prompt = random_prompts([9], seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for token, (lp, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and top[0][0] == token    # greedy: the sampled token is the top one
+        assert lp == pytest.approx(top[0][1]) and lp <= 0.0

@@ -1,0 +1,26 @@
+"""The `pdd` executable, run as a user runs it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def pdd(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_make_model_then_generate(tmp_path):
+    out = tmp_path / "m"
+    r = pdd("make-model", "--preset", "tiny", "--arch", "qwen2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors").is_file()
+    r = pdd("generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "5", "--ignore-eos", "-v")
+    assert r.returncode == 0, r.stderr
+    assert "5 tokens, finish_reason=length" in r.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    r = pdd("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2
+    assert "no config.json" in r.stderr and "Traceback" not in r.stderr
