@@ -61,6 +61,35 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from pdd.config import load_cluster_config
+    from pdd.serve import serve
+
+    overrides = {"worker": {"role": args.role if args.role != "router" else "colocated"}}
+    if args.worker_id:
+        overrides["worker"]["worker_id"] = args.worker_id
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        table, _, name = key.partition(".")
+        if not name or not _:
+            raise ValueError(f"--set {item!r}: expected TABLE.KEY=VALUE")
+        overrides.setdefault(table, {})[name] = value
+    cfg = load_cluster_config(args.config, overrides=overrides)
+    return serve(args.role, cfg)
+
+
+def cmd_up(args) -> int:
+    from pdd.launcher import main as up
+
+    return up(args)
+
+
+def cmd_admin(args) -> int:
+    from pdd.admin.client import main as admin
+
+    return admin(args)
+
+
 def cmd_bench(args) -> int:
     from pdd.bench import offline
 
@@ -93,6 +122,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="run one process of a cluster (what a systemd unit runs)")
+    p.add_argument("--role", required=True, choices=["router", "colocated", "prefill", "decode"])
+    p.add_argument("--config", default=None, help="TOML config (conf/*.toml); PDD_<TABLE>__<KEY> env overrides")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override one config value")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--config", default=None)
+    p.add_argument("--mode", default="colocated", choices=["colocated"])
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--run-dir", default=None, help="where logs and the generated config go")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("admin", help="operate a running cluster through the router's admin socket")
+    p.add_argument("--addr", default=None, help="admin socket (default from --config, else tcp://127.0.0.1:7101)")
+    p.add_argument("--token", default=None, help="admin token (default: --config's, or $PDD_ADMIN_TOKEN)")
+    p.add_argument("--config", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config"])
+    p.add_argument("args", nargs="*")
+    p.set_defaults(func=cmd_admin)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)

@@ -62,6 +62,105 @@ class EngineConfig:
         return self
 
 
+ROLES = ("router", "colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Control bus: the router binds, workers connect.
+    control_addr: str = "tcp://127.0.0.1:7100"
+    # Admin socket: localhost by default; every command must carry admin_token.
+    admin_addr: str = "tcp://127.0.0.1:7101"
+    admin_token: str = ""
+    # Name clients put in "model"; default: the model directory's name.
+    served_model_name: str | None = None
+    heartbeat_interval_s: float = 0.5
+    heartbeat_misses: int = 3        # missed heartbeats before a worker is dead
+    max_body_bytes: int = 4 * 2**20
+    default_max_tokens: int = 16     # /v1/completions without max_tokens, as OpenAI
+
+    def validate(self) -> "RouterConfig":
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"router.port: {self.port} is not a TCP port")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
+            raise ConfigError("router.heartbeat_interval_s must be > 0 and heartbeat_misses >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("router.max_body_bytes: must be >= 1024")
+        return self
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "colocated"
+    # Default: "<role>-<host>-<pid>".
+    worker_id: str | None = None
+    # Router's control address to connect to (default: router.control_addr).
+    router_addr: str | None = None
+
+    def validate(self) -> "WorkerConfig":
+        if self.role not in ROLES[1:]:
+            raise ConfigError(f"worker.role: must be one of {ROLES[1:]}, got {self.role!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything one config file holds; each process reads the tables it needs."""
+    engine: EngineConfig = EngineConfig()
+    router: RouterConfig = RouterConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    def served_model_name(self, model_dir) -> str:
+        """What clients put in "model": configured, else the checkpoint directory's name."""
+        if self.router.served_model_name:
+            return self.router.served_model_name
+        if self.engine.model is None:
+            return "pdd-tiny"
+        return os.path.basename(os.path.normpath(str(model_dir)))
+
+
+_TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig}
+
+
+def load_cluster_config(path: str | Path | None = None, env: dict | None = None,
+                        overrides: dict | None = None) -> ClusterConfig:
+    """conf/*.toml (optional) + PDD_* env + explicit overrides {table: {key: value}}."""
+    raw = load_toml(path) if path else {}
+    unknown = set(raw) - set(_TABLES)
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; known: {sorted(_TABLES)}")
+    parts = {}
+    for name, cls in _TABLES.items():
+        table = dict(raw.get(name) or {})
+        table.update((overrides or {}).get(name) or {})
+        parts[name] = build(cls, table, name, env)
+    return ClusterConfig(**parts)
+
+
+def dump_toml(cfg: ClusterConfig) -> str:
+    """The config as TOML (the inverse of load_cluster_config; None values omitted)."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = []
+    for name in _TABLES:
+        lines.append(f"[{name}]")
+        for f in dataclasses.fields(getattr(cfg, name)):
+            v = getattr(getattr(cfg, name), f.name)
+            if v is not None:
+                lines.append(f"{f.name} = {value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _coerce(value, hint, key: str):
     """Check/convert one TOML or env value against a dataclass field type."""
     origin = typing.get_origin(hint)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -22,6 +21,7 @@ from pdd.engine.sampling_params import InvalidRequest, SamplingParams
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
+from pdd.model.make_model import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,6 @@ class StepStats:
     num_preempted: int = 0
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    if model is None:
-        from pdd.model.make_model import ensure_builtin_model
-        return ensure_builtin_model()
-    return Path(model)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +58,7 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
         return getattr(torch, name)
     if device.type == "cpu":
         return torch.float32  # half precision on CPU is slow and loses accuracy
-    return model_cfg.dtype if model_cfg.dtype != torch.float32 else torch.bfloat16
+    return torch.bfloat16 if model_cfg.dtype == "float32" else getattr(torch, model_cfg.dtype)
 
 
 class LLMEngine:

@@ -9,6 +9,8 @@ The scheduler talks only to this class (never to `BlockPool`):
 """
 from __future__ import annotations
 
+from collections import deque
+
 from pdd.kv.block_pool import BlockPool
 from pdd.kv.hashing import ROOT_HASH, block_hashes
 
@@ -24,6 +26,9 @@ class KVCacheManager:
         # Prefix-cache hit statistics (queried tokens vs tokens found).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Hashes published since the last take_recent_hashes(): the router's
+        # picture of what each worker caches (prefix-affinity routing).
+        self._recent_hashes: deque[int] = deque(maxlen=4096)
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,6 +104,7 @@ class KVCacheManager:
         blocks = self.req_blocks[req.request_id]
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
+            self._recent_hashes.append(hashes[i])
         self._num_cached_blocks[req.request_id] = num_full
 
     def free(self, req) -> None:
@@ -108,6 +114,11 @@ class KVCacheManager:
 
     def block_ids(self, req) -> list[int]:
         return self.req_blocks.get(req.request_id, [])
+
+    def take_recent_hashes(self) -> list[int]:
+        out = list(self._recent_hashes)
+        self._recent_hashes.clear()
+        return out
 
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

@@ -10,8 +10,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 # HF `architectures` entry -> our family name. The decoder is the same for all
 # of them; the family only selects q/k/v bias and q/k RMSNorm.
 SUPPORTED_ARCHITECTURES = {
@@ -21,11 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class CheckpointError(ValueError):
@@ -60,7 +54,7 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     rope: RopeConfig = field(default_factory=RopeConfig)
-    dtype: torch.dtype = torch.float32
+    dtype: str = "float32"          # the checkpoint's dtype name (this module avoids importing torch)
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
 
@@ -151,7 +145,7 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=family == "qwen3",
             rope=_parse_rope(raw, source),
-            dtype=_DTYPES[dtype_name],
+            dtype=dtype_name,
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=int(sliding) if sliding else None,
         )

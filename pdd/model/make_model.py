@@ -14,13 +14,14 @@ import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from pdd.model.bpe import tokenizer_json, train_bpe
+
+if TYPE_CHECKING:  # torch is imported only when weights are made: the router never pays for it
+    import torch
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(
@@ -254,11 +255,15 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], mean: float, std: floa
     # Draw in float64 and round: torch's float32 normal_ uses SIMD sin/log
     # approximations whose bits differ between CPU capabilities (AVX2 vs
     # default), while the float64 path is plain scalar libm on every machine.
+    import torch
+
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     return (x * std + mean).to(torch.float32)
 
 
 def _weights(cfg: dict[str, Any], arch: str, seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return {name: _normal(gen, shape, mean, std) for name, shape, mean, std in _param_specs(cfg, arch)}
 
@@ -297,6 +302,8 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
     }
     for name, data in files.items():
         (out / name).write_bytes(data)
+    from safetensors.torch import save_file
+
     save_file(_weights(cfg, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -305,6 +312,11 @@ def default_model_dir(preset: str = "tiny", arch: str = "llama", seed: int = 0) 
     """Cache location of a built-in model: $PDD_CACHE_DIR or ~/.cache/pdd, one subdir per model."""
     root = os.environ.get("PDD_CACHE_DIR") or Path.home() / ".cache" / "pdd"
     return Path(root).expanduser() / f"{preset}-{arch}-seed{seed}-v{FORMAT_VERSION}"
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """A checkpoint directory as configured, or the built-in tiny model when none is."""
+    return ensure_builtin_model() if model is None else Path(model)
 
 
 def ensure_builtin_model(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:

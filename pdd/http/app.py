@@ -1,0 +1,222 @@
+"""The aiohttp application on the router: OpenAI-compatible endpoints, health, metrics.
+
+Handlers parse (schemas.py), tokenize, hand the request to the router core and
+turn its token events into text (TextStream: incremental detokenization and
+stop strings) and then into SSE chunks or one JSON body. Whatever way a
+handler ends — finished, stop string, client gone, error — `finally` makes
+sure the router forgets the request and the worker frees its blocks.
+"""
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from pdd.engine.sampling_params import InvalidRequest
+from pdd.engine.text_stream import TextStream
+from pdd.http import schemas as s
+from pdd.http.schemas import APIError
+from pdd.model.tokenizer import Tokenizer
+from pdd.router.requests import RequestError
+from pdd.router.router import Router, Unavailable
+
+log = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+SERVER_KEY = web.AppKey("server", object)
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> web.Response:
+    return json_response(APIError(status, message, type=type_, param=param, code=code).body(), status)
+
+
+class OpenAIServer:
+    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_max_tokens = router.cfg.router.default_max_tokens
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = s.parse_completion_request(await request.read(), [self.model_name], self.default_max_tokens)
+        ids = req.prompt_token_ids
+        if ids is None:
+            ids = self.tokenizer.encode(req.prompt)
+        else:
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
+                               param="prompt")
+        return await self._generate(request, req, ids)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = s.parse_chat_request(await request.read(), [self.model_name])
+        try:
+            ids = self.tokenizer.encode_chat(req.messages)
+        except Exception as e:  # template errors come from Jinja as any exception type
+            raise APIError(400, f"messages: cannot apply the chat template ({e})", param="messages") from None
+        return await self._generate(request, req, ids)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(self.router.started_at),
+            "owned_by": "pdd", "max_model_len": self.router.max_model_len()}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.router.ready and self.router.accepting:
+            return json_response({"status": "ok", "workers": len(self.router.registry.workers)})
+        reason = "shutting down" if not self.router.accepting else "no worker registered"
+        return json_response({"status": "unavailable", "reason": reason}, status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.router.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ------------------------------------------------------------------ generation
+
+    def _check_length(self, req: s.GenerateRequest, num_prompt: int) -> None:
+        max_len = self.router.max_model_len()
+        if max_len is None:
+            raise Unavailable("no worker is available")
+        field = "messages" if req.kind == "chat" else "prompt"
+        if num_prompt >= max_len:
+            raise APIError(400, f"{field}: the prompt has {num_prompt} tokens but this model's context is "
+                                f"{max_len} tokens; shorten the prompt", param=field,
+                           code="context_length_exceeded")
+        if req.max_tokens_unset:
+            req.sampling.max_tokens = max_len - num_prompt
+            try:
+                req.sampling.validate()
+            except InvalidRequest as e:
+                raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        elif num_prompt + req.sampling.max_tokens > max_len:
+            raise APIError(400, f"max_tokens: {num_prompt} prompt tokens + max_tokens "
+                                f"{req.sampling.max_tokens} exceed this model's context of {max_len} "
+                                "tokens; lower max_tokens or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+
+    async def _generate(self, request: web.Request, req: s.GenerateRequest, ids: list[int]):
+        self._check_length(req, len(ids))
+        state = await self.router.submit(ids, req.sampling, req.request_id)
+        try:
+            if req.stream:
+                return await self._stream(request, req, state, len(ids))
+            return await self._complete(req, state, len(ids))
+        finally:
+            await self.router.abort(state)  # no-op when it already finished
+
+    async def _tokens(self, req: s.GenerateRequest, state, text: TextStream, lp: s.LogprobsBuilder | None):
+        """(text delta, logprobs fragment, finish_reason) per token; the last one finishes."""
+        async for ev in state.stream():
+            lps = ev.logprobs or [None] * len(ev.token_ids)
+            for tok, tok_lp in zip(ev.token_ids, lps):
+                offset = len(text.text)
+                delta = text.add([tok])
+                frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
+                if text.stopped:
+                    yield delta, frag, "stop"
+                    return
+                yield delta, frag, None
+            if ev.finished:
+                yield text.finish(), None, ev.finish_reason
+                return
+
+    def _builders(self, req: s.GenerateRequest):
+        text = TextStream(self.tokenizer, req.sampling.stop)
+        lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs) if req.logprobs is not None else None
+        return text, lp
+
+    async def _complete(self, req: s.GenerateRequest, state, num_prompt: int) -> web.Response:
+        text, lp = self._builders(req)
+        finish = None
+        async for _, _, reason in self._tokens(req, state, text, lp):
+            finish = reason or finish
+        usage = s.usage(num_prompt, len(state.output_token_ids), state.num_cached_tokens)
+        build = s.chat_response if req.kind == "chat" else s.completion_response
+        return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
+
+    async def _stream(self, request: web.Request, req: s.GenerateRequest, state, num_prompt: int):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": req.request_id})
+        await resp.prepare(request)
+        chat = req.kind == "chat"
+
+        def chunk(delta: str, reason, frag=None) -> bytes:
+            if chat:
+                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag))
+            return s.sse(s.completion_chunk(req, delta, reason, frag))
+
+        if chat:
+            await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None)))
+        text, lp = self._builders(req)
+        try:
+            async for delta, frag, reason in self._tokens(req, state, text, lp):
+                if delta or frag or reason:
+                    await resp.write(chunk(delta, reason, frag))
+        except RequestError as e:
+            # Headers are gone: the error travels as an event (documented in the README).
+            await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))
+        else:
+            if req.include_usage:
+                usage = s.usage(num_prompt, len(state.output_token_ids), state.num_cached_tokens)
+                await resp.write(s.sse(s.usage_chunk(req, usage)))
+        await resp.write(s.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
+        return json_response(e.body(), e.status)
+    except Unavailable as e:
+        request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()
+        return error_response(503, str(e), "service_unavailable")
+    except RequestError as e:
+        return error_response(500, str(e), "server_error")
+    except web.HTTPRequestEntityTooLarge:
+        request.app[ROUTER_KEY].metrics.http_errors.labels("413").inc()
+        limit = request.app[ROUTER_KEY].cfg.router.max_body_bytes
+        return error_response(413, f"request body is larger than the limit of {limit} bytes",
+                              code="request_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason or "error", "invalid_request_error")
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error", "server_error")
+
+
+def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=router.cfg.router.max_body_bytes)
+    server = OpenAIServer(router, tokenizer, model_name)
+    app[ROUTER_KEY] = router
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics)
+    return app
+
+
+async def serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler at
+    # once, so its request is aborted even while it waits for a token.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,400 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions: request parsing
+and validation, and response builders. Pure functions, no I/O: the aiohttp
+handlers read the body, call `parse_*`, and serialise what the builders return.
+
+Field names and shapes follow the OpenAI API (checked in the tests against the
+official `openai` client's types). What we do not implement (n > 1, penalties,
+tools, echo, ...) is refused with a 400 naming the field, never silently ignored;
+fields we do not know at all are ignored, because OpenAI clients send extras.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.http.validate import (APIError, Fields, bad, check_response_format,
+                               json_type, load_object, reject_nonempty, reject_nonzero,
+                               reject_tool_choice, token_ids, unsupported, wrong_type)
+
+__all__ = [
+    "APIError", "GenerateRequest", "parse_completion_request", "parse_chat_request",
+    "usage", "completion_chunk", "chat_chunk", "usage_chunk", "completion_response",
+    "chat_response", "LogprobsBuilder", "sse", "SSE_DONE",
+]
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP_STRINGS = 16       # OpenAI allows 4; more costs us nothing
+MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
+MAX_LOGPROBS_CHAT = 20
+
+
+@dataclass
+class GenerateRequest:
+    kind: str                            # "completion" | "chat"
+    model: str
+    prompt: str | None                   # completions with a text prompt
+    prompt_token_ids: list[int] | None   # completions given token ids
+    messages: list[dict] | None          # chat: [{"role": str, "content": str}, ...]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool                  # stream_options.include_usage
+    logprobs: int | None                 # top-N per token (0: only the sampled one); None: off
+    echo: bool
+    request_id: str                      # "cmpl-<hex>" / "chatcmpl-<hex>"
+    created: int                         # unix seconds
+    # Chat without max_tokens means "up to the context limit", which depends on
+    # the prompt length only the router knows after templating and tokenizing:
+    # sampling.max_tokens is 0 and sampling is not validated yet; the router
+    # sets max_tokens and calls sampling.validate().
+    max_tokens_unset: bool = False
+
+
+# ---------------------------------------------------------------- requests
+
+def parse_completion_request(body: bytes, served_models: Sequence[str],
+                             max_tokens_default: int = 16) -> GenerateRequest:
+    f = Fields(load_object(body))
+    model = _model(f, served_models)
+    prompt, prompt_ids = _prompt(f)
+    if f.boolean("echo", False):
+        raise bad("echo", "echo is not supported; set 'echo' to false or leave it out")
+    best_of = f.integer("best_of")
+    if best_of is not None and best_of != 1:
+        raise unsupported("best_of", f" (only 1), got {best_of}")
+    if f.string("suffix"):   # "" is the same as no suffix
+        raise unsupported("suffix")
+    logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
+    max_tokens = f.integer("max_tokens", max_tokens_default, lo=1)
+    sampling = _sampling(f, max_tokens, logprobs)
+    stream, include_usage = _stream(f)
+    _finish(sampling, unset=False)
+    return GenerateRequest(
+        kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
+        messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
+        logprobs=logprobs, echo=False, request_id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()))
+
+
+def parse_chat_request(body: bytes, served_models: Sequence[str]) -> GenerateRequest:
+    f = Fields(load_object(body))
+    model = _model(f, served_models)
+    messages = _messages(f)
+    for name in ("tools", "functions"):
+        reject_nonempty(f, name)
+    for name in ("tool_choice", "function_call"):
+        reject_tool_choice(f, name)
+    logprobs = _chat_logprobs(f)
+    # max_completion_tokens replaced max_tokens in OpenAI's chat API; both are
+    # type-checked, and the newer one wins when both are given.
+    max_tokens = f.integer("max_tokens", lo=1)
+    max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
+    unset = max_tokens is None
+    sampling = _sampling(f, 0 if unset else max_tokens, logprobs)
+    stream, include_usage = _stream(f)
+    _finish(sampling, unset=unset)
+    return GenerateRequest(
+        kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
+        sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
+        echo=False, request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+        max_tokens_unset=unset)
+
+
+def _model(f: Fields, served: Sequence[str]) -> str:
+    model = f.string("model")
+    if model is None:
+        # OpenAI requires `model`, but like vLLM we let a server with a single
+        # model default to it: local tools (curl, simple scripts) often omit it.
+        if len(served) == 1:
+            return served[0]
+        raise bad("model", "'model' is required; served models: " + _listing(served))
+    if model not in served:
+        raise APIError(404, f"The model '{model}' does not exist; served models: {_listing(served)}",
+                       param="model", code="model_not_found")
+    return model
+
+
+def _listing(served: Sequence[str]) -> str:
+    return ", ".join(f"'{m}'" for m in served) or "(none)"
+
+
+_PROMPT_KINDS = ("a string, a list of one string, a list of token ids (integers) "
+                 "or a list of one list of token ids")
+
+
+def _prompt(f: Fields) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids), from the four prompt forms OpenAI accepts."""
+    p = f.obj.get("prompt")
+    if p is None:
+        raise bad("prompt", "'prompt' is required")
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise bad("prompt", "batched prompts are not supported; send one request per prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]    # a batch of one is just the prompt
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt", "'prompt' must not be empty")
+        return p, None
+    if not isinstance(p, list):
+        raise wrong_type("prompt", _PROMPT_KINDS, p)
+    if not p:
+        raise bad("prompt", "'prompt' must not be empty")
+    # Anything else in the list is reported by index, as a bad token id.
+    return None, token_ids("prompt", p)
+
+
+def _messages(f: Fields) -> list[dict]:
+    messages = f.array("messages")
+    if messages is None:
+        raise bad("messages", "'messages' is required")
+    if not messages:
+        raise bad("messages", "'messages' must contain at least one message")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: object, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise wrong_type(f"messages[{i}]", "an object", m)
+    mf = Fields(m, prefix=f"messages[{i}].")
+    role = mf.string("role")
+    if role is None:
+        raise bad(mf.param("role"), f"'{mf.param('role')}' is required")
+    if role not in ROLES:
+        raise bad(mf.param("role"), f"'{mf.param('role')}' must be one of "
+                                    f"{', '.join(ROLES)}; got '{role}'")
+    return {"role": role, "content": _content(mf)}
+
+
+def _content(mf: Fields) -> str:
+    param = mf.param("content")
+    content = mf.obj.get("content")
+    if content is None:
+        raise bad(param, f"'{param}' is required")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise wrong_type(param, "a string or an array of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise wrong_type(f"{param}[{j}]", "an object", part)
+        pf = Fields(part, prefix=f"{param}[{j}].")
+        kind = pf.string("type")
+        if kind != "text":
+            raise bad(pf.param("type"), f"content part type '{kind}' is not supported; "
+                                        "only 'text' parts are")
+        text = pf.string("text")
+        if text is None:
+            raise bad(pf.param("text"), f"'{pf.param('text')}' is required")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _chat_logprobs(f: Fields) -> int | None:
+    """Chat: `logprobs` is a switch and `top_logprobs` the count (0 when absent)."""
+    wanted = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS_CHAT)
+    if top is not None and not wanted:
+        raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+    return (top or 0) if wanted else None
+
+
+def _sampling(f: Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    n = f.integer("n", 1, lo=1)
+    if n > 1:
+        raise bad("n", "n > 1 is not supported; send n separate requests")
+    for name in ("presence_penalty", "frequency_penalty"):
+        reject_nonzero(f, name)
+    if f.mapping("logit_bias"):
+        raise unsupported("logit_bias")
+    check_response_format(f)
+    f.string("user")    # accepted and ignored, but a wrong type is still an error
+    top_k = f.integer("top_k", 0)
+    if top_k < -1:
+        raise bad("top_k", f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}")
+    stop_ids = f.array("stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=f.number("temperature", 1.0, lo=0, hi=2),
+        top_k=top_k,
+        top_p=f.number("top_p", 1.0, lo=0, hi=1, lo_exclusive=True),
+        min_p=f.number("min_p", 0.0, lo=0, hi=1),
+        seed=f.integer("seed"),
+        stop_token_ids=token_ids("stop_token_ids", stop_ids) if stop_ids else [],
+        stop=_stop(f),
+        ignore_eos=f.boolean("ignore_eos", False),
+        min_tokens=f.integer("min_tokens", 0, lo=0),
+        logprobs=logprobs,
+    )
+
+
+def _stop(f: Fields) -> list[str]:
+    stop = f.obj.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise wrong_type("stop", "a string or an array of strings", stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise bad("stop", f"'stop' must contain only strings, got {json_type(s)} at index {i}")
+        if not s:
+            raise bad("stop", "'stop' strings must not be empty")
+    return list(stop)
+
+
+def _stream(f: Fields) -> tuple[bool, bool]:
+    stream = f.boolean("stream", False)
+    options = f.mapping("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:   # as OpenAI: options without a stream are a client bug
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    return stream, Fields(options, prefix="stream_options.").boolean("include_usage", False)
+
+
+def _finish(sampling: SamplingParams, *, unset: bool) -> None:
+    """The engine's own checks (cross-field ones such as min_tokens <= max_tokens)."""
+    if unset:
+        return
+    try:
+        sampling.validate()
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+
+
+# ---------------------------------------------------------------- responses
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def _envelope(req: GenerateRequest, obj: str, choices: list[dict]) -> dict:
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": choices}
+
+
+def _stream_envelope(req: GenerateRequest, choice: dict) -> dict:
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    out = _envelope(req, obj, [choice])
+    if req.include_usage:
+        # OpenAI: with include_usage every chunk carries "usage": null except the last.
+        out["usage"] = None
+    return out
+
+
+def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return _stream_envelope(req, {"index": 0, "text": text, "logprobs": logprobs,
+                                  "finish_reason": finish_reason})
+
+
+def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    return _stream_envelope(req, {"index": 0, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason})
+
+
+def usage_chunk(req: GenerateRequest, usage: dict) -> dict:
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    return {**_envelope(req, obj, []), "usage": usage}
+
+
+def completion_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
+                        logprobs: dict | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**_envelope(req, "text_completion", [choice]), "usage": usage}
+
+
+def chat_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
+                  logprobs: dict | None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**_envelope(req, "chat.completion", [choice]), "usage": usage}
+
+
+class LogprobsBuilder:
+    """Accumulates per-token logprobs into the OpenAI shape for the request kind.
+
+    completions: {"tokens", "token_logprobs", "top_logprobs": [{token: lp}], "text_offset"};
+      as OpenAI, a top dict also holds the sampled token, so it has up to num_top + 1 entries.
+    chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
+    """
+
+    def __init__(self, kind: str, tokenizer, num_top: int):
+        if kind not in ("completion", "chat"):
+            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
+        self.kind = kind
+        self.tokenizer = tokenizer
+        self.num_top = num_top
+        self._acc = self._empty()
+
+    def _empty(self) -> dict:
+        if self.kind == "chat":
+            return {"content": []}
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _token(self, token_id: int) -> str:
+        # Special tokens too: the sampled token is reported whether or not it is shown.
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def add(self, token_id: int, logprob: float, top: list[tuple[int, float]],
+            text_offset: int) -> dict:
+        """The fragment for one token (for a stream chunk); it is also accumulated."""
+        top = top[:self.num_top]
+        if self.kind == "chat":
+            frag = {"content": [self._chat_entry(token_id, logprob, top)]}
+        else:
+            frag = self._completion_entry(token_id, logprob, top, text_offset)
+        for key, values in frag.items():
+            self._acc[key].extend(values)
+        return frag
+
+    def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        def one(tid: int, lp: float) -> dict:
+            tok = self._token(tid)
+            return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode("utf-8"))}
+        return {**one(token_id, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
+    def _completion_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]],
+                          text_offset: int) -> dict:
+        tok = self._token(token_id)
+        top_dict: dict[str, float] = {}
+        for t, lp in top:
+            # Distinct ids can decode to the same string; keep the likelier (first).
+            top_dict.setdefault(self._token(t), _finite(lp))
+        top_dict.setdefault(tok, _finite(logprob))
+        return {"tokens": [tok], "token_logprobs": [_finite(logprob)],
+                "top_logprobs": [top_dict], "text_offset": [text_offset]}
+
+    def result(self) -> dict:
+        """The whole response's logprobs (a copy: later adds do not change it)."""
+        return {key: list(values) for key, values in self._acc.items()}
+
+
+def _finite(lp: float) -> float:
+    # JSON has no -inf (orjson writes null, which clients reject as a float);
+    # vLLM clamps the same way.
+    lp = float(lp)
+    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
+
+
+# ---------------------------------------------------------------- server-sent events
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

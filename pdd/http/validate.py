@@ -1,0 +1,200 @@
+"""Typed, field-by-field access to an OpenAI request body.
+
+Every accessor raises `APIError` (400) whose message says what to fix and whose
+`param` names the field, the way OpenAI's own errors do, so a client sees
+"'temperature' must be a number, got string" instead of a stack trace.
+A JSON null counts as "absent" everywhere: OpenAI clients send explicit nulls
+for optional fields they do not set.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error: status code + {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):   # before int: bool is an int subclass
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def wrong_type(param: str, kind: str, value: Any) -> APIError:
+    return bad(param, f"'{param}' must be {kind}, got {json_type(value)}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return is_int(value) or isinstance(value, float)
+
+
+def load_object(body: bytes) -> dict:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got JSON {json_type(obj)}")
+    return obj
+
+
+class Fields:
+    """Typed getters over a request body (or a nested object of it, whose
+    fields are then named `prefix + name` in errors, e.g. "messages[2].role").
+    Each returns `default` when the field is missing or null, else the checked value."""
+
+    def __init__(self, obj: Mapping[str, Any], prefix: str = ""):
+        self.obj = obj
+        self.prefix = prefix
+
+    def param(self, name: str) -> str:
+        return self.prefix + name
+
+    def present(self, name: str) -> bool:
+        return self.obj.get(name) is not None
+
+    def integer(self, name: str, default: int | None = None, *, lo: int | None = None,
+                hi: int | None = None) -> int | None:
+        value = self.obj.get(name)
+        if value is None:
+            return default
+        if not is_int(value):
+            raise wrong_type(self.param(name), "an integer", value)
+        _check_range(self.param(name), value, lo, hi)
+        return value
+
+    def number(self, name: str, default: float | None = None, *, lo: float | None = None,
+               hi: float | None = None, lo_exclusive: bool = False) -> float | None:
+        value = self.obj.get(name)
+        if value is None:
+            return default
+        param = self.param(name)
+        if not is_number(value):
+            raise wrong_type(param, "a number", value)
+        if lo_exclusive and lo is not None and value <= lo:
+            raise bad(param, f"'{param}' must be > {lo} and <= {hi}, got {value}")
+        _check_range(param, value, lo, hi)
+        return float(value)
+
+    def boolean(self, name: str, default: bool | None = None) -> bool | None:
+        value = self.obj.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise wrong_type(self.param(name), "a boolean", value)
+        return value
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value = self.obj.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise wrong_type(self.param(name), "a string", value)
+        return value
+
+    def mapping(self, name: str) -> dict | None:
+        value = self.obj.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise wrong_type(self.param(name), "an object", value)
+        return value
+
+    def array(self, name: str) -> list | None:
+        value = self.obj.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise wrong_type(self.param(name), "an array", value)
+        return value
+
+
+def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise bad(name, f"'{name}' must be between {lo} and {hi}, got {value}")
+    if lo is not None and value < lo:
+        raise bad(name, f"'{name}' must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(name, f"'{name}' must be <= {hi}, got {value}")
+
+
+def token_ids(param: str, value: list) -> list[int]:
+    """A list of token ids: non-negative JSON integers (true/false are not ids)."""
+    for i, t in enumerate(value):
+        if not is_int(t) or t < 0:
+            shown = t if is_int(t) else json_type(t)
+            raise bad(param, f"'{param}' must contain only non-negative integer token ids, "
+                             f"got {shown} at index {i}")
+    return value
+
+
+# ---- OpenAI features we do not implement: refuse loudly rather than ignore ----
+
+def unsupported(name: str, why: str = "") -> APIError:
+    return bad(name, f"'{name}' is not supported{why}")
+
+
+def reject_nonzero(f: Fields, name: str) -> None:
+    if f.number(name, 0.0) != 0.0:
+        raise unsupported(name, " (only 0 is accepted)")
+
+
+def reject_nonempty(f: Fields, name: str) -> None:
+    value = f.obj.get(name)
+    if value:   # None, {}, [] and "" all mean "not used"
+        raise unsupported(name)
+
+
+def reject_tool_choice(f: Fields, name: str) -> None:
+    """`tool_choice`/`function_call`: with no tools, "none" and "auto" both mean
+    plain text (what we produce), so clients that always send them still work;
+    "required" or a named tool would need tool calling."""
+    value = f.obj.get(name)
+    if value is None or value in ("none", "auto"):
+        return
+    raise unsupported(name, f" (only \"none\" or \"auto\" without tools), got {orjson.dumps(value).decode()}")
+
+
+def check_response_format(f: Fields) -> None:
+    fmt = f.mapping("response_format")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad("response_format", f"'response_format' type {fmt.get('type')!r} is not supported; "
+                                     "only {\"type\": \"text\"}")

@@ -1,0 +1,175 @@
+"""`pdd up`: a whole local cluster from one command.
+
+Starts the router and the workers as child processes (the same `pdd serve`
+a systemd unit runs), waits until the router reports every worker ready,
+prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
+(finishes what is in flight, refuses new requests), then the workers stop.
+If any child dies on its own, the whole cluster is stopped and `up` fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdd.config import ClusterConfig, dump_toml, load_cluster_config
+
+STOP_TIMEOUT_S = 40.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig, workers: list[tuple[str, str, str | None]], run_dir: Path):
+        """workers: (role, worker_id, device or None)."""
+        self.cfg = cfg
+        self.workers = workers
+        self.run_dir = run_dir
+        self.children: list[Child] = []
+        self.config_path = run_dir / "cluster.toml"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
+        log = open(self.run_dir / f"{name}.log", "ab")
+        cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
+               "serve", "--config", str(self.config_path), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        self.children.append(Child(name, proc))
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(dump_toml(self.cfg))
+        self._spawn("router", ["--role", "router"])
+        for role, wid, device in self.workers:
+            env = {"PDD_ENGINE__DEVICE": device} if device else None
+            self._spawn(wid, ["--role", role, "--worker-id", wid], env)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        want = len(self.workers)
+        while time.monotonic() < deadline:
+            dead = self.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up; "
+                                   f"see {self.run_dir / (dead.name + '.log')}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if json.loads(r.read()).get("workers", 0) >= want:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.run_dir}")
+
+    def stop(self) -> None:
+        """Router first (drains in-flight requests), then the workers."""
+        router = [c for c in self.children if c.name == "router"]
+        rest = [c for c in self.children if c.name != "router"]
+        for group in (router, rest):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+
+
+def build_cluster(args) -> Cluster:
+    overrides: dict = {"engine": {}, "router": {}}
+    if args.model:
+        overrides["engine"]["model"] = args.model
+    overrides["router"]["port"] = args.port
+    base = load_cluster_config(args.config) if args.config else load_cluster_config()
+    # Fresh loopback ports for the control and admin sockets unless the config
+    # names them, so two clusters (or a test run) on one host never collide.
+    if not args.config:
+        overrides["router"]["control_addr"] = f"tcp://127.0.0.1:{free_port()}"
+        overrides["router"]["admin_addr"] = f"tcp://127.0.0.1:{free_port()}"
+    if not base.router.admin_token:
+        overrides["router"]["admin_token"] = secrets.token_hex(16)
+    cfg = load_cluster_config(args.config, overrides=overrides)
+    workers = _plan_workers(args, cfg)
+    run_dir = Path(args.run_dir or Path.home() / ".cache" / "pdd" / "run" / f"up-{cfg.router.port}")
+    return Cluster(cfg, workers, run_dir)
+
+
+def _plan_workers(args, cfg: ClusterConfig) -> list[tuple[str, str, str | None]]:
+    devices = _devices(cfg)
+    roles = ["colocated"] * args.workers
+    plan = []
+    for i, role in enumerate(roles):
+        device = devices[i % len(devices)] if devices else None
+        plan.append((role, f"{role}-{i}", device))
+    return plan
+
+
+def _devices(cfg: ClusterConfig) -> list[str]:
+    """One GPU per worker when there are GPUs and the config does not pin a device."""
+    if cfg.engine.device not in ("auto", "cuda"):
+        return []
+    try:
+        import torch
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def main(args) -> int:
+    cluster = build_cluster(args)
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster.start()
+    try:
+        cluster.wait_ready(args.ready_timeout)
+    except RuntimeError as e:
+        print(f"pdd up: {e}", file=sys.stderr)
+        cluster.stop()
+        return 1
+    print(f"pdd up: ready at {cluster.url}/v1  ({len(cluster.workers)} worker(s), logs in {cluster.run_dir})")
+    print(f"pdd up: admin: pdd admin --config {cluster.config_path} status", flush=True)
+    code = 0
+    while stop["signal"] is None:
+        dead = cluster.dead_child()
+        if dead is not None:
+            print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster",
+                  file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.2)
+    print("pdd up: stopping (router drains first)", flush=True)
+    cluster.stop()
+    return code

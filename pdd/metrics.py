@@ -1,0 +1,100 @@
+"""Prometheus metrics of the router (its own, plus what workers report).
+
+Latencies the router sees itself (TTFT, ITL, TPOT, E2E) are observed as they
+happen. Worker samples (step latency, chunk sizes) arrive in heartbeats and are
+observed on receipt. Worker state (free pages, hit rate, preemptions) is read
+from the registry at scrape time by a collector, so it is never stale after a
+worker leaves.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class RouterMetrics:
+    def __init__(self, registry_view=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdd_time_to_first_token_seconds", "Arrival to first token, at the router",
+                              ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdd_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdd_time_per_output_token_seconds", "(E2E - TTFT) / (tokens - 1) per request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdd_e2e_request_latency_seconds", "Arrival to last token",
+                             ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pdd_requests", "Finished requests", ["mode", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("pdd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("pdd_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.cached_tokens = Counter("pdd_prompt_cached_tokens", "Prompt tokens served from prefix caches",
+                                     registry=r)
+        self.migrations = Counter("pdd_request_migrations", "Requests re-admitted after a worker loss",
+                                  registry=r)
+        self.http_errors = Counter("pdd_http_errors", "Error responses", ["status"], registry=r)
+        self.inflight = Gauge("pdd_requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.step_latency = Histogram("scheduler_iteration_latency_seconds", "Engine step latency",
+                                      ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_chunk = Histogram("prefill_chunk_size_tokens", "Prefill chunk sizes scheduled",
+                                       ["worker"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.decode_batch = Histogram("decode_batch_size_requests", "Decodes per engine step",
+                                      ["worker"], buckets=_BATCH_BUCKETS, registry=r)
+        if registry_view is not None:
+            r.register(_WorkerCollector(registry_view))
+
+    def observe_heartbeat(self, hb) -> None:
+        w = hb.worker_id
+        for x in hb.step_latencies:
+            self.step_latency.labels(w).observe(x)
+        for x in hb.prefill_chunks:
+            self.prefill_chunk.labels(w).observe(x)
+        for x in hb.decode_batches:
+            self.decode_batch.labels(w).observe(x)
+
+    def observe_finished(self, state) -> None:
+        self.requests.labels(state.mode, state.finish_reason or "unknown").inc()
+        n = len(state.output_token_ids)
+        if state.first_token_at is not None and state.last_token_at is not None:
+            self.e2e.labels(state.mode).observe(state.last_token_at - state.arrival)
+            if n > 1:
+                self.tpot.observe((state.last_token_at - state.first_token_at) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Worker state read from the registry at scrape time."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        free = GaugeMetricFamily("kv_cache_page_free_pages", "Free KV pages per worker", labels=["worker"])
+        total = GaugeMetricFamily("kv_cache_page_total_pages", "KV pages per worker", labels=["worker"])
+        hit = GaugeMetricFamily("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / queried",
+                                labels=["worker"])
+        running = GaugeMetricFamily("pdd_worker_running_requests", "Running requests", labels=["worker"])
+        waiting = GaugeMetricFamily("pdd_worker_waiting_requests", "Queued requests", labels=["worker"])
+        recompute = CounterMetricFamily("chunked_prefill_recompute_count",
+                                        "Requests preempted and recomputed", labels=["worker"])
+        workers = GaugeMetricFamily("pdd_workers", "Registered workers", labels=["role", "accepting"])
+        counts: dict[tuple[str, str], int] = {}
+        for w in list(self.registry.workers.values()):
+            counts[(w.role, str(w.accepting).lower())] = counts.get((w.role, str(w.accepting).lower()), 0) + 1
+            if w.load is None:
+                continue
+            free.add_metric([w.worker_id], w.load.free_blocks)
+            total.add_metric([w.worker_id], w.load.total_blocks)
+            hit.add_metric([w.worker_id], w.load.prefix_hit_rate)
+            running.add_metric([w.worker_id], w.load.running)
+            waiting.add_metric([w.worker_id], w.load.waiting)
+            recompute.add_metric([w.worker_id], w.load.num_preemptions)
+        for (role, accepting), n in counts.items():
+            workers.add_metric([role, accepting], n)
+        yield from (free, total, hit, running, waiting, recompute, workers)

@@ -1,0 +1,142 @@
+"""Control-plane messages between router and workers.
+
+Each message is a dataclass with a `TYPE` tag. On the wire it is a msgpack map
+{"t": TYPE, "v": PROTOCOL_VERSION, <fields>} (see codec.py). Field types are
+checked on receipt, so a malformed message is refused at the socket, with an
+error naming the field, before any handler sees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+# ---------------------------------------------------------------- worker -> router
+
+@dataclass
+class Register(Message):
+    """A worker announces itself. `layout` is the KV layout descriptor
+    (pdd.kv.layout.KVLayout as a dict): workers whose KV cannot be exchanged
+    must disagree on it."""
+    TYPE: ClassVar[str] = "register"
+    worker_id: str
+    role: str
+    host: str
+    pid: int
+    device: str
+    layout: dict
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    data_addr: str = ""
+    transfer_backends: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    worker_id: str
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    prefix_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    # Samples since the previous heartbeat, observed into the router's histograms.
+    step_latencies: list[float] = field(default_factory=list)
+    prefill_chunks: list[int] = field(default_factory=list)
+    decode_batches: list[int] = field(default_factory=list)
+    # Recently computed block hashes (newest last): prefix-affinity routing.
+    recent_hashes: list[int] = field(default_factory=list)
+    transfer: dict = field(default_factory=dict)
+    # A draining worker finishes what it runs but must be sent nothing new.
+    draining: bool = False
+
+
+@dataclass
+class TokenBatch(Message):
+    """Every token one engine step produced: one message per step, not per token.
+    Each item: [request_id, token_ids, finished, finish_reason, logprobs, num_cached_tokens]."""
+    TYPE: ClassVar[str] = "tokens"
+    worker_id: str
+    items: list[list]
+
+
+@dataclass
+class RequestFailed(Message):
+    TYPE: ClassVar[str] = "request_failed"
+    worker_id: str
+    request_id: str
+    error: str
+    # True when another worker could still serve it (e.g. this one is out of
+    # capacity); False for a request that is itself invalid.
+    retriable: bool = False
+
+
+@dataclass
+class Goodbye(Message):
+    """A worker stopping cleanly (drained); the router forgets it at once."""
+    TYPE: ClassVar[str] = "goodbye"
+    worker_id: str
+
+
+# ---------------------------------------------------------------- router -> worker
+
+@dataclass
+class RegisterReply(Message):
+    TYPE: ClassVar[str] = "register_reply"
+    ok: bool
+    error: str = ""
+    heartbeat_interval_s: float = 0.5
+
+
+@dataclass
+class ReRegister(Message):
+    """The router does not know this worker (it restarted): register again."""
+    TYPE: ClassVar[str] = "reregister"
+
+
+@dataclass
+class Admit(Message):
+    """Run a request here, prefill and decode (colocated path)."""
+    TYPE: ClassVar[str] = "admit"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    # Tokens already streamed to the client before this worker took over (they
+    # are the tail of prompt_token_ids); they count towards max_tokens.
+    num_prior_output_tokens: int = 0
+
+
+@dataclass
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+    drain: bool = True
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in Message.__subclasses__()
+}
+
+
+def register_message(cls: type[Message]) -> type[Message]:
+    """For message families defined elsewhere (disaggregation adds its own)."""
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+def as_dict(msg: Message) -> dict[str, Any]:
+    return dict(msg.__dict__)

@@ -1,0 +1,141 @@
+"""The router's view of its workers: registration, load from heartbeats, liveness, drain.
+
+The first worker to register fixes the cluster's KV layout; a later worker
+whose layout differs is refused with the name of the field (a worker of
+another model or dtype must never be paired with these).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdd.kv.layout import KVLayout
+from pdd.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+_MAX_TRACKED_HASHES = 200_000  # per worker, for prefix affinity
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    host: str
+    pid: int
+    device: str
+    layout: KVLayout
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    data_addr: str = ""
+    transfer_backends: list[str] = field(default_factory=list)
+    registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    load: m.Heartbeat | None = None
+    draining: bool = False          # set by the admin (drain) ...
+    self_draining: bool = False     # ... or by the worker itself (SIGTERM)
+    # Requests the router sent here and that have not finished (its own count,
+    # fresher than the last heartbeat).
+    inflight: int = 0
+    cached_hashes: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def accepting(self) -> bool:
+        return not (self.draining or self.self_draining)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.load.free_blocks if self.load else self.num_blocks
+
+    def note_hashes(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.cached_hashes[h] = None
+            self.cached_hashes.move_to_end(h)
+        while len(self.cached_hashes) > _MAX_TRACKED_HASHES:
+            self.cached_hashes.popitem(last=False)
+
+    def prefix_match(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt this worker (probably) caches."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached_hashes:
+                break
+            n += 1
+        return n
+
+    def summary(self) -> dict:
+        load = self.load
+        return {
+            "worker_id": self.worker_id, "role": self.role, "host": self.host, "pid": self.pid,
+            "device": self.device, "accepting": self.accepting, "draining": self.draining or self.self_draining,
+            "inflight": self.inflight, "num_blocks": self.num_blocks,
+            "running": load.running if load else 0, "waiting": load.waiting if load else 0,
+            "free_blocks": self.free_blocks,
+            "prefix_hit_rate": load.prefix_hit_rate if load else 0.0,
+            "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_interval_s: float, heartbeat_misses: int):
+        self.workers: dict[str, WorkerInfo] = {}
+        self.layout: KVLayout | None = None
+        self.timeout_s = heartbeat_interval_s * heartbeat_misses
+
+    def register(self, msg: m.Register) -> str | None:
+        """Add or refresh a worker. Returns an error message if refused."""
+        try:
+            layout = KVLayout.from_dict(msg.layout)
+        except (TypeError, ValueError) as e:
+            return f"bad KV layout descriptor: {e}"
+        if self.layout is not None:
+            mismatch = self.layout.mismatch(layout)
+            if mismatch:
+                return f"{mismatch} (cluster vs worker {msg.worker_id})"
+        else:
+            self.layout = layout
+        old = self.workers.get(msg.worker_id)
+        info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
+                          msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends))
+        if old is not None and old.pid == msg.pid:
+            # A repeated registration of the same process keeps its state.
+            info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes
+            info.load = old.load
+        self.workers[msg.worker_id] = info
+        return None
+
+    def heartbeat(self, msg: m.Heartbeat) -> bool:
+        """False if the worker is unknown (it must re-register)."""
+        info = self.workers.get(msg.worker_id)
+        if info is None:
+            return False
+        info.last_seen = time.monotonic()
+        info.load = msg
+        info.self_draining = msg.draining
+        info.note_hashes(msg.recent_hashes)
+        return True
+
+    def touch(self, worker_id: str) -> None:
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.last_seen = time.monotonic()
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        info = self.workers.pop(worker_id, None)
+        if not self.workers:
+            self.layout = None  # an empty cluster may be re-formed with another model
+        return info
+
+    def expired(self) -> list[str]:
+        now = time.monotonic()
+        return [w.worker_id for w in self.workers.values() if now - w.last_seen > self.timeout_s]
+
+    def candidates(self, roles: tuple[str, ...]) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.role in roles and w.accepting]
+
+    def max_model_len(self) -> int | None:
+        lens = [w.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else None

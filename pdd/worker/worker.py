@@ -1,0 +1,190 @@
+"""A worker process: one engine, connected to the router over the control bus.
+
+Two activities share one asyncio loop without stalling each other: the
+control I/O (receive, heartbeat) runs on the loop, and each engine step runs
+in a dedicated thread (torch releases the GIL while it computes). Commands
+that arrive during a step are queued and applied between steps, so the engine
+is only ever touched by one thing at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq.asyncio
+
+from pdd.config import ClusterConfig
+from pdd.engine.engine import LLMEngine
+from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.kv.layout import KVLayout
+from pdd.model.loader import weights_fingerprint
+from pdd.protocol import messages as m
+from pdd.protocol.bus import DealerChannel
+from pdd.worker.stats import StepStatsBuffer
+
+log = logging.getLogger(__name__)
+
+EXIT_REFUSED = 78  # EX_CONFIG: systemd units do not restart a worker the router refused
+
+
+class Worker:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.role = cfg.worker.role
+        self.worker_id = cfg.worker.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.router_addr = cfg.worker.router_addr or cfg.router.control_addr
+        self.engine: LLMEngine | None = None
+        self.pending: list[m.Message] = []
+        self.wake = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.draining = False
+        self.registered = asyncio.Event()
+        self.heartbeat_interval = cfg.router.heartbeat_interval_s
+        self.stats = StepStatsBuffer()
+        # One thread: engine steps never overlap.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.exit_code = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.begin_drain)
+        self.engine = await loop.run_in_executor(self.executor, LLMEngine, self.cfg.engine)
+        ctx = zmq.asyncio.Context()
+        self.chan = DealerChannel(ctx, self.router_addr, self.worker_id)
+        tasks = [asyncio.create_task(t) for t in
+                 (self._recv_loop(), self._engine_loop(), self._heartbeat_loop(), self._register_loop())]
+        log.info("worker %s (%s) on %s, router %s", self.worker_id, self.role, self.engine.device,
+                 self.router_addr)
+        await self.stopping.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.exit_code == 0:
+            await self.chan.send(m.Goodbye(self.worker_id))
+            await asyncio.sleep(0.05)  # let zmq flush the goodbye
+        self.chan.close()
+        ctx.term()
+        self.executor.shutdown(wait=True)
+        return self.exit_code
+
+    def begin_drain(self) -> None:
+        """SIGTERM: take no new requests, finish the running ones, then stop."""
+        if not self.draining:
+            log.info("worker %s draining", self.worker_id)
+            self.draining = True
+            self.wake.set()
+
+    def register_message(self) -> m.Register:
+        e = self.engine
+        layout = KVLayout(
+            model_id=self.cfg.served_model_name(e.model_dir),
+            weights_hash=weights_fingerprint(e.model_dir, e.cfg.load_format),
+            dtype=str(e.dtype).removeprefix("torch."), block_size=e.cfg.block_size,
+            num_layers=e.model_config.num_layers, num_kv_heads=e.model_config.num_kv_heads,
+            head_dim=e.model_config.head_dim)
+        return m.Register(
+            worker_id=self.worker_id, role=self.role, host=socket.gethostname(), pid=os.getpid(),
+            device=str(e.device), layout=layout.to_dict(), num_blocks=e.kv.pool.num_usable_blocks,
+            max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len)
+
+    async def _register_loop(self) -> None:
+        """(Re-)register until the router answers; the router may start after us."""
+        while True:
+            if not self.registered.is_set():
+                await self.chan.send(self.register_message())
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ control
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.chan.recv()
+            if isinstance(msg, m.RegisterReply):
+                self._on_register_reply(msg)
+            elif isinstance(msg, m.ReRegister):
+                self.registered.clear()
+                await self.chan.send(self.register_message())
+            elif isinstance(msg, m.Shutdown):
+                self.begin_drain() if msg.drain else self.stopping.set()
+            elif isinstance(msg, (m.Admit, m.Abort)):
+                self.pending.append(msg)
+                self.wake.set()
+            else:
+                log.warning("worker: ignoring unexpected %s message", msg.TYPE)
+
+    def _on_register_reply(self, msg: m.RegisterReply) -> None:
+        if msg.ok:
+            if not self.registered.is_set():
+                log.info("worker %s registered", self.worker_id)
+            self.heartbeat_interval = msg.heartbeat_interval_s
+            self.registered.set()
+        else:
+            log.error("router refused worker %s: %s", self.worker_id, msg.error)
+            self.exit_code = EXIT_REFUSED
+            self.stopping.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.registered.is_set():
+                await self.chan.send(self.heartbeat())
+
+    def heartbeat(self) -> m.Heartbeat:
+        e = self.engine
+        samples = self.stats.drain()
+        return m.Heartbeat(
+            worker_id=self.worker_id, running=len(e.scheduler.running), waiting=e.scheduler.num_waiting(),
+            free_blocks=e.kv.num_free_blocks, total_blocks=e.kv.pool.num_usable_blocks,
+            prefix_hit_rate=e.kv.hit_rate(), num_preemptions=e.scheduler.num_preemptions,
+            step_latencies=samples.step_latencies, prefill_chunks=samples.prefill_chunks,
+            decode_batches=samples.decode_batches, recent_hashes=e.kv.take_recent_hashes(),
+            draining=self.draining)
+
+    # ------------------------------------------------------------------ engine
+
+    def _apply_pending(self) -> list[m.Message]:
+        """Apply queued commands to the engine; returns replies to send."""
+        replies = []
+        pending, self.pending = self.pending, []
+        for msg in pending:
+            if isinstance(msg, m.Abort):
+                for rid in msg.request_ids:
+                    self.engine.abort_request(rid)
+            elif isinstance(msg, m.Admit):
+                replies.extend(self._admit(msg))
+        return replies
+
+    def _admit(self, msg: m.Admit) -> list[m.Message]:
+        try:
+            sampling = SamplingParams(**msg.sampling)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, sampling,
+                                    num_prior_output_tokens=msg.num_prior_output_tokens)
+        except (InvalidRequest, TypeError, ValueError) as e:
+            return [m.RequestFailed(self.worker_id, msg.request_id, f"{e}", retriable=False)]
+        return []
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for reply in self._apply_pending():
+                await self.chan.send(reply)
+            if not self.engine.has_unfinished():
+                if self.draining:
+                    self.stopping.set()
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            outputs = await loop.run_in_executor(self.executor, self.engine.step)
+            self.stats.record(self.engine.last_step)
+            if outputs:
+                items = [[o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs or None,
+                          o.num_cached_tokens] for o in outputs]
+                await self.chan.send(m.TokenBatch(self.worker_id, items))

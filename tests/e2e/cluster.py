@@ -1,0 +1,82 @@
+"""A real local cluster for tests: `pdd up` in a subprocess, on loopback ports."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pdd.admin.client import call
+from pdd.config import load_cluster_config
+from pdd.launcher import free_port
+
+
+class UpCluster:
+    def __init__(self, run_dir: Path, model: Path, *args: str, start_timeout_s: float = 180.0):
+        self.run_dir = run_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "pdd.cli", "up", "--model", str(model), "--port", str(self.port),
+                    "--run-dir", str(run_dir), *args]
+        self.start_timeout_s = start_timeout_s
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.model_name = model.name
+
+    def start(self) -> "UpCluster":
+        env = {**os.environ, "PDD_LOG_LEVEL": "INFO"}
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout_s
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            seen.append(line)
+            if "ready at" in line:
+                self.cfg = load_cluster_config(self.run_dir / "cluster.toml")
+                return self
+        self.stop()
+        raise RuntimeError(f"cluster did not start: {''.join(seen)}\n{self.logs()}")
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.run_dir.glob("*.log")))
+
+    def admin(self, cmd: str, *args):
+        return call(self.cfg.router.admin_addr, self.cfg.router.admin_token, cmd, *args)
+
+    def workers(self) -> dict[str, dict]:
+        return {w["worker_id"]: w for w in self.admin("workers")}
+
+    def wait_idle(self, timeout_s: float = 2.0) -> dict[str, dict]:
+        """Until no request is in flight and every worker reports all blocks free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.workers()
+            idle = not self.admin("requests") and all(
+                w["running"] == 0 and w["waiting"] == 0 and w["free_blocks"] == w["num_blocks"]
+                for w in workers.values())
+            if idle or time.monotonic() > deadline:
+                return workers
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import pytest
+
+from pdd import LLM
+from tests.e2e.cluster import UpCluster
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model):
+    """The in-process engine on the same model: what the cluster must reproduce."""
+    return LLM(str(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    c = UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--workers", "2").start()
+    yield c
+    assert c.stop() == 0, c.logs()

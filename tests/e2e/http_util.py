@@ -1,0 +1,33 @@
+"""Plain urllib HTTP for tests that need exact status codes and raw bodies."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def _send(req: urllib.request.Request) -> Reply:
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return Reply(r.status, r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read())
+
+
+def post(url: str, body) -> Reply:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return _send(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}))
+
+
+def get(url: str) -> Reply:
+    return _send(urllib.request.Request(url))

@@ -1,0 +1,239 @@
+"""The serving stack end to end: `pdd up` (router + 2 colocated workers as real
+processes, ZeroMQ and HTTP on loopback) driven by the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import msgpack
+import openai
+import pytest
+import zmq
+
+from pdd import SamplingParams
+from tests.engine.helpers import random_prompts
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "café naïve 日本語", "def f(x):\n    return"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completions_match_offline_engine(cluster, offline, prompt):
+    expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    c = client(cluster)
+    r = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == expected.finish_reason
+    assert r.usage.completion_tokens == len(expected.token_ids)
+    stream = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=24, temperature=0,
+                                  stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == expected.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    # One token per chunk: never more chunks carrying text than tokens generated.
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) <= len(expected.token_ids)
+
+
+def test_chat_applies_the_template(cluster, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    expected = offline.chat(messages, SamplingParams(max_tokens=20, temperature=0.0))
+    c = client(cluster)
+    r = c.chat.completions.create(model=cluster.model_name, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(offline.tokenizer.encode_chat(messages))
+    chunks = list(c.chat.completions.create(model=cluster.model_name, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected.text
+
+
+def test_seeded_sampling_and_logprobs_over_http(cluster, offline):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    expected = offline.generate(["Once upon a time"], sp)[0]
+    c = client(cluster)
+    r = c.completions.create(model=cluster.model_name, prompt="Once upon a time", max_tokens=12,
+                             temperature=0.9, top_p=0.9, seed=7, extra_body={"ignore_eos": True}, logprobs=2)
+    assert r.choices[0].text == expected.text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 12 and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_stop_string_ends_the_stream_without_the_stop_text(cluster, offline):
+    full = offline.generate(["The quick brown fox jumps over"], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop = full.text[5:8]
+    assert stop
+    c = client(cluster)
+    r = c.completions.create(model=cluster.model_name, prompt="The quick brown fox jumps over", max_tokens=24,
+                             temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full.text[:full.text.index(stop)]
+    cluster.wait_idle()
+
+
+def test_200_concurrent_streams(cluster, offline):
+    rng = random.Random(0)
+    prompts = random_prompts([rng.randint(1, 60) for _ in range(200)], seed=11)
+    max_tokens = [rng.randint(1, 24) for _ in range(200)]
+    expected = offline.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                          for n in max_tokens])
+
+    async def one(session, prompt, n):
+        body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text, reasons = [], []
+        async with session.post(cluster.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = __import__("json").loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+                reasons.append(chunk["choices"][0]["finish_reason"])
+        return "".join(text), reasons[-1]
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(*(one(session, p, n) for p, n in zip(prompts, max_tokens)))
+
+    results = asyncio.run(main())
+    for (text, reason), exp in zip(results, expected):
+        assert text == exp.text
+        assert reason == "length"
+    workers = cluster.wait_idle()
+    assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "object"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "hello " * 5000, "max_tokens": 4}, 400, "context"),
+    ("/v1/completions", {"prompt": "hi there you", "max_tokens": 4095}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/completions", {"prompt": "x" * (5 * 2**20)}, 413, "limit"),
+    ("/v1/nope", {"prompt": "x"}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, needle", BAD_REQUESTS,
+                         ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(cluster, path, body, status, needle):
+    from tests.e2e import http_util as rq
+    if isinstance(body, dict) and "model" not in body and path != "/v1/nope":
+        body = {"model": cluster.model_name, **body}
+    resp = rq.post(cluster.url + path, body)
+    assert resp.status == status, resp.body
+    err = resp.json()["error"]
+    assert needle.lower() in err["message"].lower(), err
+    assert err["type"]
+    good = client(cluster).completions.create(model=cluster.model_name, prompt="ok", max_tokens=2)
+    assert good.usage.completion_tokens == 2 or good.choices[0].finish_reason == "stop"
+
+
+def test_client_disconnect_aborts_and_frees_blocks(cluster):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": cluster.model_name, "prompt": "tell me a long story " * 20, "max_tokens": 3000,
+                    "ignore_eos": True, "stream": True}
+            resp = await session.post(cluster.url + "/v1/completions", json=body)
+            await resp.content.readline()
+            await resp.content.readline()
+            assert len(cluster.admin("requests")) == 1
+            resp.close()  # drop the connection mid-stream
+        t0 = time.monotonic()
+        workers = cluster.wait_idle(timeout_s=1.0)
+        return time.monotonic() - t0, workers
+
+    elapsed, workers = asyncio.run(main())
+    assert cluster.admin("requests") == []
+    assert all(w["running"] == 0 and w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
+    assert elapsed < 1.0
+
+
+def test_admin_status_and_drain(cluster):
+    status = cluster.admin("status")
+    assert status["ready"] and len(status["workers"]) == 2
+    ids = sorted(w["worker_id"] for w in status["workers"])
+    assert ids == ["colocated-0", "colocated-1"]
+    assert all(w["num_blocks"] > 0 and "free_blocks" in w for w in status["workers"])
+
+    cluster.admin("drain", "colocated-0")
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                body = {"model": cluster.model_name, "prompt": "x", "max_tokens": 400, "ignore_eos": True,
+                        "stream": True}
+                resps = [await session.post(cluster.url + "/v1/completions", json=body) for _ in range(4)]
+                for r in resps:
+                    await r.content.readline()
+                placed = {req["worker_id"] for req in cluster.admin("requests")}
+                for r in resps:
+                    r.close()
+                return placed
+        assert asyncio.run(main()) == {"colocated-1"}
+        cluster.admin("drain", "colocated-1")
+        with pytest.raises(openai.APIStatusError) as e:
+            client(cluster).completions.create(model=cluster.model_name, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        cluster.admin("undrain", "colocated-0")
+        cluster.admin("undrain", "colocated-1")
+    assert client(cluster).completions.create(model=cluster.model_name, prompt="x", max_tokens=2).choices
+    with pytest.raises(Exception, match="no worker"):
+        cluster.admin("drain", "nope")
+    cluster.wait_idle()
+
+
+def test_admin_refuses_a_wrong_token(cluster):
+    from pdd.admin.client import AdminError, call
+    with pytest.raises(AdminError, match="bad admin token"):
+        call(cluster.cfg.router.admin_addr, "wrong", "status")
+
+
+def test_malformed_control_messages_are_dropped(cluster):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.cfg.router.control_addr)
+    for payload in (b"garbage", msgpack.packb({"t": "tokens", "v": 1, "worker_id": "intruder", "items": 5}),
+                    msgpack.packb({"t": "nope", "v": 1}), msgpack.packb({"t": "register", "v": 99})):
+        sock.send(payload)
+    sock.send_multipart([b"a", b"b", b"c"])
+    time.sleep(0.3)
+    sock.close()
+    r = client(cluster).completions.create(model=cluster.model_name, prompt="still alive?", max_tokens=3)
+    assert r.choices[0].text is not None
+
+
+def test_metrics_and_health(cluster):
+    from tests.e2e import http_util as rq
+    health = rq.get(cluster.url + "/health")
+    assert health.status == 200 and health.json()["status"] == "ok"
+    text = rq.get(cluster.url + "/metrics").body.decode()
+    for name in ("pdd_time_to_first_token_seconds_bucket", "pdd_inter_token_latency_seconds_bucket",
+                 "pdd_e2e_request_latency_seconds_bucket", "scheduler_iteration_latency_seconds_bucket",
+                 "prefill_chunk_size_tokens_bucket", "decode_batch_size_requests_bucket",
+                 "kv_cache_page_free_pages{", "prefix_cache_hit_rate{", "chunked_prefill_recompute_count",
+                 "pdd_requests_total{"):
+        assert name in text, name
+    models = client(cluster).models.list()
+    assert [m.id for m in models.data] == [cluster.model_name]
