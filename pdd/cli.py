@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=cmd_bench)
+    from pdd.bench import serving
+    serving.add_parser(bench_sub)
     return parser
 
 

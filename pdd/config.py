@@ -64,6 +64,10 @@ class EngineConfig:
 
 ROLES = ("router", "colocated", "prefill", "decode")
 
+# Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
+# Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
+EXIT_REFUSED = 78
+
 
 @dataclass(frozen=True)
 class RouterConfig:

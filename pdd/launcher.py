@@ -4,7 +4,8 @@ Starts the router and the workers as child processes (the same `pdd serve`
 a systemd unit runs), waits until the router reports every worker ready,
 prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
 (finishes what is in flight, refuses new requests), then the workers stop.
-If any child dies on its own, the whole cluster is stopped and `up` fails.
+A worker that dies is restarted (as systemd's Restart=on-failure would; the
+router moves its requests meanwhile); if the router dies, `up` stops and fails.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdd.config import ClusterConfig, dump_toml, load_cluster_config
+from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_config
 
 STOP_TIMEOUT_S = 40.0
+MAX_RESTARTS = 5
 
 
 def free_port() -> int:
@@ -35,6 +37,9 @@ def free_port() -> int:
 class Child:
     name: str
     proc: subprocess.Popen
+    args: list[str]
+    env: dict | None
+    restarts: int = 0
 
 
 class Cluster:
@@ -50,13 +55,19 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
 
+    def _popen(self, name: str, args: list[str], env: dict | None) -> subprocess.Popen:
+        with open(self.run_dir / f"{name}.log", "ab") as log:
+            cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
+                   "serve", "--config", str(self.config_path), *args]
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                    start_new_session=True)
+
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
-        log = open(self.run_dir / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
-               "serve", "--config", str(self.config_path), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
-        self.children.append(Child(name, proc))
+        self.children.append(Child(name, self._popen(name, args, env), args, env))
+
+    def restart(self, child: Child) -> None:
+        child.restarts += 1
+        child.proc = self._popen(child.name, child.args, child.env)
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,11 +175,15 @@ def main(args) -> int:
     code = 0
     while stop["signal"] is None:
         dead = cluster.dead_child()
-        if dead is not None:
+        if dead is not None and (dead.name == "router" or dead.restarts >= MAX_RESTARTS
+                                 or dead.proc.returncode == EXIT_REFUSED):
             print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster",
                   file=sys.stderr)
             code = 1
             break
+        if dead is not None:
+            print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; restarting it", file=sys.stderr)
+            cluster.restart(dead)
         time.sleep(0.2)
     print("pdd up: stopping (router drains first)", flush=True)
     cluster.stop()

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 
-from pdd.config import ClusterConfig
+from pdd.config import EXIT_REFUSED, ClusterConfig
 from pdd.engine.engine import LLMEngine
 from pdd.engine.sampling_params import InvalidRequest, SamplingParams
 from pdd.kv.layout import KVLayout
@@ -27,8 +27,6 @@ from pdd.protocol.bus import DealerChannel
 from pdd.worker.stats import StepStatsBuffer
 
 log = logging.getLogger(__name__)
-
-EXIT_REFUSED = 78  # EX_CONFIG: systemd units do not restart a worker the router refused
 
 
 class Worker:

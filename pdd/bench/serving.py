@@ -1,0 +1,133 @@
+"""Serving-stack overhead: the same streams through router + ZeroMQ hop + HTTP/SSE
+vs the engine stepped in-process.
+
+For each concurrency C: C requests (same prompt length, same number of output
+tokens, greedy, ignore_eos) start together. In-process, the inter-token
+latency is the engine's step time; through the stack it is the gap between
+SSE chunks the client sees. The difference is what the serving stack adds
+per token; tokens/s is the relay rate.
+
+    pdd bench serving [--model DIR] [--concurrency 1,64,512] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    from pdd.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, SamplingParams(**vars(sp)))
+    gaps, last, tokens = [], {}, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in last:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+            tokens += len(o.new_token_ids)
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": 1e3 * statistics.mean(gaps),
+            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
+
+
+async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int, gaps: list[float]) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    n, last = 0, None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            n += 1
+    return n
+
+
+async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    gaps: list[float] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(_stream(session, url, model, p, max_tokens, gaps) for p in prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(counts)
+    return {"chunks": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": 1e3 * statistics.mean(gaps),
+            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
+
+
+def main(args) -> int:
+    from pdd.config import EngineConfig, load_cluster_config
+    from pdd.engine.engine import LLMEngine
+    from pdd.launcher import Cluster, free_port
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    max_seqs = max(levels)
+    engine_over = {"max_num_seqs": max_seqs, "max_num_batched_tokens": max(2048, max_seqs)}
+    if args.model:
+        engine_over["model"] = args.model
+    prompt = list(range(100, 100 + args.prompt_len))
+
+    results = {"date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+               "levels": {}}
+    engine = LLMEngine(EngineConfig(**engine_over))
+    run_inprocess(engine, [prompt] * 2, 4)  # warm-up
+    for c in levels:
+        results["levels"][c] = {"inprocess": run_inprocess(engine, [prompt] * c, args.max_tokens)}
+    del engine
+
+    cfg = load_cluster_config(overrides={"engine": engine_over, "router": {
+        "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
+        "admin_addr": f"tcp://127.0.0.1:{free_port()}"}})
+    cluster = Cluster(cfg, [("colocated", "colocated-0", None)], Path(args.run_dir))
+    cluster.start()
+    try:
+        cluster.wait_ready(300)
+        model = cfg.served_model_name(args.model)
+        asyncio.run(run_http(cluster.url, model, [prompt] * 2, 4))  # warm-up
+        for c in levels:
+            results["levels"][c]["http"] = asyncio.run(run_http(cluster.url, model, [prompt] * c, args.max_tokens))
+    finally:
+        cluster.stop()
+
+    print(f"{'streams':>8} {'in-proc tok/s':>14} {'http tok/s':>11} {'in-proc ITL ms':>15} "
+          f"{'http ITL ms':>12} {'added ms/token':>15} {'http p99 ms':>12}")
+    for c, r in results["levels"].items():
+        ip, h = r["inprocess"], r["http"]
+        r["added_latency_ms"] = h["itl_mean_ms"] - ip["itl_mean_ms"]
+        print(f"{c:>8} {ip['tok_s']:>14.0f} {h['tok_s']:>11.0f} {ip['itl_mean_ms']:>15.2f} "
+              f"{h['itl_mean_ms']:>12.2f} {r['added_latency_ms']:>15.2f} {h['itl_p99_ms']:>12.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("serving", help="serving-stack overhead vs the in-process engine")
+    b.add_argument("--model", default=None)
+    b.add_argument("--concurrency", default="1,64,512")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-serving")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=lambda a: main(a))
+
