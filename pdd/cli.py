@@ -133,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
     p.add_argument("--config", default=None)
-    p.add_argument("--mode", default="colocated", choices=["colocated"])
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--mode", default="disagg", choices=["disagg", "colocated"],
+                   help="disagg: --prefill + --decode workers; colocated: --workers")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
+    p.add_argument("--workers", type=int, default=1, help="colocated workers")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--run-dir", default=None, help="where logs and the generated config go")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -162,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     from pdd.bench import serving
     serving.add_parser(bench_sub)
+    from pdd.bench import transfer
+    transfer.add_parser(bench_sub)
     return parser
 
 

@@ -84,8 +84,14 @@ class RouterConfig:
     heartbeat_misses: int = 3        # missed heartbeats before a worker is dead
     max_body_bytes: int = 4 * 2**20
     default_max_tokens: int = 16     # /v1/completions without max_tokens, as OpenAI
+    # auto: disaggregated when prefill and decode workers are registered, else colocated.
+    mode: str = "auto"               # auto | colocated | disagg
+    kv_lease_ttl_s: float = 60.0     # a decode reservation whose KV has not come by then is freed
+    reserve_timeout_s: float = 10.0  # decode worker's answer to Reserve
 
     def validate(self) -> "RouterConfig":
+        if self.mode not in ("auto", "colocated", "disagg"):
+            raise ConfigError(f"router.mode: must be auto, colocated or disagg, got {self.mode!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"router.port: {self.port} is not a TCP port")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
@@ -102,10 +108,20 @@ class WorkerConfig:
     worker_id: str | None = None
     # Router's control address to connect to (default: router.control_addr).
     router_addr: str | None = None
+    # KV data plane. Decode/colocated workers bind data_addr (port 0 = any free
+    # port; the bound address is advertised at registration).
+    data_addr: str = "tcp://127.0.0.1:0"
+    transfer_backend: str = "tcp"        # tcp | local | cuda_ipc
+    transfer_timeout_s: float = 30.0     # a page unacknowledged this long fails the transfer
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
             raise ConfigError(f"worker.role: must be one of {ROLES[1:]}, got {self.role!r}")
+        if self.transfer_backend not in ("tcp", "local", "cuda_ipc"):
+            raise ConfigError(f"worker.transfer_backend: must be tcp, local or cuda_ipc, "
+                              f"got {self.transfer_backend!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ConfigError("worker.transfer_timeout_s: must be > 0")
         return self
 
 

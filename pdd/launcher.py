@@ -119,6 +119,7 @@ def build_cluster(args) -> Cluster:
     if args.model:
         overrides["engine"]["model"] = args.model
     overrides["router"]["port"] = args.port
+    overrides["router"]["mode"] = args.mode
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.
@@ -135,11 +136,15 @@ def build_cluster(args) -> Cluster:
 
 def _plan_workers(args, cfg: ClusterConfig) -> list[tuple[str, str, str | None]]:
     devices = _devices(cfg)
-    roles = ["colocated"] * args.workers
-    plan = []
+    if args.mode == "disagg":
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    else:
+        roles = ["colocated"] * args.workers
+    plan, per_role = [], {}
     for i, role in enumerate(roles):
+        n = per_role[role] = per_role.get(role, -1) + 1
         device = devices[i % len(devices)] if devices else None
-        plan.append((role, f"{role}-{i}", device))
+        plan.append((role, f"{role}-{n}", device))
     return plan
 
 

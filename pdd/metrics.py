@@ -44,6 +44,16 @@ class RouterMetrics:
                                        ["worker"], buckets=_TOKEN_BUCKETS, registry=r)
         self.decode_batch = Histogram("decode_batch_size_requests", "Decodes per engine step",
                                       ["worker"], buckets=_BATCH_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram("prefill_to_decode_kv_transfer_seconds",
+                                          "First page handed over to last page acknowledged",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
+        self.blocks_sent = Counter("pdd_kv_transfer_blocks_sent", "KV blocks moved prefill -> decode", registry=r)
+        self.blocks_skipped = Counter("pdd_kv_transfer_blocks_skipped",
+                                      "KV blocks not sent: the decode worker had them cached", registry=r)
+        self.transfer_failures = Counter("pdd_kv_transfer_failures", "KV transfers that failed", registry=r)
+        self.fallbacks = Counter("pdd_disagg_fallbacks", "Disaggregated requests finished another way",
+                                 ["reason"], registry=r)
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
 
@@ -55,6 +65,12 @@ class RouterMetrics:
             self.prefill_chunk.labels(w).observe(x)
         for x in hb.decode_batches:
             self.decode_batch.labels(w).observe(x)
+
+    def observe_transfer(self, stats: dict) -> None:
+        self.transfer_seconds.observe(float(stats.get("seconds", 0.0)))
+        self.transfer_bytes.inc(int(stats.get("bytes", 0)))
+        self.blocks_sent.inc(int(stats.get("blocks_sent", 0)))
+        self.blocks_skipped.inc(int(stats.get("blocks_skipped", 0)))
 
     def observe_finished(self, state) -> None:
         self.requests.labels(state.mode, state.finish_reason or "unknown").inc()

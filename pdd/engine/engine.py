@@ -80,6 +80,7 @@ class LLMEngine:
             # where full attention computes the same thing.
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         self.last_step = StepStats()
+        self.connector = None
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams | None = None, **kwargs) -> Request:
@@ -105,6 +106,34 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
+    # ------------------------------------------------------------ disaggregation
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                sampling: SamplingParams | None = None) -> tuple[list[int], int] | None:
+        """Decode role: hold blocks for a prompt computed elsewhere. Returns
+        (block ids, tokens already cached here) or None when out of blocks."""
+        req = self.make_request(request_id, prompt_token_ids, sampling)
+        blocks = self.scheduler.reserve(req)
+        return (list(blocks), req.num_cached_tokens) if blocks is not None else None
+
+    def kv_ready(self, request_id: str, first_token: int) -> EngineOutput | None:
+        """Decode role: the KV has landed. Returns an output only when the first
+        token already ends the request (nothing left to decode)."""
+        req = self.scheduler.kv_ready(request_id, first_token)
+        if not req.status.finished:
+            return None
+        return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
+                            req.num_cached_tokens)
+
+    def prefill_locally(self, request_id: str) -> None:
+        self.scheduler.compute_locally(request_id)
+
+    def attach_connector(self, connector) -> None:
+        """Prefill role: a KV connector sees each step's batch and every layer as
+        it is written (layer-wise transfer while the forward continues)."""
+        self.connector = connector
+        self.runner.model.layer_done_hooks.append(connector.save_layer)
+
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
@@ -118,7 +147,13 @@ class LLMEngine:
             self.last_step = StepStats(num_preempted=len(out.preempted))
             return []
         tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
-        result = self.runner.execute(out, tables)
+        if self.connector is not None:
+            self.connector.begin_step(out.scheduled, tables)
+        try:
+            result = self.runner.execute(out, tables)
+        finally:
+            if self.connector is not None:
+                self.connector.end_step()
         logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
         updated = self.scheduler.update_from_output(out, result.tokens)
         outputs = []

@@ -43,6 +43,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Decode role: blocks reserved, KV arriving from a prefill worker. Not
+        # scheduled (and never preempted) until the KV is there.
+        self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
@@ -52,7 +55,46 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
+        """Work to step on (a reservation waiting for its KV is not)."""
         return bool(self.waiting or self.running)
+
+    def reserve(self, req: Request) -> list[int] | None:
+        """Hold blocks for the whole prompt, reusing cached prefix blocks. The
+        request waits for its KV; None (and no change) if blocks are short."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        computed, num_cached = self.kv.get_computed_blocks(req)
+        blocks = self.kv.allocate_slots(req, req.num_tokens - num_cached, computed)
+        if blocks is None:
+            return None
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = num_cached
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.request_id] = req
+        self.waiting_for_kv[req.request_id] = req
+        return blocks
+
+    def kv_ready(self, request_id: str, first_token: int) -> Request:
+        """The prompt's KV is in the reserved blocks: publish them in the prefix
+        cache (only now are they valid), take the first token, start decoding."""
+        req = self.waiting_for_kv.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.append_token(first_token)
+        if req.check_stop():
+            self.kv.free(req)
+            del self.requests[request_id]
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def compute_locally(self, request_id: str) -> None:
+        """The KV will not arrive: queue the reserved request for a local prefill
+        (it keeps its blocks; the cached prefix stays computed)."""
+        req = self.waiting_for_kv.pop(request_id)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -138,7 +180,7 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif self.waiting_for_kv.pop(request_id, None) is None:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED_ABORTED

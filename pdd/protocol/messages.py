@@ -127,15 +127,90 @@ class Shutdown(Message):
     drain: bool = True
 
 
+# ---------------------------------------------------------------- disaggregation
+# Lifecycle: router -> decode Reserve; decode -> router Reserved; router -> prefill
+# Prefill; prefill writes KV into the reserved blocks over the data plane, then
+# -> router PrefillDone; router -> decode KVReady; decode streams TokenBatch.
+
+@dataclass
+class Reserve(Message):
+    """Decode side: hold blocks for a prompt whose KV will arrive from a prefill worker."""
+    TYPE: ClassVar[str] = "reserve"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    lease_ttl_s: float
+
+
+@dataclass
+class Reserved(Message):
+    TYPE: ClassVar[str] = "reserved"
+    worker_id: str
+    request_id: str
+    ok: bool
+    error: str = ""
+    lease_id: str = ""
+    block_ids: list[int] = field(default_factory=list)
+    # Leading prompt tokens the decode worker already caches (whole blocks): not sent.
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Prefill(Message):
+    """Prefill side: compute the prompt, sample the first token, write the KV
+    of blocks [skip_blocks:] into dst_block_ids on dst_addr under lease_id."""
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    dst_worker: str
+    dst_addr: str
+    dst_block_ids: list[int]
+    skip_blocks: int
+    lease_id: str
+
+
+@dataclass
+class PrefillDone(Message):
+    """Every page has landed (acknowledged by the receiver)."""
+    TYPE: ClassVar[str] = "prefill_done"
+    worker_id: str
+    request_id: str
+    first_token: int
+    logprobs: list | None = None
+    num_cached_tokens: int = 0       # prompt tokens the prefill worker found in its own cache
+    transfer: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrefillFailed(Message):
+    TYPE: ClassVar[str] = "prefill_failed"
+    worker_id: str
+    request_id: str
+    error: str
+
+
+@dataclass
+class KVReady(Message):
+    """Decode side: the KV is in the reserved blocks; continue from first_token."""
+    TYPE: ClassVar[str] = "kv_ready"
+    request_id: str
+    lease_id: str
+    first_token: int
+
+
+@dataclass
+class PrefillLocally(Message):
+    """Decode side: the KV will not come (transfer failed, prefill worker lost):
+    compute the prompt here, in the blocks already reserved (colocated fallback)."""
+    TYPE: ClassVar[str] = "prefill_locally"
+    request_id: str
+    lease_id: str
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in Message.__subclasses__()
 }
-
-
-def register_message(cls: type[Message]) -> type[Message]:
-    """For message families defined elsewhere (disaggregation adds its own)."""
-    MESSAGE_TYPES[cls.TYPE] = cls
-    return cls
 
 
 def as_dict(msg: Message) -> dict[str, Any]:

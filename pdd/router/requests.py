@@ -32,8 +32,12 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_hashes: list[int]
-    worker_id: str | None = None
-    mode: str = "colocated"
+    worker_id: str | None = None        # the worker that decodes (and streams) it
+    mode: str = "colocated"             # colocated | disagg
+    # Disaggregated only: reserving -> prefilling -> decoding.
+    phase: str = "decoding"
+    prefill_worker: str | None = None
+    lease_id: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -72,5 +76,6 @@ class RequestState:
     def summary(self) -> dict:
         now = time.monotonic()
         return {"request_id": self.request_id, "worker_id": self.worker_id, "mode": self.mode,
+                "phase": self.phase, "prefill_worker": self.prefill_worker,
                 "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
                 "age_s": round(now - self.arrival, 3), "migrations": self.num_migrations}

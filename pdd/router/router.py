@@ -20,6 +20,7 @@ from pdd.kv.hashing import block_hashes
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
+from pdd.router.disagg import DisaggFlow, output_hashes
 from pdd.router.policy import pick_worker
 from pdd.router.registry import WorkerInfo, WorkerRegistry
 from pdd.router.requests import RequestState, TokenEvent
@@ -45,6 +46,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.ctx: zmq.asyncio.Context | None = None
         self.chan: RouterChannel | None = None
+        self.disagg = DisaggFlow(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -90,15 +92,33 @@ class Router:
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         hashes = self._hashes(prompt_token_ids)
-        worker = pick_worker(self.registry.candidates(SERVING_ROLES), hashes)
-        if worker is None:
+        disagg = self.cfg.router.mode != "colocated" and self.disagg.available()
+        if not disagg and not self.registry.candidates(SERVING_ROLES):
             raise Unavailable("no worker is available")
         state = RequestState(request_id or uuid.uuid4().hex, list(prompt_token_ids), sampling, hashes)
         self.requests[state.request_id] = state
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.metrics.inflight.inc()
-        await self._admit(state, worker)
+        if disagg:
+            task = asyncio.create_task(self.disagg.start(state))
+            task.add_done_callback(self._report_task_error)
+        else:
+            await self.admit_colocated(state)
         return state
+
+    @staticmethod
+    def _report_task_error(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request flow failed", exc_info=task.exception())
+
+    async def admit_colocated(self, state: RequestState, exclude: set[str] = frozenset()) -> bool:
+        """Prefill and decode on one worker. False if no worker can take it."""
+        candidates = [w for w in self.registry.candidates(SERVING_ROLES) if w.worker_id not in exclude]
+        worker = pick_worker(candidates, state.block_hashes)
+        if worker is None:
+            return False
+        await self._admit(state, worker)
+        return True
 
     def _hashes(self, tokens: list[int]) -> list[int]:
         layout = self.registry.layout
@@ -119,18 +139,35 @@ class Router:
             return
         if not state.finished:
             state.finished, state.finish_reason = True, "abort"
-        self._retire(state)
+        self.retire(state)
+        await self.disagg.release_prefill(state)
         if state.worker_id is not None:
             await self.chan.send(state.worker_id, m.Abort([state.request_id]))
 
-    def _retire(self, state: RequestState) -> None:
+    def retire(self, state: RequestState) -> None:
         if self.requests.pop(state.request_id, None) is None:
             return
         worker = self.registry.workers.get(state.worker_id)
         if worker is not None:
             worker.inflight = max(0, worker.inflight - 1)
+            if state.output_token_ids and self.registry.layout is not None:
+                # The worker now caches this conversation: the next turn should go there.
+                worker.note_hashes(output_hashes(state, self.registry.layout.block_size))
         self.metrics.inflight.dec()
         self.metrics.observe_finished(state)
+
+    def deliver(self, state: RequestState, event: TokenEvent) -> None:
+        """Tokens for a request: to its stream, into the metrics; retire it when finished."""
+        now = time.monotonic()
+        if state.last_token_at is not None:
+            self.metrics.itl.observe(now - state.last_token_at)
+        elif event.token_ids:
+            self.metrics.ttft.labels(state.mode).observe(now - state.arrival)
+        self.metrics.generation_tokens.inc(len(event.token_ids))
+        state.deliver(event)
+        if event.finished:
+            self.retire(state)
+            self.metrics.cached_tokens.inc(state.num_cached_tokens)
 
     # ------------------------------------------------------------------ control plane
 
@@ -138,6 +175,8 @@ class Router:
         handlers = {
             m.Register: self._on_register, m.Heartbeat: self._on_heartbeat, m.TokenBatch: self._on_tokens,
             m.RequestFailed: self._on_request_failed, m.Goodbye: self._on_goodbye,
+            m.Reserved: self._on_reserved, m.PrefillDone: self.disagg.on_prefill_done,
+            m.PrefillFailed: self.disagg.on_prefill_failed,
         }
         while True:
             peer, msg = await self.chan.recv()
@@ -171,7 +210,6 @@ class Router:
     async def _on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         self.registry.touch(peer)
         unknown = []
-        now = time.monotonic()
         for item in msg.items:
             try:
                 rid, token_ids, finished, reason, logprobs, cached = item
@@ -183,15 +221,7 @@ class Router:
                 if state is None:
                     unknown.append(rid)
                 continue
-            if state.last_token_at is not None:
-                self.metrics.itl.observe(now - state.last_token_at)
-            else:
-                self.metrics.ttft.labels(state.mode).observe(now - state.arrival)
-            self.metrics.generation_tokens.inc(len(token_ids))
-            state.deliver(TokenEvent(token_ids, finished, reason, logprobs, cached))
-            if finished:
-                self._retire(state)
-                self.metrics.cached_tokens.inc(state.num_cached_tokens)
+            self.deliver(state, TokenEvent(token_ids, finished, reason, logprobs, cached))
         if unknown:
             # Tokens for requests we do not hold (aborted, or from before a router
             # restart): tell the worker to drop them and free their blocks.
@@ -202,10 +232,16 @@ class Router:
         if state is None or state.worker_id != peer:
             return
         log.warning("worker %s failed request %s: %s", peer, msg.request_id, msg.error)
-        if msg.retriable and await self._migrate(state, exclude={peer}):
+        # Retriable failures (lease expired, no room) are not the worker's fault:
+        # it may be picked again.
+        if msg.retriable and await self._migrate(state, exclude=set()):
             return
         state.fail(msg.error)
-        self._retire(state)
+        self.retire(state)
+
+    async def _on_reserved(self, peer: str, msg: m.Reserved) -> None:
+        if not self.disagg.on_reserved(peer, msg) and msg.ok:
+            await self.chan.send(peer, m.Abort([msg.request_id]))  # nobody wants it any more
 
     async def _on_goodbye(self, peer: str, msg: m.Goodbye) -> None:
         await self._on_worker_lost(peer, "said goodbye")
@@ -218,14 +254,19 @@ class Router:
                 await self._on_worker_lost(wid, "missed heartbeats")
 
     async def _on_worker_lost(self, worker_id: str, why: str) -> None:
-        if self.registry.remove(worker_id) is None:
+        lost = self.registry.remove(worker_id)
+        if lost is None:
+            return
+        if lost.role == "prefill":
+            log.warning("prefill worker %s lost (%s)", worker_id, why)
+            await self.disagg.on_prefill_worker_lost(worker_id)
             return
         orphans = [s for s in self.requests.values() if s.worker_id == worker_id]
         log.warning("worker %s lost (%s); %d request(s) to move", worker_id, why, len(orphans))
         for state in orphans:
             if not await self._migrate(state, exclude={worker_id}):
                 state.fail(f"worker {worker_id} was lost ({why}) and no other worker can take the request")
-                self._retire(state)
+                self.retire(state)
 
     async def _migrate(self, state: RequestState, exclude: set[str]) -> bool:
         """Re-admit a request elsewhere with prompt + tokens streamed so far. The
@@ -237,6 +278,8 @@ class Router:
         old = self.registry.workers.get(state.worker_id)
         if old is not None:
             old.inflight = max(0, old.inflight - 1)
+        await self.disagg.release_prefill(state)
+        state.mode = "colocated"
         state.num_migrations += 1
         self.metrics.migrations.inc()
         log.info("request %s moves %s -> %s after %d tokens", state.request_id, state.worker_id,

@@ -16,7 +16,8 @@ from pdd.launcher import free_port
 
 
 class UpCluster:
-    def __init__(self, run_dir: Path, model: Path, *args: str, start_timeout_s: float = 180.0):
+    def __init__(self, run_dir: Path, model: Path, *args: str, start_timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None):
         self.run_dir = run_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -25,9 +26,10 @@ class UpCluster:
         self.start_timeout_s = start_timeout_s
         self.lines: queue.Queue[str] = queue.Queue()
         self.model_name = model.name
+        self.env = env or {}
 
     def start(self) -> "UpCluster":
-        env = {**os.environ, "PDD_LOG_LEVEL": "INFO"}
+        env = {**os.environ, "PDD_LOG_LEVEL": "INFO", **self.env}
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s

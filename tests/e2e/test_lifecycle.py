@@ -38,13 +38,13 @@ def stream_tokens(url: str, model: str, prompt: str, max_tokens: int, on_chunk=N
 
 @pytest.fixture
 def two_workers(tmp_path, tiny_model):
-    c = UpCluster(tmp_path / "run", tiny_model, "--workers", "2").start()
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "2").start()
     yield c
     c.stop()
 
 
 def test_sigint_drains_in_flight_requests(tmp_path, tiny_model, offline):
-    c = UpCluster(tmp_path / "run", tiny_model).start()
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated").start()
     expected = offline.generate(["drain me"], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0]
     result = {}
     started = threading.Event()

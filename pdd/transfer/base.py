@@ -1,0 +1,100 @@
+"""The KV data plane: one interface, several backends.
+
+A prefill worker's engine hands each layer's freshly written pages to a
+`KVSender` while the forward pass continues; the sender moves them into the
+decode worker's reserved blocks, where a `KVReceiver` accepts them only for
+blocks held under a live lease (pdd.transfer.leases) and only from a sender
+with the same KV layout. Backends:
+
+    tcp       pages gathered to host memory, ZeroMQ data socket (any hosts, CPU too)
+    local     both engines in one process (tests)
+    cuda_ipc  same host, peer GPU memory written by a copy kernel (GPU path)
+
+A transfer never hangs: it completes, fails with a reason, or times out.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    request_id: str
+    lease_id: str
+    dst_worker: str
+    dst_addr: str                  # the receiver's data address (tcp://host:port, local://name)
+    dst_block_ids: tuple[int, ...] # the decode worker's blocks; index i <-> the request's i-th block
+    skip_blocks: int = 0           # leading blocks the decode worker already caches: never sent
+
+
+@dataclass
+class TransferResult:
+    request_id: str
+    ok: bool
+    error: str = ""
+    bytes: int = 0
+    seconds: float = 0.0           # first page handed over -> last page acknowledged
+    blocks_sent: int = 0           # distinct destination blocks written
+    blocks_skipped: int = 0
+
+
+class KVSender(abc.ABC):
+    """Prefill side. Called from the engine thread; I/O happens elsewhere."""
+
+    @abc.abstractmethod
+    def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
+                   src_block_ids: list[int], block_indices: list[int]) -> None:
+        """Ship `src_layer[:, src_block_ids]` (one layer of the local pool,
+        [2, blocks, block_size, kv_heads, head_dim]) into
+        `target.dst_block_ids[i] for i in block_indices`. When this returns the
+        sender no longer needs the source blocks (it copied them, or the
+        backend orders the copy before the next step's writes)."""
+
+    @abc.abstractmethod
+    def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
+        """No more pages for this request: report its result once every page is acknowledged."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Forget the request: unsent pages are dropped and no result is reported."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Results completed since the last call (never blocks)."""
+
+    def set_wakeup(self, fn: Callable[[], None]) -> None:
+        """`fn` is called, from any thread, whenever poll() has something new."""
+        self._wakeup = fn
+
+    def _wake(self) -> None:
+        fn = getattr(self, "_wakeup", None)
+        if fn is not None:
+            fn()
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: writes arriving pages into leased blocks of the local pool."""
+
+    address: str = ""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass
+class ReceiverStats:
+    messages: int = 0
+    bytes: int = 0
+    rejected: int = 0
+    last_error: str = ""
+    rejections: list[str] = field(default_factory=list)

@@ -1,0 +1,135 @@
+"""Data-plane frames: a msgpack header, the raw page bytes, and a msgpack ack.
+
+A pages message is two ZeroMQ frames, [header, payload]. The payload is the
+bytes of a contiguous CPU tensor [2, n, block_size, kv_heads, head_dim] in the
+dtype the header names; it is sent as its own frame so it is never copied into
+msgpack. bf16 has no numpy dtype, so tensors travel as uint8 views.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+
+VERSION = 1
+_MAX_HEADER_BYTES = 1 << 20  # a header lists block ids: generous, but bounded
+
+
+class WireError(ValueError):
+    """A frame that does not decode into a well-formed header or ack."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_uint_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)
+
+
+# Field name -> (checker, expected-type description) for each kind of frame.
+_PAGES_FIELDS = {
+    "v": (_is_int, "int"),
+    "kind": (lambda v: v == "pages", "'pages'"),
+    "request_id": (lambda v: isinstance(v, str), "str"),
+    "lease_id": (lambda v: isinstance(v, str), "str"),
+    "layer": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
+    "dst_block_ids": (_is_uint_list, "list of non-negative ints"),
+    "dtype": (lambda v: isinstance(v, str), "str"),
+    "shape": (_is_uint_list, "list of non-negative ints"),
+    "layout": (lambda v: isinstance(v, dict), "map"),
+    "seq": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
+}
+
+_ACK_FIELDS = {
+    "v": (_is_int, "int"),
+    "kind": (lambda v: v == "ack", "'ack'"),
+    "request_id": (lambda v: isinstance(v, str), "str"),
+    "seq": (_is_int, "int"),
+    "ok": (lambda v: isinstance(v, bool), "bool"),
+    "error": (lambda v: isinstance(v, str), "str"),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise WireError(f"unknown dtype {name!r}")
+    return dt
+
+
+def encode_pages_header(*, request_id: str, lease_id: str, layer: int, dst_block_ids: list[int],
+                        dtype: torch.dtype | str, shape: list[int], layout: dict, seq: int) -> bytes:
+    return msgpack.packb({
+        "v": VERSION, "kind": "pages", "request_id": request_id, "lease_id": lease_id,
+        "layer": int(layer), "dst_block_ids": [int(b) for b in dst_block_ids],
+        "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype),
+        "shape": [int(s) for s in shape], "layout": layout, "seq": int(seq),
+    })
+
+
+def encode_ack(request_id: str, seq: int, ok: bool, error: str = "") -> bytes:
+    return msgpack.packb({"v": VERSION, "kind": "ack", "request_id": request_id, "seq": int(seq),
+                          "ok": bool(ok), "error": error})
+
+
+def _unpack(raw: bytes | memoryview) -> Any:
+    if len(raw) > _MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(raw)} bytes exceeds {_MAX_HEADER_BYTES}")
+    try:
+        return msgpack.unpackb(bytes(raw), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"not msgpack ({type(e).__name__}: {e})") from None
+
+
+def _validate(obj: Any, fields: dict) -> dict:
+    if not isinstance(obj, dict):
+        raise WireError(f"expected a map, got {type(obj).__name__}")
+    if obj.get("v") != VERSION:
+        raise WireError(f"unsupported wire version {obj.get('v')!r} (this side speaks {VERSION})")
+    for name, (ok, expected) in fields.items():
+        if name not in obj:
+            raise WireError(f"missing field {name!r}")
+        if not ok(obj[name]):
+            raise WireError(f"field {name!r} must be {expected}, got {obj[name]!r:.80}")
+    return obj
+
+
+def decode_header(raw: bytes | memoryview) -> dict:
+    """A validated pages header; WireError says what is wrong."""
+    return _validate(_unpack(raw), _PAGES_FIELDS)
+
+
+def decode_ack(raw: bytes | memoryview) -> dict:
+    return _validate(_unpack(raw), _ACK_FIELDS)
+
+
+def peek_ids(raw: bytes | memoryview) -> tuple[str, int]:
+    """(request_id, seq) of a header that failed validation, when they can be
+    read at all: lets the receiver address its refusal to the right request."""
+    try:
+        obj = _unpack(raw)
+        rid, seq = obj.get("request_id"), obj.get("seq")
+        if isinstance(rid, str) and _is_int(seq):
+            return rid, seq
+    except Exception:  # garbage: nobody to address
+        pass
+    return "", -1
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (keeps `t` alive)."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def bytes_to_tensor(buf: bytes | memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Inverse of tensor_bytes; shares memory with `buf`."""
+    if memoryview(buf).nbytes == 0:  # frombuffer refuses empty buffers
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

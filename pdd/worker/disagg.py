@@ -1,0 +1,170 @@
+"""What a worker does in a disaggregated cluster, by role.
+
+DecodeSide (decode and colocated workers): reserve blocks under a lease, run
+the KV receiver, start decoding on KVReady, fall back to a local prefill on
+PrefillLocally, and expire leases whose KV never came.
+
+PrefillSide (prefill workers): run prompts as prefill-only requests, ship
+their KV layer by layer through the connector, and report PrefillDone with
+the first token once every page is acknowledged.
+
+Both are driven from the worker's engine loop between steps, so they touch
+the engine only while no step runs. Invariant on the decode side: a lease is
+revoked before its blocks are freed or start being used, so a late page can
+never land in blocks that belong to another request.
+"""
+from __future__ import annotations
+
+import logging
+
+from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.protocol import messages as m
+from pdd.transfer import make_receiver, make_sender
+from pdd.transfer.base import TransferTarget
+from pdd.transfer.connector import PrefillConnector
+from pdd.transfer.leases import LeaseTable
+
+log = logging.getLogger(__name__)
+
+
+class DecodeSide:
+    def __init__(self, worker, layout):
+        self.worker = worker
+        self.engine = worker.engine
+        wc = worker.cfg.worker
+        self.leases = LeaseTable()
+        # data_addr names a tcp endpoint; other backends pick their own address.
+        addr = wc.data_addr if wc.transfer_backend == "tcp" else None
+        self.receiver = make_receiver(wc.transfer_backend, self.engine.runner.kv_cache, layout, self.leases, addr)
+        self.receiver.start()
+        self.lease_of: dict[str, str] = {}
+
+    @property
+    def data_addr(self) -> str:
+        return self.receiver.address
+
+    def handle(self, msg: m.Message) -> list[m.Message]:
+        wid = self.worker.worker_id
+        if isinstance(msg, m.Reserve):
+            return [self._reserve(msg)]
+        if isinstance(msg, m.KVReady):
+            if not self._release_lease(msg.request_id, msg.lease_id):
+                return [m.RequestFailed(wid, msg.request_id, "no reservation for this request (lease expired?)",
+                                        retriable=True)]
+            out = self.engine.kv_ready(msg.request_id, msg.first_token)
+            if out is not None:  # the first token already ended it
+                return [m.TokenBatch(wid, [[out.request_id, [], True, out.finish_reason, None,
+                                            out.num_cached_tokens]])]
+            return []
+        if isinstance(msg, m.PrefillLocally):
+            if self._release_lease(msg.request_id, msg.lease_id):
+                self.engine.prefill_locally(msg.request_id)
+            else:
+                return [m.RequestFailed(wid, msg.request_id, "no reservation to prefill locally", retriable=True)]
+            return []
+        return []
+
+    def _reserve(self, msg: m.Reserve) -> m.Reserved:
+        wid = self.worker.worker_id
+        try:
+            reserved = self.engine.reserve(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
+        except (InvalidRequest, TypeError, ValueError) as e:
+            return m.Reserved(wid, msg.request_id, ok=False, error=str(e))
+        if reserved is None:
+            return m.Reserved(wid, msg.request_id, ok=False, error="no free KV blocks on this decode worker")
+        blocks, num_cached = reserved
+        skip = num_cached // self.engine.cfg.block_size
+        # Only the blocks the transfer may write are leased; cached prefix blocks
+        # may be shared with other requests and must never be written.
+        lease = self.leases.grant(msg.request_id, blocks[skip:], msg.lease_ttl_s)
+        self.lease_of[msg.request_id] = lease
+        return m.Reserved(wid, msg.request_id, ok=True, lease_id=lease, block_ids=blocks,
+                          num_cached_tokens=num_cached)
+
+    def _release_lease(self, request_id: str, lease_id: str) -> bool:
+        """Close the lease (no page may land after this) if it is the request's live one."""
+        if self.lease_of.get(request_id) != lease_id or request_id not in self.engine.scheduler.waiting_for_kv:
+            return False
+        self.leases.revoke(self.lease_of.pop(request_id))
+        return True
+
+    def abort(self, request_id: str) -> None:
+        lease = self.lease_of.pop(request_id, None)
+        if lease is not None:
+            self.leases.revoke(lease)
+
+    def expire(self) -> list[m.Message]:
+        """Reservations whose KV did not come in time: free them, tell the router."""
+        replies = []
+        for lease, rid in self.leases.expired():
+            self.leases.revoke(lease)
+            if self.lease_of.get(rid) == lease:
+                del self.lease_of[rid]
+                self.engine.abort_request(rid)
+                log.warning("KV lease of %s expired; its blocks are freed", rid)
+                replies.append(m.RequestFailed(self.worker.worker_id, rid, "KV lease expired before the KV arrived",
+                                               retriable=True))
+        return replies
+
+    def stats(self) -> dict:
+        st = self.receiver.stats
+        return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
+                "last_rejection": st.last_error, "leases": len(self.leases)}
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+class PrefillSide:
+    def __init__(self, worker, layout):
+        self.worker = worker
+        self.engine = worker.engine
+        wc = worker.cfg.worker
+        self.sender = make_sender(wc.transfer_backend, layout, timeout_s=wc.transfer_timeout_s)
+        self.sender.set_wakeup(worker.wake_threadsafe)
+        self.connector = PrefillConnector(self.sender, self.engine.runner.kv_cache, self.engine.cfg.block_size)
+        self.engine.attach_connector(self.connector)
+        # Prompts computed, pages in flight: (first token, logprobs, own cache hits).
+        self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
+
+    def handle(self, msg: m.Message) -> list[m.Message]:
+        if not isinstance(msg, m.Prefill):
+            return []
+        wid = self.worker.worker_id
+        try:
+            sampling = SamplingParams(**msg.sampling)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, sampling, prefill_only=True)
+        except (InvalidRequest, TypeError, ValueError) as e:
+            return [m.PrefillFailed(wid, msg.request_id, str(e))]
+        self.connector.add(TransferTarget(msg.request_id, msg.lease_id, msg.dst_worker, msg.dst_addr,
+                                          tuple(msg.dst_block_ids), msg.skip_blocks))
+        return []
+
+    def on_outputs(self, outputs) -> None:
+        """The step sampled first tokens: those prompts are done, their pages all handed over."""
+        for o in outputs:
+            self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
+            self.connector.finish(o.request_id)
+
+    def poll(self) -> list[m.Message]:
+        replies = []
+        wid = self.worker.worker_id
+        for r in self.sender.poll():
+            first = self.first_tokens.pop(r.request_id, None)
+            if first is None:
+                continue  # aborted meanwhile
+            if r.ok:
+                stats = {"bytes": r.bytes, "seconds": r.seconds, "blocks_sent": r.blocks_sent,
+                         "blocks_skipped": r.blocks_skipped}
+                replies.append(m.PrefillDone(wid, r.request_id, first[0], first[1], first[2], stats))
+            else:
+                log.warning("KV transfer of %s failed: %s", r.request_id, r.error)
+                replies.append(m.PrefillFailed(wid, r.request_id, f"KV transfer failed: {r.error}"))
+        return replies
+
+    def abort(self, request_id: str) -> None:
+        self.connector.abort(request_id)
+        self.first_tokens.pop(request_id, None)
+
+    def close(self) -> None:
+        self.sender.close()

@@ -1,0 +1,148 @@
+"""Disaggregation under forced faults (PDD_FAULTS slows or breaks named places so a
+request can be caught in a phase): aborts in every phase, lease expiry, failed
+transfers. After each, both workers must hold no block."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from pdd import SamplingParams
+from tests.e2e.cluster import UpCluster
+from tests.e2e.test_disagg import metric, run_all
+from tests.engine.helpers import random_prompts
+
+def long_prompt(seed: int) -> list[int]:
+    """200 fresh tokens: 13 chunks of 16 at the prefill worker, cached nowhere yet."""
+    return random_prompts([200], seed=1000 + seed)[0]
+
+
+LONG_PROMPT = long_prompt(0)
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory, tiny_model):
+    # Prefill crawls (16-token chunks, 0.25 s per step) and every page message
+    # waits 0.1 s: a long prompt spends seconds computing, then seconds transferring.
+    c = UpCluster(tmp_path_factory.mktemp("slow"), tiny_model, "--mode", "disagg",
+                  env={"PDD_FAULTS": "prefill.step_delay_s=0.25,transfer.send_delay_s=0.1",
+                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64"}).start()
+    yield c
+    assert c.stop() == 0, c.logs()
+
+
+def _wait_for(cond, timeout_s=20.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def abort_when(cluster, prompt, max_tokens, phase_reached) -> None:
+    """Stream a request, drop the connection once `phase_reached(request, workers)` holds."""
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": True, "temperature": 0}
+            resp = await session.post(cluster.url + "/v1/completions", json=body)
+
+            def reached():
+                reqs = cluster.admin("requests")
+                return bool(reqs) and phase_reached(reqs[0], cluster.workers())
+            await asyncio.get_running_loop().run_in_executor(None, _wait_for, reached, 30.0, "phase")
+            resp.close()
+    asyncio.run(main())
+
+
+def assert_all_free(cluster):
+    workers = cluster.wait_idle(timeout_s=5.0)
+    for w in workers.values():
+        assert w["running"] == 0 and w["waiting"] == 0, w
+        assert w["free_blocks"] == w["num_blocks"], w
+    assert cluster.admin("requests") == []
+
+
+def test_abort_while_queued_at_prefill(slow):
+    # A first long prompt occupies the prefill worker; the second waits behind it.
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": slow.model_name, "prompt": LONG_PROMPT, "max_tokens": 4, "ignore_eos": True}
+            first = asyncio.create_task(session.post(slow.url + "/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            body2 = {**body, "prompt": long_prompt(1), "stream": True}
+            second = await session.post(slow.url + "/v1/completions", json=body2)
+
+            def queued():
+                p = slow.workers()["prefill-0"]
+                return p["waiting"] >= 1
+            await asyncio.get_running_loop().run_in_executor(None, _wait_for, queued, 20.0, "queued")
+            second.close()
+            await (await first).read()
+    asyncio.run(main())
+    assert_all_free(slow)
+
+
+def test_abort_while_prefilling(slow):
+    abort_when(slow, long_prompt(2), 8, lambda r, w: r["phase"] == "prefilling" and w["prefill-0"]["running"] == 1)
+    assert_all_free(slow)
+
+
+def test_abort_while_transferring_and_waiting_for_kv(slow):
+    # Computed at the prefill worker (nothing running there) but pages still in flight.
+    abort_when(slow, long_prompt(3), 8,
+               lambda r, w: r["phase"] == "prefilling" and w["prefill-0"]["running"] == 0
+               and w["prefill-0"]["waiting"] == 0)
+    assert_all_free(slow)
+
+
+def test_abort_while_decoding(slow):
+    abort_when(slow, [5, 6, 7], 2000, lambda r, w: r["phase"] == "decoding" and r["output_tokens"] > 5)
+    assert_all_free(slow)
+
+
+def test_slow_cluster_still_matches_colocated(slow, offline):
+    prompts = random_prompts([40, 3, 100], seed=4)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 3
+    expected = offline.generate(prompts, params)
+    assert [r[0] for r in run_all(slow, prompts, params)] == [e.text for e in expected]
+    assert_all_free(slow)
+
+
+def test_lease_expiry_frees_blocks_and_rejects_the_late_transfer(tmp_path, tiny_model, offline):
+    # The lease (1 s) runs out long before the slow prefill (~3 s) finishes: the
+    # decode worker frees the reservation, the router has it prefill the request
+    # itself, and the prefill worker's late pages are refused, never written.
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg",
+                  env={"PDD_FAULTS": "prefill.step_delay_s=0.25", "PDD_ENGINE__CHUNK_SIZE": "16",
+                       "PDD_ROUTER__KV_LEASE_TTL_S": "1.0"}).start()
+    try:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        prompt = long_prompt(4)
+        expected = offline.generate([prompt], sp)[0]
+        (text, reason), = run_all(c, [prompt], [sp])
+        assert text == expected.text and reason == "length"
+        # Pages that arrived after the lease ended were refused by the receiver.
+        _wait_for(lambda: c.workers()["decode-0"]["transfer"].get("rejected", 0) >= 1, 20.0, "a refused page")
+        log = (c.run_dir / "decode-0.log").read_text()
+        assert "lease of" in log and "expired" in log
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_failed_transfers_fall_back_to_local_prefill(tmp_path, tiny_model, offline):
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", env={"PDD_FAULTS": "transfer.reject=1"}).start()
+    try:
+        prompts = random_prompts([30, 64, 7], seed=8)
+        params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
+        expected = offline.generate(prompts, params)
+        assert [r[0] for r in run_all(c, prompts, params)] == [e.text for e in expected]
+        assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 3
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()

@@ -1,0 +1,150 @@
+"""Disaggregation at engine level: a prefill engine and a decode engine in one
+process, KV moved by the connector over the `local` backend. Every way the
+prefill can be sliced (chunks, its own prefix hits, the decode worker's prefix
+hits) must give the colocated output, and only the missing blocks may move."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pdd import LLM, SamplingParams
+from pdd.config import EngineConfig
+from pdd.engine.engine import LLMEngine
+from pdd.kv.layout import KVLayout
+from pdd.transfer.base import TransferTarget
+from pdd.transfer.connector import PrefillConnector
+from pdd.transfer.leases import LeaseTable
+from pdd.transfer.local import LocalReceiver, LocalSender
+from tests.engine.helpers import random_prompts
+
+BS = 16
+
+
+class Pair:
+    """Prefill engine -> decode engine, as the workers and router drive them."""
+
+    def __init__(self, model_dir, **engine_kw):
+        cfg = EngineConfig(model=str(model_dir), block_size=BS, **engine_kw)
+        self.p, self.d = LLMEngine(cfg), LLMEngine(cfg)
+        layout = KVLayout("tiny", "w", "float32", BS, self.p.model_config.num_layers,
+                          self.p.model_config.num_kv_heads, self.p.model_config.head_dim)
+        self.leases = LeaseTable()
+        self.receiver = LocalReceiver(self.d.runner.kv_cache, layout, self.leases)
+        self.receiver.start()
+        self.sender = LocalSender(layout)
+        self.connector = PrefillConnector(self.sender, self.p.runner.kv_cache, BS)
+        self.p.attach_connector(self.connector)
+        self.ids = itertools.count()
+
+    def generate(self, prompts, sp: SamplingParams):
+        """All prompts reserved and prefilled together, then decoded together."""
+        reqs = {}
+        for prompt in prompts:
+            rid = f"r{next(self.ids)}"
+            blocks, cached = self.d.reserve(rid, prompt, SamplingParams(**vars(sp)))
+            skip = cached // BS
+            lease = self.leases.grant(rid, blocks[skip:], 30.0)
+            self.p.add_request(rid, prompt, SamplingParams(**vars(sp)), prefill_only=True)
+            self.connector.add(TransferTarget(rid, lease, "d", self.receiver.address, tuple(blocks), skip))
+            reqs[rid] = {"lease": lease, "tokens": [], "skip": skip, "blocks": len(blocks)}
+        while self.p.has_unfinished():
+            for out in self.p.step():
+                reqs[out.request_id]["tokens"] = list(out.new_token_ids)
+                self.connector.finish(out.request_id)
+        results = {r.request_id: r for r in self.sender.poll()}
+        assert set(results) == set(reqs) and all(r.ok for r in results.values()), results
+        for rid, info in reqs.items():
+            info["result"] = results[rid]
+            self.leases.revoke(info["lease"])
+            done = self.d.kv_ready(rid, info["tokens"][0])
+            assert done is None or done.finished
+        while self.d.has_unfinished():
+            for out in self.d.step():
+                reqs[out.request_id]["tokens"].extend(out.new_token_ids)
+        return list(reqs.values())
+
+    def assert_idle(self):
+        for e in (self.p, self.d):
+            assert not e.has_unfinished() and not e.scheduler.waiting_for_kv
+            assert e.kv.num_free_blocks == e.kv.pool.num_usable_blocks
+        assert len(self.leases) == 0
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model):
+    return LLM(str(tiny_model))
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=3, ignore_eos=True)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 7, 4096])
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_disaggregated_equals_colocated(tiny_model, colocated, chunk_size, sp):
+    pair = Pair(tiny_model, chunk_size=chunk_size, max_num_batched_tokens=64)
+    prompts = random_prompts([1, 15, 16, 17, 40, 130], seed=6)
+    expected = colocated.generate(prompts, sp)
+    got = pair.generate(prompts, sp)
+    assert [g["tokens"] for g in got] == [e.token_ids for e in expected]
+    for g in got:  # nothing cached on either side yet: every block crosses once
+        assert g["result"].blocks_sent == g["blocks"] and g["result"].blocks_skipped == 0
+    pair.assert_idle()
+
+
+def test_only_blocks_the_decode_engine_lacks_are_sent(tiny_model, colocated):
+    pair = Pair(tiny_model)
+    base = random_prompts([100], seed=12)[0]
+    first = pair.generate([base], GREEDY)[0]
+    # Same 70-token start: the decode engine caches 4 blocks (and so does the
+    # prefill engine, which skips computing them but must not send them).
+    branch = base[:70] + random_prompts([30], seed=13)[0]
+    second = pair.generate([branch], GREEDY)[0]
+    assert second["skip"] == 4 and second["result"].blocks_skipped == 4
+    assert second["result"].blocks_sent == second["blocks"] - 4
+    assert first["tokens"] == colocated.generate([base], GREEDY)[0].token_ids
+    assert second["tokens"] == colocated.generate([branch], GREEDY)[0].token_ids
+    pair.assert_idle()
+
+
+def test_prefill_cache_hits_the_decode_engine_lacks_are_still_sent(tiny_model, colocated):
+    pair = Pair(tiny_model)
+    prompt = random_prompts([90], seed=14)[0]
+    pair.generate([prompt], GREEDY)
+    pair.d.kv.pool.reset_prefix_cache()      # the decode side forgets; the prefill side still caches
+    again = pair.generate([prompt], GREEDY)[0]
+    assert again["skip"] == 0 and again["result"].blocks_sent == again["blocks"]
+    assert again["tokens"] == colocated.generate([prompt], GREEDY)[0].token_ids
+    pair.assert_idle()
+
+
+def test_first_token_can_end_the_request(tiny_model, colocated):
+    pair = Pair(tiny_model)
+    prompt = random_prompts([20], seed=15)[0]
+    got = pair.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert got["tokens"] == colocated.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
+    pair.assert_idle()
+
+
+def test_reservation_fallback_to_local_prefill(tiny_model, colocated):
+    pair = Pair(tiny_model)
+    prompt = random_prompts([50], seed=16)[0]
+    blocks, cached = pair.d.reserve("x", prompt, SamplingParams(**vars(GREEDY)))
+    lease = pair.leases.grant("x", blocks, 30.0)
+    pair.leases.revoke(lease)
+    pair.d.prefill_locally("x")
+    tokens = []
+    while pair.d.has_unfinished():
+        for out in pair.d.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == colocated.generate([prompt], GREEDY)[0].token_ids
+    pair.assert_idle()
+
+
+def test_abort_of_a_reservation_frees_its_blocks(tiny_model):
+    pair = Pair(tiny_model)
+    pair.d.reserve("y", random_prompts([70], seed=17)[0], SamplingParams(**vars(GREEDY)))
+    assert pair.d.kv.num_free_blocks < pair.d.kv.pool.num_usable_blocks
+    assert pair.d.abort_request("y")
+    pair.assert_idle()

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from pdd.transfer import make_receiver, make_sender
+from pdd.transfer.leases import LeaseTable
+from pdd.transfer.wire import (WireError, bytes_to_tensor, decode_ack, decode_header, encode_ack,
+                               encode_pages_header, tensor_bytes)
+from tests.transfer.conftest import make_layout
+
+
+def _header(**over) -> dict:
+    h = dict(request_id="r", lease_id="l", layer=2, dst_block_ids=[3, 1], dtype=torch.bfloat16,
+             shape=[2, 2, 4, 2, 8], layout=make_layout().to_dict(), seq=5)
+    h.update(over)
+    return h
+
+
+def test_header_round_trip():
+    h = decode_header(encode_pages_header(**_header()))
+    assert h["dtype"] == "bfloat16" and h["dst_block_ids"] == [3, 1] and h["seq"] == 5
+    assert h["layout"] == make_layout().to_dict() and h["v"] == 1
+
+
+@pytest.mark.parametrize("raw,expected", [
+    (b"", "not msgpack"),
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb("str"), "expected a map"),
+    (msgpack.packb({"v": 1}), "missing field 'kind'"),
+    (encode_pages_header(**_header(seq=-1)), "field 'seq'"),
+    (encode_pages_header(**_header(dst_block_ids=[1, -2])), "field 'dst_block_ids'"),
+    (encode_pages_header(**_header(request_id=7)), "field 'request_id' must be str"),
+    (encode_ack("r", 1, True), "field 'kind' must be 'pages'"),
+])
+def test_garbage_headers(raw, expected):
+    with pytest.raises(WireError, match=expected):
+        decode_header(raw)
+
+
+def test_ack_round_trip():
+    a = decode_ack(encode_ack("r", 3, False, "nope"))
+    assert (a["request_id"], a["seq"], a["ok"], a["error"]) == ("r", 3, False, "nope")
+    with pytest.raises(WireError):
+        decode_ack(encode_pages_header(**_header()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_payload_round_trip(dtype):
+    t = (torch.rand(2, 3, 4, 2, 8) + 1).to(dtype)
+    buf = tensor_bytes(t)
+    assert buf.nbytes == t.numel() * t.element_size()
+    assert torch.equal(bytes_to_tensor(bytearray(buf), dtype, list(t.shape)), t)
+
+
+def test_factories():
+    layout = make_layout()
+    with pytest.raises(ValueError, match="tcp, local, cuda_ipc"):
+        make_sender("rdma", layout)
+    with pytest.raises(ValueError, match="choices"):
+        make_receiver("rdma", torch.zeros(3, 2, 12, 4, 2, 8), layout, LeaseTable())
+    with pytest.raises(NotImplementedError, match="cuda_ipc"):
+        make_sender("cuda_ipc", layout)
+    with pytest.raises(ValueError, match="KV pool has shape"):
+        make_receiver("tcp", torch.zeros(3, 2, 12, 8, 2, 8), layout, LeaseTable())
