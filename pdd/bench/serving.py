@@ -11,18 +11,12 @@ per token; tokens/s is the relay rate.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import time
 from pathlib import Path
 
-import aiohttp
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+from pdd.bench.load import burst, percentile, start_cluster
 
 
 def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -43,42 +37,12 @@ def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
             tokens += len(o.new_token_ids)
     wall = time.perf_counter() - t0
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": 1e3 * statistics.mean(gaps),
-            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
-
-
-async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int, gaps: list[float]) -> int:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    n, last = 0, None
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.perf_counter()
-            if last is not None:
-                gaps.append(now - last)
-            last = now
-            n += 1
-    return n
-
-
-async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    gaps: list[float] = []
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(_stream(session, url, model, p, max_tokens, gaps) for p in prompts))
-        wall = time.perf_counter() - t0
-    tokens = sum(counts)
-    return {"chunks": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": 1e3 * statistics.mean(gaps),
-            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
+            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
 
 
 def main(args) -> int:
-    from pdd.config import EngineConfig, load_cluster_config
+    from pdd.config import EngineConfig
     from pdd.engine.engine import LLMEngine
-    from pdd.launcher import Cluster, free_port
 
     levels = [int(x) for x in args.concurrency.split(",")]
     max_seqs = max(levels)
@@ -95,17 +59,13 @@ def main(args) -> int:
         results["levels"][c] = {"inprocess": run_inprocess(engine, [prompt] * c, args.max_tokens)}
     del engine
 
-    cfg = load_cluster_config(overrides={"engine": engine_over, "router": {
-        "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
-        "admin_addr": f"tcp://127.0.0.1:{free_port()}"}})
-    cluster = Cluster(cfg, [("colocated", "colocated-0", None)], Path(args.run_dir))
-    cluster.start()
+    engine_over.pop("model", None)
+    cluster = start_cluster(args.run_dir, [("colocated", "colocated-0", None)], args.model, "colocated",
+                            engine_over)
     try:
-        cluster.wait_ready(300)
-        model = cfg.served_model_name(args.model)
-        asyncio.run(run_http(cluster.url, model, [prompt] * 2, 4))  # warm-up
+        burst(cluster.url, cluster.model_name, [prompt] * 2, 4)  # warm-up
         for c in levels:
-            results["levels"][c]["http"] = asyncio.run(run_http(cluster.url, model, [prompt] * c, args.max_tokens))
+            results["levels"][c]["http"] = burst(cluster.url, cluster.model_name, [prompt] * c, args.max_tokens)
     finally:
         cluster.stop()
 

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from pdd.config import EngineConfig
-from pdd.engine.request import Request
 from pdd.engine.sampler import SampleResult, SamplingBatch, sample
 from pdd.engine.scheduler import SchedulerOutput
 from pdd.kv.cache import KVCacheSpec, allocate_kv_cache

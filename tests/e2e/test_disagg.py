@@ -3,12 +3,10 @@ workers, KV over the tcp data plane on loopback."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
