@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     from pdd.bench import serving
     serving.add_parser(bench_sub)
-    from pdd.bench import disagg
+    from pdd.bench import disagg, gpu
     disagg.add_parser(bench_sub)
+    gpu.add_parser(bench_sub)
     from pdd.bench import transfer
     transfer.add_parser(bench_sub)
     return parser

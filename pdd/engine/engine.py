@@ -81,6 +81,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         self.last_step = StepStats()
         self.connector = None
+        self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams | None = None, **kwargs) -> Request:

@@ -56,6 +56,25 @@ class ModelRunner:
         log.info("KV pool: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, cfg.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, device)
 
+        self.graphs = None
+
+    def enable_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only; needs the pool and max_model_len)."""
+        if self.device.type != "cuda" or not self.cfg.cuda_graphs:
+            return
+        from pdd.engine.cuda_graphs import DecodeGraphs
+        from pdd.ops import backend_for, reference
+
+        if backend_for(self.kv_cache) is reference:
+            # The reference attention gathers whole padded contexts: fine eagerly,
+            # far too large when captured at max_model_len.
+            log.warning("CUDA graphs off: Triton kernels unavailable, using the torch reference ops")
+            return
+
+        self.graphs = DecodeGraphs(self.model, self.device, min(self.cfg.max_num_seqs, 256), max_model_len,
+                                   self.cfg.block_size)
+        self.graphs.capture()
+
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.shape[2]
@@ -108,7 +127,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
         inputs = self.prepare(out, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         tokens: list[int | None] = [None] * len(out.scheduled)
         logprobs: list[tuple | None] = [None] * len(out.scheduled)
         if inputs.sampling is None:

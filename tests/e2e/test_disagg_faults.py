@@ -25,10 +25,12 @@ LONG_PROMPT = long_prompt(0)
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, tiny_model):
     # Prefill crawls (16-token chunks, 0.25 s per step) and every page message
-    # waits 0.1 s: a long prompt spends seconds computing, then seconds transferring.
+    # waits 0.1 s: a long prompt spends seconds computing, then seconds
+    # transferring. One sequence at a time: a second prompt queues.
     c = UpCluster(tmp_path_factory.mktemp("slow"), tiny_model, "--mode", "disagg",
                   env={"PDD_FAULTS": "prefill.step_delay_s=0.25,transfer.send_delay_s=0.1",
-                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64"}).start()
+                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
+                       "PDD_ENGINE__MAX_NUM_SEQS": "1"}).start()
     yield c
     assert c.stop() == 0, c.logs()
 

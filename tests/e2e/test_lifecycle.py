@@ -45,15 +45,15 @@ def two_workers(tmp_path, tiny_model):
 
 def test_sigint_drains_in_flight_requests(tmp_path, tiny_model, offline):
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated").start()
-    expected = offline.generate(["drain me"], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0]
+    expected = offline.generate(["drain me"], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
     result = {}
     started = threading.Event()
     t = threading.Thread(target=lambda: result.update(out=stream_tokens(
-        c.url, c.model_name, "drain me", 300, on_chunk=lambda n: started.set())))
+        c.url, c.model_name, "drain me", 120, on_chunk=lambda n: started.set())))
     t.start()
     assert started.wait(30)
     assert c.stop() == 0                      # SIGINT to `pdd up`: router drains, then workers stop
-    t.join(30)
+    t.join(60)
     assert result["out"] == (expected.text, "length")
     log = (tmp_path / "run" / "router.log").read_text()
     assert "draining" in log

@@ -1,0 +1,128 @@
+"""Engine step times on a GPU against the roofline (DESIGN.md, "Performance model").
+
+decode: B requests with a context of --context tokens each, all decoding; a
+step's floor is (weight bytes + KV bytes read) / HBM bandwidth.
+prefill: one prompt of N tokens in one step; the floor is
+(2 * params * N + attention FLOPs) / matmul peak.
+Times are whole engine steps (schedule, inputs, forward, sample, host sync):
+what a request actually waits for.
+
+    pdd bench gpu --model conf/models/llama-3.1-8b --load-format dummy
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (DESIGN.md)
+MATMUL_FLOP_S = 796e12     # measured bf16 matmul on the lent H200
+
+
+def _engine(args, max_batched: int, num_blocks: int):
+    from pdd.config import EngineConfig
+    from pdd.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device="cuda",
+                                  num_blocks=num_blocks, max_num_seqs=max(256, max_batched),
+                                  max_num_batched_tokens=max_batched, chunk_size=max_batched,
+                                  enable_prefix_caching=False, max_model_len=32768,
+                                  cuda_graphs=not args.no_cuda_graphs))
+
+
+def _timed_steps(engine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_decode(args, engine, batch: int, context: int) -> dict:
+    from pdd.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, 32000, (context,), generator=g).tolist()
+        engine.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=args.steps + 64, temperature=0.0,
+                                                                     ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
+            or engine.scheduler.waiting:
+        engine.step()  # prefill everything first
+    times = _timed_steps(engine, args.steps)
+    for rid in list(engine.scheduler.requests):
+        engine.abort_request(rid)
+    cfg, spec = engine.model_config, engine.runner.kv_spec
+    weight_bytes = cfg.num_parameters() * engine.dtype.itemsize
+    kv_bytes = batch * (context + args.steps // 2) * spec.bytes_per_token
+    step = statistics.median(times)
+    floor = (weight_bytes + kv_bytes) / HBM_BYTES_S
+    return {"batch": batch, "context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
+            "fraction_of_roofline": floor / step, "tokens_s": batch / step}
+
+
+def bench_prefill(args, engine, tokens: int) -> dict:
+    from pdd.engine.sampling_params import SamplingParams
+
+    cfg = engine.model_config
+    times = []
+    for rep in range(args.prefill_reps + 1):
+        g = torch.Generator().manual_seed(rep)
+        prompt = torch.randint(0, 32000, (tokens,), generator=g).tolist()
+        engine.add_request(f"p{tokens}-{rep}", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        if rep:  # the first run compiles kernels
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    linear_flops = 2 * cfg.num_parameters() * tokens
+    attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    flops = linear_flops + attn_flops
+    return {"tokens": tokens, "time_ms": 1e3 * step, "tflop_s": flops / step / 1e12,
+            "fraction_of_peak": flops / step / MATMUL_FLOP_S}
+
+
+def main(args) -> int:
+    batches = [int(x) for x in args.batches.split(",")]
+    prompts = [int(x) for x in args.prefill.split(",")]
+    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "model": args.model,
+           "decode": [], "prefill": []}
+    blocks_needed = max(batches) * (args.context + args.steps + 80) // 16 + 64
+    blocks_needed = max(blocks_needed, max(prompts) // 16 + 64)
+    engine = _engine(args, max(max(prompts), 2048), blocks_needed)
+    for b in batches:
+        r = bench_decode(args, engine, b, args.context)
+        out["decode"].append(r)
+        print(f"decode  batch {b:>4} ctx {args.context}: step {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
+              f"{100 * r['fraction_of_roofline']:.0f}% of roofline, {r['tokens_s']:.0f} tok/s", flush=True)
+    for n in prompts:
+        r = bench_prefill(args, engine, n)
+        out["prefill"].append(r)
+        print(f"prefill {n:>6} tokens: {r['time_ms']:.1f} ms, {r['tflop_s']:.0f} TFLOP/s, "
+              f"{100 * r['fraction_of_peak']:.0f}% of peak", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
+    b.add_argument("--model", default="conf/models/llama-3.1-8b")
+    b.add_argument("--load-format", default="dummy")
+    b.add_argument("--batches", default="1,32,128")
+    b.add_argument("--context", type=int, default=1024)
+    b.add_argument("--steps", type=int, default=30)
+    b.add_argument("--prefill", default="4096,16384")
+    b.add_argument("--prefill-reps", type=int, default=3)
+    b.add_argument("--no-cuda-graphs", action="store_true")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=main)
