@@ -16,7 +16,8 @@ from pdd.ops import reference
 from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
-           "scatter_blocks", "copy_blocks", "backend_for"]
+           "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
+           "rotary"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -59,3 +60,19 @@ def scatter_blocks(kv_layer, block_ids, pages) -> None:
 
 def copy_blocks(src_layer, dst_layer, src_ids, dst_ids) -> None:
     backend_for(dst_layer).copy_blocks(src_layer, dst_layer, src_ids, dst_ids)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    return backend_for(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    return backend_for(x).add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x) -> torch.Tensor:
+    return backend_for(x).silu_and_mul(x)
+
+
+def rotary(positions, q, k, cos, sin):
+    return backend_for(q).rotary(positions, q, k, cos, sin)

@@ -106,3 +106,36 @@ def copy_blocks(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_ids: torch
                 dst_ids: torch.Tensor) -> None:
     """Page copy between two pools (same layout): dst[:, dst_ids] = src[:, src_ids]."""
     scatter_blocks(dst_layer, dst_ids.to(dst_layer.device), gather_blocks(src_layer, src_ids).to(dst_layer.device))
+
+
+# ---------------------------------------------------------------- decoder layer ops
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32, round to the model dtype, then scale: HF's order.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual), the sum in the model dtype."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox-style rotary embedding; cos/sin tables [max_positions, head_dim / 2] in float32."""
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    return _rotate(q, c, s), _rotate(k, c, s)

@@ -573,3 +573,12 @@ def copy_blocks(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_ids: torch
             _launch_copy(src_layer, dst_layer, src_ids, dst_ids, n)
     else:
         _launch_copy(src_layer, dst_layer, src_ids, dst_ids, n)
+
+
+# The decoder's per-token ops live in their own module; the dispatcher finds them here.
+from pdd.ops import triton_layers as _layers  # noqa: E402
+
+rms_norm = _layers.rms_norm
+add_rms_norm = _layers.add_rms_norm
+silu_and_mul = _layers.silu_and_mul
+rotary = _layers.rotary
