@@ -32,7 +32,9 @@ def run(args) -> dict:
     kw = _engine_kwargs(args)
     llm = LLM(kw.pop("model"), **kw)
     engine = llm.engine
-    vocab = min(engine.model_config.vocab_size, llm.tokenizer.vocab_size)
+    vocab = engine.model_config.vocab_size
+    if llm.tokenizer is not None:
+        vocab = min(vocab, llm.tokenizer.vocab_size)
     prompts = _requests(args.num_requests, args.min_prompt, args.max_prompt, vocab)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     out_tokens = args.num_requests * args.max_tokens
@@ -46,12 +48,14 @@ def run(args) -> dict:
     _sync(engine.device)
     t_batched = time.perf_counter() - t0
 
-    engine.kv.pool.reset_prefix_cache()
-    t0 = time.perf_counter()
-    solo = [llm.generate([p], sp)[0] for p in prompts]
-    _sync(engine.device)
-    t_solo = time.perf_counter() - t0
-    assert [o.token_ids for o in batched] == [o.token_ids for o in solo], "batched != solo output"
+    t_solo = None
+    if not args.no_solo:
+        engine.kv.pool.reset_prefix_cache()
+        t0 = time.perf_counter()
+        solo = [llm.generate([p], sp)[0] for p in prompts]
+        _sync(engine.device)
+        t_solo = time.perf_counter() - t0
+        assert [o.token_ids for o in batched] == [o.token_ids for o in solo], "batched != solo output"
 
     result = {
         "model": str(engine.model_dir), "device": str(engine.device), "dtype": str(engine.dtype),
@@ -59,21 +63,58 @@ def run(args) -> dict:
         "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
         "num_requests": args.num_requests, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
         "pdd_batched_s": t_batched, "pdd_batched_out_tok_s": out_tokens / t_batched,
-        "pdd_solo_s": t_solo, "pdd_solo_out_tok_s": out_tokens / t_solo,
     }
-    if args.hf:
-        result.update(_run_hf(engine, prompts, args.max_tokens))
-        result["batched_vs_hf"] = result["pdd_batched_out_tok_s"] / result["hf_solo_out_tok_s"]
-    result["batched_vs_solo"] = result["pdd_batched_out_tok_s"] / result["pdd_solo_out_tok_s"]
+    if t_solo is not None:
+        result.update(pdd_solo_s=t_solo, pdd_solo_out_tok_s=out_tokens / t_solo,
+                      batched_vs_solo=out_tokens / t_batched / (out_tokens / t_solo))
+    if args.hf or args.hf_batched:
+        model_dir, dev, dtype, load_format = engine.model_dir, engine.device, engine.dtype, engine.cfg.load_format
+        del llm, engine, batched  # free the GPU for the HF model
+        if dev.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+        hf = _load_hf(model_dir, dev, dtype, load_format)
+        if args.hf:
+            result.update(_run_hf(hf, dev, prompts, args.max_tokens))
+            result["batched_vs_hf_solo"] = result["pdd_batched_out_tok_s"] / result["hf_solo_out_tok_s"]
+        if args.hf_batched:
+            result.update(_run_hf_batched(hf, dev, prompts, args.max_tokens))
+            result["batched_vs_hf_batched"] = result["pdd_batched_out_tok_s"] / result["hf_batched_out_tok_s"]
     return result
 
 
-def _run_hf(engine, prompts, max_tokens: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def _load_hf(model_dir, dev, dtype, load_format: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype).to(engine.device)
-    dev = engine.device
+    if load_format == "dummy":  # same shapes, random weights: throughput only
+        with torch.device(dev):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
 
+
+def _run_hf_batched(hf, dev, prompts, max_tokens: int) -> dict:
+    """HF generate on every prompt at once, left-padded (its static-batch path)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    with torch.no_grad():
+        hf.generate(ids[:2], attention_mask=mask[:2], do_sample=False, max_new_tokens=4, pad_token_id=0)
+        _sync(dev)
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens, pad_token_id=0)
+        _sync(dev)
+    t = time.perf_counter() - t0
+    return {"hf_batched_s": t, "hf_batched_out_tok_s": len(prompts) * max_tokens / t}
+
+
+def _run_hf(hf, dev, prompts, max_tokens: int) -> dict:
+    """HF generate one request at a time."""
     def gen(p):
         ids = torch.tensor([p], device=dev)
         return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -8,6 +8,7 @@ from pdd.config import EngineConfig
 from pdd.engine.engine import LLMEngine
 from pdd.engine.sampling_params import SamplingParams
 from pdd.engine.text_stream import TextStream
+from pdd.model.config import CheckpointError
 from pdd.model.tokenizer import Tokenizer
 
 
@@ -25,7 +26,13 @@ class CompletionOutput:
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
-        self.tokenizer = Tokenizer(self.engine.model_dir)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.engine.model_dir)
+        except CheckpointError:
+            if self.engine.cfg.load_format != "dummy":
+                raise
+            # A config-only shape for benchmarks: token ids in, token ids out, no text.
+            self.tokenizer = None
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -40,13 +47,15 @@ class LLM:
         streams: dict[str, TextStream] = {}
         order = []
         for prompt, sp in zip(prompts, sampling_params):
+            if isinstance(prompt, str) and self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
             # Each request gets its own params object: validate() may fill in the seed.
             sp = SamplingParams(**vars(sp))
             self.engine.add_request(rid, ids, sp)
             outputs[rid] = CompletionOutput(rid, ids)
-            streams[rid] = TextStream(self.tokenizer, sp.stop)
+            streams[rid] = TextStream(self.tokenizer, sp.stop) if self.tokenizer else None
             order.append(rid)
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -57,6 +66,9 @@ class LLM:
         result.token_ids.extend(out.new_token_ids)
         result.logprobs.extend(out.logprobs)
         result.num_cached_tokens = out.num_cached_tokens
+        if stream is None:
+            result.finish_reason = out.finish_reason if out.finished else None
+            return
         result.text += stream.add(out.new_token_ids)
         if stream.stopped and not out.finished:
             self.engine.abort_request(out.request_id)
