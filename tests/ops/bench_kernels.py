@@ -16,6 +16,7 @@ import triton
 import triton.testing
 
 from pdd.ops import reference
+from pdd.ops import triton_attention as ta
 from pdd.ops import triton_ops as tk
 from pdd.ops.metadata import AttentionMetadata
 
@@ -65,14 +66,14 @@ def decode(sweep: bool):
             scale = D ** -0.5
             ms = bench(lambda: tk.paged_attention(q, kv, meta, scale))
             gbs = b * ctx * KVH * D * 2 * 2 / ms / 1e6
-            splits = tk._decode_num_splits(b, KVH, ctx, tk._decode_config(D, DT, True)["BLOCK_N"], q.device)
+            splits = ta._decode_num_splits(b, KVH, ctx, ta._decode_config(D, DT, True)["BLOCK_N"], q.device)
             print(f"decode b={b:4d} ctx={ctx:5d} splits={splits:2d}: {ms * 1e3:8.1f} us "
                   f"{gbs:7.0f} GB/s ({gbs / HBM_PEAK:.0%} of {HBM_PEAK:.0f})", flush=True)
             if sweep and ctx == 8192 and b in (1, 128):
                 base = tk.paged_attention(q, kv, meta, scale)
-                orig = tk._decode_config
+                orig = ta._decode_config
                 for bn, st, nw in ((32, 3, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (128, 3, 8)):
-                    tk._decode_config = lambda d, dt, gpu, bn=bn, st=st, nw=nw: dict(BLOCK_N=bn, num_warps=nw,
+                    ta._decode_config = lambda d, dt, gpu, bn=bn, st=st, nw=nw: dict(BLOCK_N=bn, num_warps=nw,
                                                                                       num_stages=st)
                     try:
                         err = rel(tk.paged_attention(q, kv, meta, scale), base)
@@ -82,7 +83,7 @@ def decode(sweep: bool):
                     except Exception as e:  # noqa: BLE001
                         print(f"   sweep BLOCK_N={bn} stages={st} warps={nw}: failed {type(e).__name__}: {e}"[:300])
                     finally:
-                        tk._decode_config = orig
+                        ta._decode_config = orig
 
 
 def prefill(sweep: bool):
@@ -108,10 +109,10 @@ def prefill(sweep: bool):
                 print(f"   torch sdpa failed: {e}"[:200])
         if sweep and n == 16384:
             base = tk.paged_attention(q, kv, meta, scale)
-            orig = tk._prefill_config
+            orig = ta._prefill_config
             for bm, bn, nw, st in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
                                    (128, 32, 4, 4), (128, 128, 8, 2)):
-                tk._prefill_config = lambda d, dt, gpu, bm=bm, bn=bn, nw=nw, st=st: dict(
+                ta._prefill_config = lambda d, dt, gpu, bm=bm, bn=bn, nw=nw, st=st: dict(
                     BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
                 try:
                     err = rel(tk.paged_attention(q, kv, meta, scale), base)
@@ -121,7 +122,7 @@ def prefill(sweep: bool):
                 except Exception as e:  # noqa: BLE001
                     print(f"   sweep {bm}/{bn}/{nw}/{st}: failed {type(e).__name__}: {e}"[:300])
                 finally:
-                    tk._prefill_config = orig
+                    ta._prefill_config = orig
 
 
 def copies():

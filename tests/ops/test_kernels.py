@@ -54,6 +54,7 @@ def _import_kernels():
 triton, tk = _import_kernels()
 
 from pdd.ops import reference  # noqa: E402
+from pdd.ops import triton_attention as ta  # noqa: E402  (internals: split counts, tile configs)
 from pdd.ops.metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -199,7 +200,7 @@ def test_decode_only(dtype, heads, kv_heads):
 def test_decode_split_counts(monkeypatch, splits):
     """Forced split counts, including more splits than a short sequence has tiles
     (empty splits must weigh nothing in the merge)."""
-    monkeypatch.setattr(tk, "_decode_num_splits", lambda *a: splits)
+    monkeypatch.setattr(ta, "_decode_num_splits", lambda *a: splits)
     seqs = [(1, 3), (1, 50), (1, 130)]
     q, kv, meta = make_batch(seqs, block_size=4, kv_heads=2, heads=8, head_dim=32, dtype=torch.float32)
     check_attention(q, kv, meta, torch.float32)

@@ -1,0 +1,55 @@
+"""What the Triton KV-cache kernels share: dtype sets and wrapper checks."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# Checks shared by the wrappers
+# ---------------------------------------------------------------------------
+
+def _check_kv_layer(kv: torch.Tensor, name: str = "kv_layer") -> None:
+    assert kv.dim() == 5 and kv.shape[0] == 2, (
+        f"{name} must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}")
+    assert kv.dtype in _FLOAT_DTYPES, f"{name} dtype {kv.dtype} not supported"
+    _, _, bs, kvh, d = kv.shape
+    assert kv.stride(4) == 1 and kv.stride(3) == d and kv.stride(2) == kvh * d, (
+        f"{name}: each page [block_size, kv_heads, head_dim] must be contiguous, "
+        f"strides {kv.stride()}")
+    assert bs > 0 and bs & (bs - 1) == 0, f"{name}: block_size {bs} must be a power of two"
+
+
+def _check_index(t: torch.Tensor, name: str, device: torch.device, dim: int = 1) -> None:
+    assert t.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}"
+    assert t.dim() == dim, f"{name} must be {dim}-D, got shape {tuple(t.shape)}"
+    assert t.device == device, f"{name} is on {t.device}, expected {device}"
+    if dim == 1:
+        assert t.numel() <= 1 or t.stride(0) == 1, f"{name} must be contiguous, stride {t.stride()}"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: small, so that small tests still split
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+def _dot_mode(q: torch.Tensor) -> int:
+    """See `_attend_tile`'s DOT."""
+    if q.dtype == torch.float32:
+        return 1
+    return 2 if q.dtype == torch.bfloat16 and not _on_gpu(q) else 0

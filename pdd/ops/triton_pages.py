@@ -1,0 +1,175 @@
+"""Triton kernels that move KV pages: store new tokens' K/V into their slots, and
+gather / scatter / copy whole pages (between pools too, across GPUs through
+CUDA IPC: the copy touches the destination only through the kernel's stores)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdd.ops.triton_common import _FLOAT_DTYPES, _check_index, _check_kv_layer, _on_gpu, _pow2
+
+# ---------------------------------------------------------------------------
+# store_kv
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
+                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                     stride_cb, stride_cs, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
+                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping + tok).to(tl.int64)
+    if slot >= 0:  # a negative slot (the reference would raise) writes nothing
+        offs_h = tl.arange(0, H_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tok64 = tok.to(tl.int64)
+        k = tl.load(key + tok64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                    mask=mask)
+        v = tl.load(value + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=mask)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+            + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write K/V of new tokens ([T, kv_heads, head_dim]) into their slots."""
+    _check_kv_layer(kv_layer)
+    _, _, bs, kvh, d = kv_layer.shape
+    for name, t in (("key", key), ("value", value)):
+        assert t.dim() == 3 and t.shape[1:] == (kvh, d), (
+            f"{name} must be [T, {kvh}, {d}] to match kv_layer, got {tuple(t.shape)}")
+        assert t.dtype in _FLOAT_DTYPES, f"{name} dtype {t.dtype} not supported"
+        assert t.device == kv_layer.device, f"{name} is on {t.device}, kv_layer on {kv_layer.device}"
+    assert key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}"
+    _check_index(slot_mapping, "slot_mapping", kv_layer.device)
+    num_tokens = key.shape[0]
+    assert slot_mapping.shape[0] == num_tokens, (
+        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    # A dtype conversion (never needed by the engine, whose cache has the model's
+    # dtype) is left to torch: the Triton interpreter truncates fp32 -> bf16
+    # where torch and compiled Triton round to nearest even.
+    key = key if key.dtype == kv_layer.dtype else key.to(kv_layer.dtype)
+    value = value if value.dtype == kv_layer.dtype else value.to(kv_layer.dtype)
+    kc, vc = kv_layer[0], kv_layer[1]
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kc, vc, slot_mapping,
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        KV_HEADS=kvh, HEAD_DIM=d, H_PAD=_pow2(kvh), D_PAD=_pow2(d), BLOCK_SIZE=bs,
+        num_warps=4 if kvh * d >= 1024 else 1)
+
+
+# ---------------------------------------------------------------------------
+# page copies
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _copy_pages_kernel(src, dst, src_ids, dst_ids,
+                       src_half_stride, src_block_stride, dst_half_stride, dst_block_stride,
+                       PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                       SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr):
+    """dst[half, dst_ids[i], chunk] = src[half, src_ids[i], chunk], a missing id
+    list meaning the identity (the contiguous side of a gather or scatter)."""
+    i = tl.program_id(0)
+    half = tl.program_id(1) // CHUNKS
+    chunk = tl.program_id(1) % CHUNKS
+    if SRC_IDS:
+        s = tl.load(src_ids + i).to(tl.int64)
+    else:
+        s = i.to(tl.int64)
+    if DST_IDS:
+        t = tl.load(dst_ids + i).to(tl.int64)
+    else:
+        t = i.to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    src_ptrs = src + half * src_half_stride + s * src_block_stride + offs
+    dst_ptrs = dst + half * dst_half_stride + t * dst_block_stride + offs
+    if PAGE % CHUNK == 0:
+        x = tl.load(src_ptrs)
+        tl.store(dst_ptrs, x.to(dst.dtype.element_ty))
+    else:
+        mask = offs < PAGE
+        x = tl.load(src_ptrs, mask=mask)
+        tl.store(dst_ptrs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def _launch_copy(src, dst, src_ids, dst_ids, n: int) -> None:
+    """src/dst: [2, blocks, *page] with contiguous pages; ids: None for identity."""
+    if n == 0:
+        return
+    page = src[0, 0].numel()
+    gpu = _on_gpu(src) or _on_gpu(dst)
+    chunk = min(_pow2(page), 4096 if gpu else 1024)
+    chunks = triton.cdiv(page, chunk)
+    any_ids = src_ids if src_ids is not None else dst_ids
+    _copy_pages_kernel[(n, 2 * chunks)](
+        src, dst, src_ids if src_ids is not None else any_ids, dst_ids if dst_ids is not None else any_ids,
+        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        PAGE=page, CHUNK=chunk, CHUNKS=chunks, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
+        num_warps=4 if gpu else 1)
+
+
+def gather_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pages of one layer into a contiguous [2, n, block_size, kv_heads, head_dim]."""
+    _check_kv_layer(kv_layer)
+    _check_index(block_ids, "block_ids", kv_layer.device)
+    n = block_ids.shape[0]
+    out = torch.empty((2, n, *kv_layer.shape[2:]), dtype=kv_layer.dtype, device=kv_layer.device)
+    _launch_copy(kv_layer, out, block_ids, None, n)
+    return out
+
+
+def scatter_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+    """Inverse of gather_blocks: write contiguous pages into the given blocks."""
+    _check_kv_layer(kv_layer)
+    _check_index(block_ids, "block_ids", kv_layer.device)
+    n = block_ids.shape[0]
+    assert pages.shape == (2, n, *kv_layer.shape[2:]), (
+        f"pages must be [2, {n}, {', '.join(map(str, kv_layer.shape[2:]))}], got {tuple(pages.shape)}")
+    assert pages.dtype in _FLOAT_DTYPES, f"pages dtype {pages.dtype} not supported"
+    assert pages.device == kv_layer.device, f"pages are on {pages.device}, kv_layer on {kv_layer.device}"
+    if pages.dtype != kv_layer.dtype:  # see store_kv
+        pages = pages.to(kv_layer.dtype)
+    if n and not (pages.stride(4) == 1 and pages.stride(3) == pages.shape[4]
+                  and pages.stride(2) == pages.shape[3] * pages.shape[4]):
+        pages = pages.contiguous()
+    _launch_copy(pages, kv_layer, None, block_ids, n)
+
+
+def copy_blocks(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_ids: torch.Tensor,
+                dst_ids: torch.Tensor) -> None:
+    """Page copy between two pools (same layout): dst[:, dst_ids] = src[:, src_ids].
+
+    Runs on src_layer's device and touches dst_layer only through the kernel's
+    stores (no torch op on it), so dst_layer may be a peer GPU's pool opened in
+    this device's context through CUDA IPC. Index tensors should already be on
+    src_layer's device; others are copied there first (from the host that is a
+    synchronous copy). If src and dst are the same pool, the two id sets must
+    not overlap (the reference reads all pages before writing any).
+    """
+    _check_kv_layer(src_layer, "src_layer")
+    _check_kv_layer(dst_layer, "dst_layer")
+    assert src_layer.shape[2:] == dst_layer.shape[2:], (
+        f"page layouts differ: src {tuple(src_layer.shape[2:])} vs dst {tuple(dst_layer.shape[2:])}")
+    assert src_layer.device.type == dst_layer.device.type, (
+        f"src_layer on {src_layer.device}, dst_layer on {dst_layer.device}")
+    dev = src_layer.device
+    src_ids = src_ids if src_ids.device == dev else src_ids.to(dev)
+    dst_ids = dst_ids if dst_ids.device == dev else dst_ids.to(dev)
+    _check_index(src_ids, "src_ids", dev)
+    _check_index(dst_ids, "dst_ids", dev)
+    n = src_ids.shape[0]
+    assert dst_ids.shape[0] == n, f"{n} src_ids but {dst_ids.shape[0]} dst_ids"
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            _launch_copy(src_layer, dst_layer, src_ids, dst_ids, n)
+    else:
+        _launch_copy(src_layer, dst_layer, src_ids, dst_ids, n)
