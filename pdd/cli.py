@@ -90,12 +90,6 @@ def cmd_admin(args) -> int:
     return admin(args)
 
 
-def cmd_bench(args) -> int:
-    from pdd.bench import offline
-
-    return offline.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -154,24 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
-    b = bench_sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
-    _add_engine_args(b)
-    b.add_argument("--num-requests", type=int, default=64)
-    b.add_argument("--min-prompt", type=int, default=16)
-    b.add_argument("--max-prompt", type=int, default=256)
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
-    b.add_argument("--hf-batched", action="store_true", help="also time HF generate on all prompts at once")
-    b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=cmd_bench)
-    from pdd.bench import serving
-    serving.add_parser(bench_sub)
-    from pdd.bench import disagg, gpu
-    disagg.add_parser(bench_sub)
-    gpu.add_parser(bench_sub)
-    from pdd.bench import transfer
-    transfer.add_parser(bench_sub)
+    from pdd.bench.commands import add_bench_parsers
+    add_bench_parsers(bench_sub, _add_engine_args)
     return parser
 
 

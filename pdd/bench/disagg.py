@@ -49,17 +49,3 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("disagg", help="TTFT and total time, disaggregated vs colocated")
-    b.add_argument("--model", default=None)
-    b.add_argument("--num-requests", type=int, default=64)
-    b.add_argument("--min-prompt", type=int, default=64)
-    b.add_argument("--max-prompt", type=int, default=512)
-    b.add_argument("--max-tokens", type=int, default=32)
-    b.add_argument("--prefill", type=int, default=1)
-    b.add_argument("--decode", type=int, default=1)
-    b.add_argument("--run-dir", default="/tmp/pdd-bench-disagg")
-    b.add_argument("--json", default=None)
-    b.set_defaults(func=main)

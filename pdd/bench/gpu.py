@@ -132,17 +132,3 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
-    b.add_argument("--model", default="conf/models/llama-3.1-8b")
-    b.add_argument("--load-format", default="dummy")
-    b.add_argument("--batches", default="1,32,128")
-    b.add_argument("--context", type=int, default=1024)
-    b.add_argument("--steps", type=int, default=30)
-    b.add_argument("--prefill", default="4096,16384")
-    b.add_argument("--prefill-reps", type=int, default=3)
-    b.add_argument("--no-cuda-graphs", action="store_true")
-    b.add_argument("--json", default=None)
-    b.set_defaults(func=main)

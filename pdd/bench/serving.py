@@ -79,15 +79,3 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("serving", help="serving-stack overhead vs the in-process engine")
-    b.add_argument("--model", default=None)
-    b.add_argument("--concurrency", default="1,64,512")
-    b.add_argument("--prompt-len", type=int, default=32)
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--run-dir", default="/tmp/pdd-bench-serving")
-    b.add_argument("--json", default=None)
-    b.set_defaults(func=lambda a: main(a))
-

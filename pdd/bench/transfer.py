@@ -229,19 +229,3 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("transfer", help="KV transfer (tcp backend) throughput vs plain ZeroMQ on loopback")
-    b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")
-    b.add_argument("--layers", type=int, default=32)
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--kv-heads", type=int, default=4)
-    b.add_argument("--head-dim", type=int, default=128)
-    b.add_argument("--dtype", default="bfloat16")
-    b.add_argument("--device", default="cpu", help="where both pools live (cuda: pinned staging path)")
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--receiver-process", action="store_true",
-                   help="run the tcp receiver in its own process, as deployed (the zmq ceilings stay in-process)")
-    b.add_argument("--json", default=None)
-    b.set_defaults(func=lambda a: main(a))

@@ -1,0 +1,71 @@
+"""The `pdd bench` subcommands' arguments. Kept apart from the benchmarks so that
+building the CLI parser imports nothing heavy (torch, zmq): each benchmark
+module is imported only when its subcommand runs."""
+from __future__ import annotations
+
+import importlib
+
+
+def _runner(module: str):
+    return lambda args: importlib.import_module(f"pdd.bench.{module}").main(args)
+
+
+def add_bench_parsers(sub, add_engine_args) -> None:
+    b = sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
+    add_engine_args(b)
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--min-prompt", type=int, default=16)
+    b.add_argument("--max-prompt", type=int, default=256)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
+    b.add_argument("--hf-batched", action="store_true", help="also time HF generate on all prompts at once")
+    b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.set_defaults(func=_runner("offline"))
+
+    b = sub.add_parser("serving", help="serving-stack overhead vs the in-process engine")
+    b.add_argument("--model", default=None)
+    b.add_argument("--concurrency", default="1,64,512")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-serving")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("serving"))
+
+    b = sub.add_parser("disagg", help="TTFT and total time, disaggregated vs colocated")
+    b.add_argument("--model", default=None)
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--min-prompt", type=int, default=64)
+    b.add_argument("--max-prompt", type=int, default=512)
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--prefill", type=int, default=1)
+    b.add_argument("--decode", type=int, default=1)
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-disagg")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("disagg"))
+
+    b = sub.add_parser("transfer", help="KV transfer (tcp backend) throughput vs plain ZeroMQ on loopback")
+    b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")
+    b.add_argument("--layers", type=int, default=32)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--kv-heads", type=int, default=4)
+    b.add_argument("--head-dim", type=int, default=128)
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--device", default="cpu", help="where both pools live (cuda: pinned staging path)")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--receiver-process", action="store_true",
+                   help="run the tcp receiver in its own process, as deployed (the zmq ceilings stay in-process)")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("transfer"))
+
+    b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
+    b.add_argument("--model", default="conf/models/llama-3.1-8b")
+    b.add_argument("--load-format", default="dummy")
+    b.add_argument("--batches", default="1,32,128")
+    b.add_argument("--context", type=int, default=1024)
+    b.add_argument("--steps", type=int, default=30)
+    b.add_argument("--prefill", default="4096,16384")
+    b.add_argument("--prefill-reps", type=int, default=3)
+    b.add_argument("--no-cuda-graphs", action="store_true")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("gpu"))
