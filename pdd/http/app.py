@@ -24,7 +24,6 @@ from pdd.router.router import Router, Unavailable
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
-SERVER_KEY = web.AppKey("server", object)
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -204,7 +203,6 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Appl
     app = web.Application(middlewares=[error_middleware], client_max_size=router.cfg.router.max_body_bytes)
     server = OpenAIServer(router, tokenizer, model_name)
     app[ROUTER_KEY] = router
-    app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)

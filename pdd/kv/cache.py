@@ -14,6 +14,8 @@ from pdd.config import ConfigError, EngineConfig
 from pdd.model.config import ModelConfig
 
 _CPU_DEFAULT_BYTES = 512 * 2**20
+# GPU memory left for one step's activations and logits; generous, not measured per model.
+_ACTIVATION_RESERVE = 2 * 2**30
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class KVCacheSpec:
             used = total - free
             # What the model and activations already hold stays; the rest up to
             # the utilization target goes to KV.
-            budget = int(total * cfg.gpu_memory_utilization) - used - _activation_reserve(cfg)
+            budget = int(total * cfg.gpu_memory_utilization) - used - _ACTIVATION_RESERVE
         else:
             budget = _CPU_DEFAULT_BYTES
         num_blocks = budget // self.bytes_per_block
@@ -59,11 +61,6 @@ class KVCacheSpec:
                               f"of {self.bytes_per_block / 2**20:.2f} MiB; raise kv_cache_bytes or "
                               "gpu_memory_utilization")
         return int(num_blocks)
-
-
-def _activation_reserve(cfg: EngineConfig) -> int:
-    # Room for one step's activations and logits; generous, not measured per model.
-    return 2 * 2**30
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:

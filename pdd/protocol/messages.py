@@ -8,7 +8,7 @@ error naming the field, before any handler sees it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 PROTOCOL_VERSION = 1
 
@@ -212,6 +212,3 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in Message.__subclasses__()
 }
 
-
-def as_dict(msg: Message) -> dict[str, Any]:
-    return dict(msg.__dict__)

@@ -9,6 +9,7 @@ is only ever touched by one thing at a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -58,7 +59,12 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain)
         self.loop = loop
-        self.engine = await loop.run_in_executor(self.executor, LLMEngine, self.cfg.engine)
+        engine_cfg = self.cfg.engine
+        if self.role == "prefill":
+            # A prefill worker never runs a decode-only step: capturing decode graphs
+            # would only cost start-up time and memory.
+            engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
+        self.engine = await loop.run_in_executor(self.executor, LLMEngine, engine_cfg)
         self.decode_side = DecodeSide(self, self.layout()) if self.role in ("decode", "colocated") else None
         self.prefill_side = PrefillSide(self, self.layout()) if self.role == "prefill" else None
         ctx = zmq.asyncio.Context()

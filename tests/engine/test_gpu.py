@@ -18,7 +18,9 @@ def test_gpu_engine_matches_cpu_engine(model_factory, arch):
     prompts = random_prompts([1, 7, 16, 33, 100, 300], seed=2)
     cpu = LLM(str(model_dir), device="cpu")
     expected = [o.token_ids for o in cpu.generate(prompts, greedy(40))]
-    gpu = LLM(str(model_dir), device="cuda", dtype="float32", chunk_size=64)
+    # A small KV budget: the default takes 90% of the GPU, and an engine of an
+    # earlier test may not be collected yet.
+    gpu = LLM(str(model_dir), device="cuda", dtype="float32", chunk_size=64, kv_cache_bytes=512 * 2**20)
     assert gpu.engine.runner.graphs is not None, "decode CUDA graphs were not captured"
     assert [o.token_ids for o in gpu.generate(prompts, greedy(40))] == expected
     # One at a time too: batch sizes 1..6 all replay graphs with padding.
@@ -28,7 +30,7 @@ def test_gpu_engine_matches_cpu_engine(model_factory, arch):
 
 
 def test_gpu_bf16_runs_and_prefix_cache_hits(model_factory):
-    gpu = LLM(str(model_factory("llama")), device="cuda", dtype="bfloat16")
+    gpu = LLM(str(model_factory("llama")), device="cuda", dtype="bfloat16", kv_cache_bytes=512 * 2**20)
     base = random_prompts([200], seed=3)[0]
     first = gpu.generate([base], greedy(16))[0]
     again = gpu.generate([base], greedy(16))[0]
