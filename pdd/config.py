@@ -111,14 +111,15 @@ class WorkerConfig:
     # KV data plane. Decode/colocated workers bind data_addr (port 0 = any free
     # port; the bound address is advertised at registration).
     data_addr: str = "tcp://127.0.0.1:0"
-    transfer_backend: str = "tcp"        # tcp | local | cuda_ipc
+    # auto: cuda_ipc to decode workers on this host when on a GPU, else tcp.
+    transfer_backend: str = "auto"       # auto | tcp | cuda_ipc | local
     transfer_timeout_s: float = 30.0     # a page unacknowledged this long fails the transfer
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
             raise ConfigError(f"worker.role: must be one of {ROLES[1:]}, got {self.role!r}")
-        if self.transfer_backend not in ("tcp", "local", "cuda_ipc"):
-            raise ConfigError(f"worker.transfer_backend: must be tcp, local or cuda_ipc, "
+        if self.transfer_backend not in ("auto", "tcp", "local", "cuda_ipc"):
+            raise ConfigError(f"worker.transfer_backend: must be auto, tcp, local or cuda_ipc, "
                               f"got {self.transfer_backend!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")

@@ -37,11 +37,14 @@ async def stream_completion(session, url: str, model: str, prompt: list[int], ma
     return ttft, gaps, n
 
 
-async def _burst(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+async def _burst(url: str, model: str, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> dict:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(stream_completion(session, url, model, p, max_tokens) for p in prompts))
+        if sequential:
+            results = [await stream_completion(session, url, model, p, max_tokens) for p in prompts]
+        else:
+            results = await asyncio.gather(*(stream_completion(session, url, model, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - t0
     ttfts = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
@@ -58,14 +61,20 @@ def burst(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> di
     return asyncio.run(_burst(url, model, prompts, max_tokens))
 
 
+def one_at_a_time(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt after the previous one finished: latency without queueing."""
+    return asyncio.run(_burst(url, model, prompts, max_tokens, sequential=True))
+
+
 def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]], model: str | None = None,
-                  mode: str = "auto", engine: dict | None = None):
+                  mode: str = "auto", engine: dict | None = None, worker: dict | None = None):
     """A cluster on fresh loopback ports, ready; the caller stops it."""
     from pdd.config import load_cluster_config
     from pdd.launcher import Cluster, free_port
 
     over = {"router": {"mode": mode, "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
-                       "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {})}
+                       "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {}),
+            "worker": dict(worker or {})}
     if model:
         over["engine"]["model"] = model
     cfg = load_cluster_config(overrides=over)

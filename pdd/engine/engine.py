@@ -67,6 +67,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(cfg.device)
+        self._use_device()
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         torch.manual_seed(cfg.seed)
         self.runner = ModelRunner(cfg, self.model_config, str(self.model_dir), self.device, self.dtype)
@@ -141,7 +142,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _use_device(self) -> None:
+        """Make our GPU the calling thread's current device: kernels (Triton's
+        included), streams and graph capture all follow it, and a worker on
+        cuda:1 must not launch on cuda:0."""
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            elif torch.cuda.current_device() != self.device.index:
+                torch.cuda.set_device(self.device)
+
     def step(self) -> list[EngineOutput]:
+        self._use_device()  # steps may come from another thread than __init__
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out:

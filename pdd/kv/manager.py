@@ -112,6 +112,14 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
+    def hold(self, blocks: list[int]) -> None:
+        """An extra reference that keeps blocks out of use after their request
+        ends (a one-sided KV writer may still store into them); see release()."""
+        self.pool.touch(blocks)
+
+    def release(self, blocks: list[int]) -> None:
+        self.pool.free(blocks)
+
     def block_ids(self, req) -> list[int]:
         return self.req_blocks.get(req.request_id, [])
 

@@ -127,3 +127,28 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def write_word_tokenizer(model_dir: str | Path, vocab_size: int) -> Path:
+    """A stand-in tokenizer.json for a config-only checkpoint (dummy weights):
+    token i is the word "t<i>", so text and token ids map one to one. For
+    tests and benchmarks of shapes whose real tokenizer is not at hand."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(model_dir) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def servable_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """`model_dir` if it has a tokenizer; else `out_dir` holding its config.json
+    and a word tokenizer (write_word_tokenizer), which the router can serve."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        return model_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = (model_dir / "config.json").read_text()
+    (out_dir / "config.json").write_text(config)
+    write_word_tokenizer(out_dir, json.loads(config)["vocab_size"])
+    return out_dir

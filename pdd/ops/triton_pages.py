@@ -72,15 +72,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
 # ---------------------------------------------------------------------------
 
 @triton.jit
-def _copy_pages_kernel(src, dst, src_ids, dst_ids,
+def _copy_pages_kernel(src, dst, src_ids, dst_ids, src_layer_stride, dst_layer_stride,
                        src_half_stride, src_block_stride, dst_half_stride, dst_block_stride,
                        PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                        SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr):
-    """dst[half, dst_ids[i], chunk] = src[half, src_ids[i], chunk], a missing id
-    list meaning the identity (the contiguous side of a gather or scatter)."""
+    """dst[layer, half, dst_ids[i], chunk] = src[layer, half, src_ids[i], chunk], a
+    missing id list meaning the identity (the contiguous side of a gather or scatter)."""
     i = tl.program_id(0)
     half = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
+    layer = tl.program_id(2).to(tl.int64)
     if SRC_IDS:
         s = tl.load(src_ids + i).to(tl.int64)
     else:
@@ -90,8 +91,8 @@ def _copy_pages_kernel(src, dst, src_ids, dst_ids,
     else:
         t = i.to(tl.int64)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    src_ptrs = src + half * src_half_stride + s * src_block_stride + offs
-    dst_ptrs = dst + half * dst_half_stride + t * dst_block_stride + offs
+    src_ptrs = src + layer * src_layer_stride + half * src_half_stride + s * src_block_stride + offs
+    dst_ptrs = dst + layer * dst_layer_stride + half * dst_half_stride + t * dst_block_stride + offs
     if PAGE % CHUNK == 0:
         x = tl.load(src_ptrs)
         tl.store(dst_ptrs, x.to(dst.dtype.element_ty))
@@ -101,18 +102,53 @@ def _copy_pages_kernel(src, dst, src_ids, dst_ids,
         tl.store(dst_ptrs, x.to(dst.dtype.element_ty), mask=mask)
 
 
-def _launch_copy(src, dst, src_ids, dst_ids, n: int) -> None:
-    """src/dst: [2, blocks, *page] with contiguous pages; ids: None for identity."""
-    if n == 0:
-        return
-    page = src[0, 0].numel()
+@triton.jit
+def _copy_pages_few_ctas_kernel(src, dst, src_ids, dst_ids, src_layer_stride, dst_layer_stride,
+                                src_half_stride, src_block_stride, dst_half_stride, dst_block_stride,
+                                n, total, PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """_copy_pages_kernel's work (both id lists given) done by a fixed number of
+    programs, each looping over (layer, page, half, chunk) items: a copy that
+    runs beside a forward pass holds only that many SMs' worth of slots."""
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        c = item % (2 * CHUNKS)
+        rest = item // (2 * CHUNKS)
+        i = rest % n
+        layer = (rest // n).to(tl.int64)
+        half = c // CHUNKS
+        chunk = c % CHUNKS
+        s = tl.load(src_ids + i).to(tl.int64)
+        t = tl.load(dst_ids + i).to(tl.int64)
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        src_ptrs = src + layer * src_layer_stride + half * src_half_stride + s * src_block_stride + offs
+        dst_ptrs = dst + layer * dst_layer_stride + half * dst_half_stride + t * dst_block_stride + offs
+        mask = offs < PAGE
+        x = tl.load(src_ptrs, mask=mask)
+        tl.store(dst_ptrs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def _copy_geometry(src, dst):
+    """(layers, (src layer, half, block strides), (dst ...), page elements, chunk, chunks)."""
+    if src.dim() == 6:
+        layers, ss, ds = src.shape[0], src.stride()[:3], dst.stride()[:3]
+    else:
+        layers, ss, ds = 1, (0, *src.stride()[:2]), (0, *dst.stride()[:2])
+    page = src[(0,) * (src.dim() - 3)].numel()
     gpu = _on_gpu(src) or _on_gpu(dst)
     chunk = min(_pow2(page), 4096 if gpu else 1024)
-    chunks = triton.cdiv(page, chunk)
+    return layers, ss, ds, page, chunk, triton.cdiv(page, chunk)
+
+
+def _launch_copy(src, dst, src_ids, dst_ids, n: int) -> None:
+    """src/dst: [2, blocks, *page] (one layer) or [layers, 2, blocks, *page],
+    with contiguous pages; ids: None for identity."""
+    if n == 0:
+        return
+    layers, (sl, sh, sb), (dl, dh, db), page, chunk, chunks = _copy_geometry(src, dst)
+    gpu = _on_gpu(src) or _on_gpu(dst)
     any_ids = src_ids if src_ids is not None else dst_ids
-    _copy_pages_kernel[(n, 2 * chunks)](
+    _copy_pages_kernel[(n, 2 * chunks, layers)](
         src, dst, src_ids if src_ids is not None else any_ids, dst_ids if dst_ids is not None else any_ids,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        sl, dl, sh, sb, dh, db,
         PAGE=page, CHUNK=chunk, CHUNKS=chunks, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
         num_warps=4 if gpu else 1)
 
@@ -142,6 +178,26 @@ def scatter_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, pages: torch
                   and pages.stride(2) == pages.shape[3] * pages.shape[4]):
         pages = pages.contiguous()
     _launch_copy(pages, kv_layer, None, block_ids, n)
+
+
+def copy_blocks_unchecked(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
+                          dst_ids: torch.Tensor, max_ctas: int | None = None) -> None:
+    """copy_blocks for a caller that made its checks once for many calls (the
+    cuda_ipc sender: same pools and ids for every layer of a step), on the
+    current device and stream: one kernel launch, nothing else on the host.
+    src/dst may also be runs of layers, [layers, 2, blocks, ...]: one launch
+    copies the pages of all of them. `max_ctas` caps the programs (each then
+    loops over several pages): a copy overlapping compute takes fewer SMs."""
+    n = src_ids.shape[0]
+    if not max_ctas:
+        _launch_copy(src, dst, src_ids, dst_ids, n)
+        return
+    layers, (sl, sh, sb), (dl, dh, db), page, chunk, chunks = _copy_geometry(src, dst)
+    total = layers * n * 2 * chunks
+    if total:
+        _copy_pages_few_ctas_kernel[(min(max_ctas, total),)](
+            src, dst, src_ids, dst_ids, sl, dl, sh, sb, dh, db, n, total,
+            PAGE=page, CHUNK=chunk, CHUNKS=chunks, num_warps=4 if _on_gpu(src) or _on_gpu(dst) else 1)
 
 
 def copy_blocks(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_ids: torch.Tensor,

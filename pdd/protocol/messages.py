@@ -36,7 +36,8 @@ class Register(Message):
     max_num_seqs: int
     max_model_len: int
     data_addr: str = ""
-    transfer_backends: list[str] = field(default_factory=list)
+    transfer_backends: list[str] = field(default_factory=list)  # best first
+    host_id: str = ""   # this boot of this machine: cuda_ipc needs both ends on one
 
 
 @dataclass
@@ -168,6 +169,7 @@ class Prefill(Message):
     dst_block_ids: list[int]
     skip_blocks: int
     lease_id: str
+    transfer_backend: str = "tcp"
 
 
 @dataclass

@@ -27,6 +27,16 @@ PREFILL_ROLES = ("prefill",)
 DECODE_ROLES = ("decode", "colocated")
 
 
+def transfer_backend(prefill, decode) -> str | None:
+    """The data plane for a prefill -> decode pair: the prefill worker's first
+    choice the decode worker also takes; cuda_ipc only within one host."""
+    for b in prefill.transfer_backends or ["tcp"]:
+        if b in (decode.transfer_backends or ["tcp"]) and (
+                b != "cuda_ipc" or (prefill.host_id and prefill.host_id == decode.host_id)):
+            return b
+    return None
+
+
 class DisaggFlow:
     def __init__(self, router):
         self.router = router
@@ -47,6 +57,11 @@ class DisaggFlow:
         prefill = pick_worker(r.registry.candidates(PREFILL_ROLES), state.block_hashes)
         if decode is None or prefill is None:
             await self._fallback(state, "no prefill or decode worker")
+            return
+        backend = transfer_backend(prefill, decode)
+        if backend is None:
+            await self._fallback(state, f"no KV transfer backend common to {prefill.worker_id} "
+                                        f"{prefill.transfer_backends} and {decode.worker_id} {decode.transfer_backends}")
             return
         state.mode, state.phase = "disagg", "reserving"
         state.worker_id, state.prefill_worker = decode.worker_id, prefill.worker_id
@@ -75,7 +90,7 @@ class DisaggFlow:
         prefill.inflight += 1
         await r.chan.send(prefill.worker_id, m.Prefill(
             state.request_id, state.prompt_token_ids, vars(state.sampling), decode.worker_id, decode.data_addr,
-            reply.block_ids, skip, reply.lease_id))
+            reply.block_ids, skip, reply.lease_id, backend))
 
     async def _fallback(self, state: RequestState, why: str) -> None:
         log.info("request %s goes colocated: %s", state.request_id, why)

@@ -32,6 +32,7 @@ class WorkerInfo:
     max_model_len: int
     data_addr: str = ""
     transfer_backends: list[str] = field(default_factory=list)
+    host_id: str = ""
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
@@ -100,7 +101,7 @@ class WorkerRegistry:
             self.layout = layout
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
-                          msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends))
+                          msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id)
         if old is not None and old.pid == msg.pid:
             # A repeated registration of the same process keeps its state.
             info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes

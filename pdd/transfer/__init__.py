@@ -8,7 +8,7 @@ from pdd.transfer.base import KVReceiver, KVSender, ReceiverStats, TransferResul
 from pdd.transfer.leases import LeaseTable
 
 __all__ = ["BACKENDS", "KVReceiver", "KVSender", "LeaseTable", "ReceiverStats", "TransferResult",
-           "TransferTarget", "make_receiver", "make_sender"]
+           "TransferTarget", "make_receiver", "make_sender", "offered_backends"]
 
 BACKENDS = ("tcp", "local", "cuda_ipc")
 
@@ -17,10 +17,16 @@ def _unknown(backend: str) -> ValueError:
     return ValueError(f"unknown KV transfer backend {backend!r} (choices: {', '.join(BACKENDS)})")
 
 
-def _cuda_ipc_missing() -> NotImplementedError:
-    # >>> cuda_ipc goes here: same-host peer writes into the decode worker's
-    # exported pool (docs/design.md, "Data plane"). Until it exists, pick tcp.
-    return NotImplementedError("KV transfer backend 'cuda_ipc' is not implemented yet; use 'tcp'")
+def offered_backends(configured: str, device: torch.device) -> list[str]:
+    """The backends a worker offers, best first ("auto": cuda_ipc on a GPU, and tcp).
+    ValueError if the configured one cannot run on `device`."""
+    if configured == "auto":
+        return ["cuda_ipc", "tcp"] if device.type == "cuda" else ["tcp"]
+    if configured == "cuda_ipc" and device.type != "cuda":
+        raise ValueError(f"worker.transfer_backend = 'cuda_ipc' needs a GPU; this worker runs on {device}")
+    if configured not in BACKENDS:
+        raise _unknown(configured)
+    return [configured]
 
 
 def make_sender(backend: str, layout: KVLayout, **kw) -> KVSender:
@@ -32,20 +38,20 @@ def make_sender(backend: str, layout: KVLayout, **kw) -> KVSender:
         from pdd.transfer.local import LocalSender
         return LocalSender(layout, **kw)
     if backend == "cuda_ipc":
-        raise _cuda_ipc_missing()
+        from pdd.transfer.cuda_ipc import CudaIpcSender
+        return CudaIpcSender(layout, **kw)
     raise _unknown(backend)
 
 
 def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                   addr: str | None = None) -> KVReceiver:
     """A receiver for `backend`, not yet started; `addr` defaults to a free
-    loopback port (tcp) or a fresh name (local)."""
-    if backend == "tcp":
+    loopback port (tcp) or a fresh name (local). The tcp receiver's socket also
+    answers cuda_ipc senders (the pages of those never pass through it)."""
+    if backend in ("tcp", "cuda_ipc"):
         from pdd.transfer.tcp import TcpReceiver
         return TcpReceiver(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0")
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")
-    if backend == "cuda_ipc":
-        raise _cuda_ipc_missing()
     raise _unknown(backend)

@@ -29,6 +29,7 @@ class TransferTarget:
     dst_addr: str                  # the receiver's data address (tcp://host:port, local://name)
     dst_block_ids: tuple[int, ...] # the decode worker's blocks; index i <-> the request's i-th block
     skip_blocks: int = 0           # leading blocks the decode worker already caches: never sent
+    backend: str = "tcp"           # the data plane the router chose for this pair
 
 
 @dataclass
@@ -44,6 +45,13 @@ class TransferResult:
 
 class KVSender(abc.ABC):
     """Prefill side. Called from the engine thread; I/O happens elsewhere."""
+
+    def prepare(self, target: TransferTarget) -> None:
+        """A request will send to `target`: a backend may set up ahead of its first page."""
+
+    def step_done(self) -> None:
+        """The engine step is over: the next one may overwrite any source block.
+        A backend still reading source blocks asynchronously orders that here."""
 
     @abc.abstractmethod
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,

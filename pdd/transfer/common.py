@@ -2,6 +2,8 @@
 progress, and the result queue behind poll()."""
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -110,6 +112,72 @@ class Tombstones:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
+
+
+class Mailbox:
+    """Commands from the engine thread to a sender's I/O thread, plus a pipe
+    the I/O thread polls next to its sockets so a command wakes it up."""
+
+    def __init__(self) -> None:
+        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()
+        self.closed = False
+        self._idle = False  # set by the I/O thread just before it polls
+
+    @property
+    def fd(self) -> int:
+        return self._wake_r
+
+    def put(self, cmd: tuple) -> bool:
+        """Queue a command; False once a ("close",) was queued. The lock keeps a
+        late put() from writing to the pipe as it is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = cmd[0] == "close"
+            self._cmds.put(cmd)
+            # Wake the I/O thread only if it is (about to be) asleep: a busy one
+            # drains the queue before it sleeps again. Fewer syscalls in the
+            # engine thread, fewer GIL hand-offs to the I/O thread.
+            if self._idle:
+                self._idle = False
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:  # pipe full: a wake-up is pending anyway
+                    pass
+            return True
+
+    def going_idle(self) -> bool:
+        """Announce sleep, then look: True if commands wait (do not sleep). A
+        command queued after the look finds the flag set and writes to the pipe."""
+        self._idle = True
+        return not self._cmds.empty()
+
+    def woken(self, readable: bool) -> None:
+        """After the poll; `readable`: the poll reported our fd."""
+        self._idle = False
+        if not readable:
+            return
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def take(self) -> list[tuple]:
+        out = []
+        while True:
+            try:
+                out.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close_fds(self) -> None:
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 class SenderBase(KVSender):

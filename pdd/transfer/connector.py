@@ -36,6 +36,7 @@ class PrefillConnector:
     def add(self, target: TransferTarget) -> None:
         self.targets[target.request_id] = target
         self.next_block[target.request_id] = target.skip_blocks
+        self.sender.prepare(target)
 
     def begin_step(self, scheduled, block_tables: list[list[int]]) -> None:
         plan = []
@@ -58,6 +59,7 @@ class PrefillConnector:
 
     def end_step(self) -> None:
         self.plan = []
+        self.sender.step_done()
 
     def finish(self, request_id: str) -> None:
         """The prompt is computed (first token sampled): no more pages will follow."""

@@ -6,6 +6,14 @@ a KV receiver happens inside `LeaseTable.writing()`, which holds the table's
 lock for the whole write, so once `revoke()` has returned no write into the
 lease's blocks is in progress and none can start: a late or duplicated page
 can never land in blocks that now belong to another request.
+
+One-sided writers (cuda_ipc: the prefill worker's kernel stores straight into
+this pool) cannot be fenced by a lock. Such a writer registers first
+(`begin_writer`, refused unless the lease is live) and says when its last
+store has completed (`end_writer`). Closing a lease whose writer has not ended
+answers "held": the owner keeps the blocks out of use until `released()`
+lists the lease (the writer ended, or its lease deadline plus WRITER_GRACE_S
+passed: a writer never starts a copy after the deadline it was given).
 """
 from __future__ import annotations
 
@@ -15,6 +23,11 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+# How long after its lease's deadline a silent one-sided writer is assumed to
+# have stopped: covers copies it launched just before the deadline that still
+# queue behind its compute (at most about one prefill step).
+WRITER_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,10 @@ class LeaseTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        # One-sided writers: lease id -> the time after which it surely stopped.
+        self._writers: dict[str, float] = {}
+        self._held: dict[str, float] = {}     # closed leases whose writer has not ended
+        self._released: list[str] = []        # held leases now safe to reuse
 
     def grant(self, request_id: str, block_ids: Iterable[int], ttl_s: float) -> str:
         """A new lease over `block_ids` for `ttl_s` seconds; returns its unguessable id."""
@@ -43,17 +60,61 @@ class LeaseTable:
         return lease_id
 
     def revoke(self, lease_id: str) -> bool:
-        """Remove a lease. When this returns, no write under it runs or will run."""
-        with self._lock:
-            return self._leases.pop(lease_id, None) is not None
+        """Remove a lease. When this returns, no locked write under it runs or
+        will run (a one-sided writer may: use close())."""
+        return self.close(lease_id) != "none"
 
-    def revoke_request(self, request_id: str) -> list[str]:
-        """Revoke every lease of a request; returns the revoked lease ids."""
+    def close(self, lease_id: str) -> str:
+        """Revoke a lease: "none" (no such lease), "free" (its blocks may be
+        reused now) or "held" (a one-sided writer may still store into them:
+        keep them out of use until released() lists this lease)."""
         with self._lock:
-            ids = [lid for lid, lease in self._leases.items() if lease.request_id == request_id]
-            for lid in ids:
-                del self._leases[lid]
-        return ids
+            if self._leases.pop(lease_id, None) is None:
+                return "none"
+            until = self._writers.pop(lease_id, None)
+            if until is None:
+                return "free"
+            self._held[lease_id] = until
+            return "held"
+
+    def begin_writer(self, lease_id: str, request_id: str) -> tuple[str | None, float]:
+        """Register a one-sided writer: (None, seconds it may write) or (why not, 0)."""
+        with self._lock:
+            err = self._check(lease_id, request_id, ())
+            if err is not None:
+                return err, 0.0
+            lease = self._leases[lease_id]
+            self._writers[lease_id] = lease.deadline + WRITER_GRACE_S
+            return None, lease.deadline - time.monotonic()
+
+    def end_writer(self, lease_id: str, request_id: str) -> str | None:
+        """The writer's last store has completed. None if its lease is still
+        live (the KV it wrote may be used), else why not (the writer is ended
+        either way: held blocks are released)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.request_id != request_id:
+                return "lease belongs to another request"
+            self._writers.pop(lease_id, None)
+            if self._held.pop(lease_id, None) is not None:
+                self._released.append(lease_id)
+            return self._check(lease_id, request_id, ())
+
+    def released(self, now: float | None = None) -> list[str]:
+        """Held leases whose blocks may now be reused (each listed once)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for lid, until in list(self._held.items()):
+                if now >= until:
+                    del self._held[lid]
+                    self._released.append(lid)
+            out, self._released = self._released, []
+        return out
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
 
     def expired(self, now: float | None = None) -> list[tuple[str, str]]:
         """(lease_id, request_id) of leases past their deadline. Lists only: the

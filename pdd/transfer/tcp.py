@@ -10,8 +10,6 @@ thread with a bound ROUTER that checks and writes each message
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections import deque
@@ -23,7 +21,7 @@ import zmq
 from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import TransferTarget
-from pdd.transfer.common import Progress, SenderBase, Staged, Tombstones, dst_blocks_for, stage_pages
+from pdd.transfer.common import Mailbox, Progress, SenderBase, Staged, Tombstones, dst_blocks_for, stage_pages
 from pdd.transfer.tcp_receiver import TcpReceiver
 from pdd.transfer.wire import WireError, decode_ack, encode_pages_header, tensor_bytes
 
@@ -81,13 +79,7 @@ class TcpSender(SenderBase):
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0):
         super().__init__(layout)
         self.timeout_s = timeout_s
-        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._closed = False
-        self._io_idle = False  # set by the I/O thread just before it polls
-        self._submit_lock = threading.Lock()
+        self._mail = Mailbox()
         # I/O-thread state from here on.
         self._ctx = zmq.Context()
         self._reqs: dict[str, _Req] = {}
@@ -100,63 +92,38 @@ class TcpSender(SenderBase):
 
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise RuntimeError("sender is closed" if self._closed else "kv sender I/O thread died (see log)")
+        if self._mail.closed or not self._thread.is_alive():
+            raise RuntimeError("sender is closed" if self._mail.closed else "kv sender I/O thread died (see log)")
         if not target.dst_addr.startswith("tcp://"):
             raise ValueError(f"tcp sender cannot reach {target.dst_addr!r}")
         dst = dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
         if dst:
             staged = stage_pages(src_layer, src_block_ids, to_host=True)
-            if not self._submit(("send", target, layer, dst, staged, time.perf_counter())):
+            if not self._mail.put(("send", target, layer, dst, staged, time.perf_counter())):
                 raise RuntimeError("sender is closed")
 
     def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
-        self._submit(("finish", request_id, blocks_skipped))
+        self._mail.put(("finish", request_id, blocks_skipped))
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._mail.put(("abort", request_id))
 
     def close(self) -> None:
-        if not self._submit(("close",)):
+        if not self._mail.put(("close",)):
             return  # already closed
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _submit(self, cmd: tuple) -> bool:
-        """Queue a command for the I/O thread; False once closed. The lock keeps
-        a late finish()/abort() from writing to the wake pipe as it is closed."""
-        with self._submit_lock:
-            if self._closed:
-                return False
-            self._closed = cmd[0] == "close"
-            self._cmds.put(cmd)
-            # Wake the I/O thread only if it is (about to be) asleep: a busy one
-            # drains the queue before it sleeps again. Fewer syscalls in the
-            # engine thread, fewer GIL hand-offs to the I/O thread.
-            if self._io_idle:
-                self._io_idle = False
-                try:
-                    os.write(self._wake_w, b"\0")
-                except BlockingIOError:  # pipe full: a wake-up is pending anyway
-                    pass
-            return True
+        self._mail.close_fds()
 
     # -- I/O thread ----------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._mail.fd, zmq.POLLIN)
         try:
             while True:
-                # Announce sleep, then look: a command queued after the look
-                # finds _io_idle set and writes to the wake pipe.
-                self._io_idle = True
-                timeout = 0 if not self._cmds.empty() else self._next_deadline_ms()
+                timeout = 0 if self._mail.going_idle() else self._next_deadline_ms()
                 events = dict(poller.poll(timeout))
-                self._io_idle = False
-                if self._wake_r in events:
-                    self._drain_wake_pipe()
+                self._mail.woken(self._mail.fd in events)
                 if not self._run_commands(poller):
                     break
                 for dest in self._dests.values():
@@ -173,20 +140,9 @@ class TcpSender(SenderBase):
                 dest.sock.close(linger=0)
             self._ctx.term()
 
-    def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _run_commands(self, poller: zmq.Poller) -> bool:
         """Apply queued engine calls in order; False once close() was asked."""
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return True
+        for cmd in self._mail.take():
             kind = cmd[0]
             if kind == "send":
                 self._enqueue(poller, *cmd[1:])
@@ -197,6 +153,7 @@ class TcpSender(SenderBase):
                 self._failed.discard(cmd[1])
             else:
                 return False
+        return True
 
     def _enqueue(self, poller: zmq.Poller, target: TransferTarget, layer: int, dst: list[int],
                  staged: Staged, t_enq: float) -> None:

@@ -1,8 +1,10 @@
-"""The decode side of the `tcp` backend: one thread, one bound ROUTER socket.
+"""The decode side of the data socket: one thread, one bound ROUTER socket.
 
-Each message [header, payload] is checked and written by
+Each pages message [header, payload] (tcp backend) is checked and written by
 pdd.transfer.accept.PageWriter and answered with one ack (ok, or the reason it
-was refused). Nothing a peer sends can stop the thread.
+was refused). One-frame control messages (cuda_ipc: pool export, one-sided
+write bookkeeping) go to pdd.transfer.ipc_receiver.IpcControl. Nothing a peer
+sends can stop the thread.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import zmq
 from pdd.kv.layout import KVLayout
 from pdd.transfer.accept import PageWriter
 from pdd.transfer.base import KVReceiver
+from pdd.transfer.ipc_receiver import IpcControl
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.wire import encode_ack, peek_ids
 
@@ -32,6 +35,7 @@ class TcpReceiver(KVReceiver):
                  addr: str = "tcp://127.0.0.1:0"):
         self._bind_addr = addr
         self._writer = PageWriter(kv_cache, layout, leases)
+        self.ipc = IpcControl(kv_cache, layout, leases)
         self.stats = self._writer.stats
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,8 +88,11 @@ class TcpReceiver(KVReceiver):
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         ident, body = frames[0], frames[1:]
+        if len(body) == 1:
+            self._reply(sock, ident, self.ipc.handle(body[0].buffer))
+            return
         if len(body) != 2:
-            err = self._writer.reject(f"malformed message: {len(body)} frames, expected 2")
+            err = self._writer.reject(f"malformed message: {len(body)} frames, expected 2 (pages) or 1 (control)")
             rid, seq = peek_ids(body[0].buffer) if body else ("", -1)
         else:
             try:
@@ -94,10 +101,14 @@ class TcpReceiver(KVReceiver):
                 log.exception("kv receiver: write failed")
                 header, err = None, self._writer.reject(f"receiver error: {type(e).__name__}: {e}")
             rid, seq = (header["request_id"], header["seq"]) if header else peek_ids(body[0].buffer)
+        self._reply(sock, ident, encode_ack(rid, seq, err is None, err or ""))
+
+    @staticmethod
+    def _reply(sock: zmq.Socket, ident, frame: bytes) -> None:
         try:
-            sock.send_multipart([ident, encode_ack(rid, seq, err is None, err or "")], flags=zmq.NOBLOCK)
+            sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the sender is gone or not reading: it will time out
-            log.debug("kv receiver: ack not sent: %s", e)
+            log.debug("kv receiver: reply not sent: %s", e)
 
 
 def _public_endpoint(endpoint: str) -> str:

@@ -4,6 +4,9 @@ A pages message is two ZeroMQ frames, [header, payload]. The payload is the
 bytes of a contiguous CPU tensor [2, n, block_size, kv_heads, head_dim] in the
 dtype the header names; it is sent as its own frame so it is never copied into
 msgpack. bf16 has no numpy dtype, so tensors travel as uint8 views.
+
+A control message (cuda_ipc: open the pool, begin / commit / end a one-sided
+write) is one frame, answered by one "reply" frame carrying the same token.
 """
 from __future__ import annotations
 
@@ -52,6 +55,26 @@ _ACK_FIELDS = {
 }
 
 
+_IS_STR = (lambda v: isinstance(v, str), "str")
+
+# Control messages: kind -> fields beyond v, kind, token.
+_CONTROL_FIELDS = {
+    "ipc_open": {"layout": (lambda v: isinstance(v, dict), "map")},
+    "ipc_begin": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+    "ipc_commit": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+    "ipc_end": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+}
+
+_REPLY_FIELDS = {
+    "v": (_is_int, "int"),
+    "kind": (lambda v: v == "reply", "'reply'"),
+    "token": (_is_int, "int"),
+    "ok": (lambda v: isinstance(v, bool), "bool"),
+    "error": _IS_STR,
+    "data": (lambda v: isinstance(v, dict), "map"),
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -76,6 +99,16 @@ def encode_pages_header(*, request_id: str, lease_id: str, layer: int, dst_block
 def encode_ack(request_id: str, seq: int, ok: bool, error: str = "") -> bytes:
     return msgpack.packb({"v": VERSION, "kind": "ack", "request_id": request_id, "seq": int(seq),
                           "ok": bool(ok), "error": error})
+
+
+def encode_control(kind: str, token: int, **fields) -> bytes:
+    assert kind in _CONTROL_FIELDS, kind
+    return msgpack.packb({"v": VERSION, "kind": kind, "token": int(token), **fields})
+
+
+def encode_reply(token: int, ok: bool, error: str = "", **data) -> bytes:
+    return msgpack.packb({"v": VERSION, "kind": "reply", "token": int(token), "ok": bool(ok),
+                          "error": error, "data": data})
 
 
 def _unpack(raw: bytes | memoryview) -> Any:
@@ -107,6 +140,30 @@ def decode_header(raw: bytes | memoryview) -> dict:
 
 def decode_ack(raw: bytes | memoryview) -> dict:
     return _validate(_unpack(raw), _ACK_FIELDS)
+
+
+def decode_control(raw: bytes | memoryview) -> dict:
+    """A validated control message; WireError says what is wrong."""
+    obj = _unpack(raw)
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    if kind not in _CONTROL_FIELDS:
+        raise WireError(f"unknown control message kind {kind!r} "
+                        f"(expected one of {', '.join(_CONTROL_FIELDS)})")
+    return _validate(obj, {"v": (_is_int, "int"), "token": (_is_int, "int"), **_CONTROL_FIELDS[kind]})
+
+
+def decode_reply(raw: bytes | memoryview) -> dict:
+    return _validate(_unpack(raw), _REPLY_FIELDS)
+
+
+def peek_token(raw: bytes | memoryview) -> int:
+    """The token of a control message that failed validation, or -1."""
+    try:
+        obj = _unpack(raw)
+        token = obj.get("token") if isinstance(obj, dict) else None
+        return token if _is_int(token) else -1
+    except Exception:  # garbage: nobody to address
+        return -1
 
 
 def peek_ids(raw: bytes | memoryview) -> tuple[str, int]:

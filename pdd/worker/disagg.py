@@ -2,7 +2,9 @@
 
 DecodeSide (decode and colocated workers): reserve blocks under a lease, run
 the KV receiver, start decoding on KVReady, fall back to a local prefill on
-PrefillLocally, and expire leases whose KV never came.
+PrefillLocally, and expire leases whose KV never came. A lease closed while a
+one-sided (cuda_ipc) writer may still store into its blocks keeps them held
+until the writer ends (pdd.transfer.leases).
 
 PrefillSide (prefill workers): run prompts as prefill-only requests, ship
 their KV layer by layer through the connector, and report PrefillDone with
@@ -19,10 +21,11 @@ import logging
 
 from pdd.engine.sampling_params import InvalidRequest, SamplingParams
 from pdd.protocol import messages as m
-from pdd.transfer import make_receiver, make_sender
+from pdd.transfer import make_receiver, make_sender, offered_backends
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
+from pdd.transfer.multi import MultiSender
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +36,14 @@ class DecodeSide:
         self.engine = worker.engine
         wc = worker.cfg.worker
         self.leases = LeaseTable()
-        # data_addr names a tcp endpoint; other backends pick their own address.
-        addr = wc.data_addr if wc.transfer_backend == "tcp" else None
-        self.receiver = make_receiver(wc.transfer_backend, self.engine.runner.kv_cache, layout, self.leases, addr)
+        # One socket at data_addr takes tcp pages and cuda_ipc control messages;
+        # the local backend (tests) has its own addresses.
+        local = wc.transfer_backend == "local"
+        self.receiver = make_receiver("local" if local else "tcp", self.engine.runner.kv_cache, layout,
+                                      self.leases, None if local else wc.data_addr)
         self.receiver.start()
         self.lease_of: dict[str, str] = {}
+        self.held: dict[str, list[int]] = {}   # closed leases whose writer may still store
 
     @property
     def data_addr(self) -> str:
@@ -85,19 +91,33 @@ class DecodeSide:
         """Close the lease (no page may land after this) if it is the request's live one."""
         if self.lease_of.get(request_id) != lease_id or request_id not in self.engine.scheduler.waiting_for_kv:
             return False
-        self.leases.revoke(self.lease_of.pop(request_id))
+        self._close(self.lease_of.pop(request_id))
         return True
+
+    def _close(self, lease_id: str) -> None:
+        """Revoke a lease; if a one-sided writer may still store into its blocks,
+        hold them (beyond their request's life) until the writer ends."""
+        lease = self.leases.get(lease_id)
+        if self.leases.close(lease_id) == "held" and lease is not None:
+            blocks = sorted(lease.block_ids)
+            self.engine.kv.hold(blocks)
+            self.held[lease_id] = blocks
 
     def abort(self, request_id: str) -> None:
         lease = self.lease_of.pop(request_id, None)
         if lease is not None:
-            self.leases.revoke(lease)
+            self._close(lease)
 
     def expire(self) -> list[m.Message]:
-        """Reservations whose KV did not come in time: free them, tell the router."""
+        """Reservations whose KV did not come in time: free them, tell the router.
+        Blocks held for writers that have since ended go back to the pool."""
+        for lease in self.leases.released():
+            blocks = self.held.pop(lease, None)
+            if blocks:
+                self.engine.kv.release(blocks)
         replies = []
         for lease, rid in self.leases.expired():
-            self.leases.revoke(lease)
+            self._close(lease)
             if self.lease_of.get(rid) == lease:
                 del self.lease_of[rid]
                 self.engine.abort_request(rid)
@@ -109,7 +129,7 @@ class DecodeSide:
     def stats(self) -> dict:
         st = self.receiver.stats
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
-                "last_rejection": st.last_error, "leases": len(self.leases)}
+                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held)}
 
     def close(self) -> None:
         self.receiver.close()
@@ -120,7 +140,10 @@ class PrefillSide:
         self.worker = worker
         self.engine = worker.engine
         wc = worker.cfg.worker
-        self.sender = make_sender(wc.transfer_backend, layout, timeout_s=wc.transfer_timeout_s)
+        device = self.engine.device
+        self.sender = MultiSender({
+            b: make_sender(b, layout, timeout_s=wc.transfer_timeout_s, **({"device": device} if b == "cuda_ipc" else {}))
+            for b in offered_backends(wc.transfer_backend, device)})
         self.sender.set_wakeup(worker.wake_threadsafe)
         self.connector = PrefillConnector(self.sender, self.engine.runner.kv_cache, self.engine.cfg.block_size)
         self.engine.attach_connector(self.connector)
@@ -131,13 +154,16 @@ class PrefillSide:
         if not isinstance(msg, m.Prefill):
             return []
         wid = self.worker.worker_id
+        if msg.transfer_backend not in self.sender.senders:
+            return [m.PrefillFailed(wid, msg.request_id, f"KV transfer backend {msg.transfer_backend!r} is not "
+                                    f"offered by this worker ({', '.join(self.sender.senders)})")]
         try:
             sampling = SamplingParams(**msg.sampling)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, sampling, prefill_only=True)
         except (InvalidRequest, TypeError, ValueError) as e:
             return [m.PrefillFailed(wid, msg.request_id, str(e))]
         self.connector.add(TransferTarget(msg.request_id, msg.lease_id, msg.dst_worker, msg.dst_addr,
-                                          tuple(msg.dst_block_ids), msg.skip_blocks))
+                                          tuple(msg.dst_block_ids), msg.skip_blocks, msg.transfer_backend))
         return []
 
     def on_outputs(self, outputs) -> None:
@@ -152,7 +178,13 @@ class PrefillSide:
         for r in self.sender.poll():
             first = self.first_tokens.pop(r.request_id, None)
             if first is None:
-                continue  # aborted meanwhile
+                if not r.ok and self.engine.abort_request(r.request_id):
+                    # Failed while the prompt still computes: stop computing it,
+                    # the decode worker prefills it instead.
+                    self.connector.abort(r.request_id)
+                    log.warning("KV transfer of %s failed mid-prefill: %s", r.request_id, r.error)
+                    replies.append(m.PrefillFailed(wid, r.request_id, f"KV transfer failed: {r.error}"))
+                continue  # else: aborted meanwhile
             if r.ok:
                 stats = {"bytes": r.bytes, "seconds": r.seconds, "blocks_sent": r.blocks_sent,
                          "blocks_skipped": r.blocks_skipped}

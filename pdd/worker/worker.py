@@ -26,6 +26,8 @@ from pdd.kv.layout import KVLayout
 from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
+from pdd.transfer import offered_backends
+from pdd.transfer.ipc_pool import host_id
 from pdd.worker.disagg import DecodeSide, PrefillSide
 from pdd.worker.stats import StepStatsBuffer
 
@@ -65,8 +67,13 @@ class Worker:
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
         self.engine = await loop.run_in_executor(self.executor, LLMEngine, engine_cfg)
-        self.decode_side = DecodeSide(self, self.layout()) if self.role in ("decode", "colocated") else None
-        self.prefill_side = PrefillSide(self, self.layout()) if self.role == "prefill" else None
+        try:
+            self.decode_side = DecodeSide(self, self.layout()) if self.role in ("decode", "colocated") else None
+            self.prefill_side = PrefillSide(self, self.layout()) if self.role == "prefill" else None
+        except (ValueError, RuntimeError) as e:  # e.g. data_addr taken, cuda_ipc without a GPU
+            log.error("worker %s cannot start its KV data plane: %s", self.worker_id, e)
+            self.executor.shutdown(wait=True)
+            return EXIT_REFUSED
         ctx = zmq.asyncio.Context()
         self.chan = DealerChannel(ctx, self.router_addr, self.worker_id)
         tasks = [asyncio.create_task(t) for t in
@@ -117,7 +124,7 @@ class Worker:
             device=str(e.device), layout=self.layout().to_dict(), num_blocks=e.kv.pool.num_usable_blocks,
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
             data_addr=self.decode_side.data_addr if self.decode_side else "",
-            transfer_backends=[self.cfg.worker.transfer_backend])
+            transfer_backends=offered_backends(self.cfg.worker.transfer_backend, e.device), host_id=host_id())
 
     async def _register_loop(self) -> None:
         """(Re-)register until the router answers; the router may start after us."""

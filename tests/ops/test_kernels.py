@@ -330,6 +330,24 @@ def test_copy_blocks(dtype):
     assert torch.equal(pool, ref)
 
 
+def test_copy_blocks_over_a_run_of_layers():
+    """One launch copies the pages of several layers (the cuda_ipc sender's grouping)."""
+    from pdd.ops.triton_pages import copy_blocks_unchecked
+    src = torch.stack([make_kv(9, 16, 2, 32, torch.float32, seed=s) for s in range(5)])
+    dst = torch.stack([make_kv(7, 16, 2, 32, torch.float32, seed=10 + s) for s in range(5)])
+    src_ids = torch.tensor([8, 0, 3], device=DEVICE)
+    dst_ids = torch.tensor([2, 6, 1], device=DEVICE)
+    want = dst.clone()
+    for layer in (1, 2, 3):
+        reference.copy_blocks(src[layer], want[layer], src_ids, dst_ids)
+    copy_blocks_unchecked(src[1:4], dst[1:4], src_ids, dst_ids)
+    assert torch.equal(dst, want)
+    # The same with a few programs looping over the pages.
+    dst2 = torch.stack([make_kv(7, 16, 2, 32, torch.float32, seed=10 + s) for s in range(5)])
+    copy_blocks_unchecked(src[1:4], dst2[1:4], src_ids, dst_ids, max_ctas=5)
+    assert torch.equal(dst2, want)
+
+
 # ---------------------------------------------------------------------------
 # CUDA only: realistic shapes (Llama-3-8B attention: 32 q heads, 8 kv heads, 128)
 # ---------------------------------------------------------------------------

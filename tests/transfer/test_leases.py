@@ -14,8 +14,7 @@ def test_grant_get_revoke():
     assert len({a, b, c}) == 3 and len(a) == 32 and len(t) == 3
     assert t.get(a).block_ids == frozenset({1, 2}) and t.get(a).request_id == "r1"
     assert t.revoke(c) and not t.revoke(c) and t.get(c) is None
-    assert sorted(t.revoke_request("r1")) == sorted([a, b])
-    assert len(t) == 0 and t.revoke_request("r1") == []
+    assert t.close(a) == "free" and t.close(a) == "none" and len(t) == 1
 
 
 def test_expired_lists_without_revoking():
@@ -66,3 +65,39 @@ def test_revoke_waits_for_a_write_in_progress():
     assert events == ["write done", "revoked"]
     with t.writing(lid, "r", [1]) as err:
         assert err == "unknown or revoked lease"
+
+
+def test_one_sided_writer_holds_revoked_blocks_until_it_ends():
+    """cuda_ipc: a lease closed while its writer may still store answers "held";
+    the blocks are released once the writer ends, never before."""
+    t = LeaseTable()
+    lid = t.grant("r", [1, 2], ttl_s=10)
+    assert t.begin_writer(lid, "other") == ("lease belongs to another request", 0.0)
+    err, seconds = t.begin_writer(lid, "r")
+    assert err is None and 9 < seconds <= 10
+    assert t.close(lid) == "held" and t.num_held == 1
+    assert t.released() == []
+    assert t.end_writer(lid, "r") == "unknown or revoked lease"   # ended, but its KV is not wanted
+    assert t.released() == [lid] and t.released() == [] and t.num_held == 0
+
+
+def test_committed_writer_frees_normally_and_refusals():
+    t = LeaseTable()
+    lid = t.grant("r", [1], ttl_s=10)
+    assert t.begin_writer("nope", "r")[0] == "unknown or revoked lease"
+    assert t.begin_writer(lid, "r")[0] is None
+    assert t.end_writer(lid, "r") is None                  # commit: lease live, KV usable
+    assert t.close(lid) == "free" and t.released() == []
+    late = t.grant("r", [1], ttl_s=0.0)
+    assert t.begin_writer(late, "r") == ("lease expired", 0.0)
+
+
+def test_silent_writer_is_released_after_deadline_plus_grace():
+    from pdd.transfer.leases import WRITER_GRACE_S
+    t = LeaseTable()
+    lid = t.grant("r", [1], ttl_s=5)
+    t.begin_writer(lid, "r")
+    assert t.close(lid) == "held"
+    now = time.monotonic()
+    assert t.released(now + 5 + WRITER_GRACE_S - 1) == []
+    assert t.released(now + 5 + WRITER_GRACE_S + 1) == [lid]

@@ -12,7 +12,7 @@ import zmq
 
 from pdd.transfer.tcp import TcpReceiver, TcpSender
 from pdd.transfer.tcp_receiver import _public_endpoint
-from pdd.transfer.wire import decode_ack, encode_pages_header, tensor_bytes
+from pdd.transfer.wire import decode_ack, decode_reply, encode_control, encode_pages_header, tensor_bytes
 from tests.transfer.conftest import Pair, make_layout
 
 
@@ -47,8 +47,7 @@ def _tamper(header: bytes, **over) -> bytes:
 def _garbage(pair: Pair, lease: str) -> list[tuple[list[bytes], str]]:
     page = tensor_bytes(pair.src[0, :, :1].contiguous()).tobytes()
     return [
-        ([b"junk"], "malformed message: 1 frames, expected 2"),
-        ([b"a", b"b", b"c"], "malformed message: 3 frames, expected 2"),
+        ([b"a", b"b", b"c"], "malformed message: 3 frames, expected 2 (pages) or 1 (control)"),
         ([b"\xc1\xc1\xc1", page], "malformed header: not msgpack"),
         ([msgpack.packb([1, 2]), page], "malformed header: expected a map, got list"),
         ([msgpack.packb({"v": 99, "request_id": "r", "seq": 4}), page], "unsupported wire version 99"),
@@ -82,6 +81,40 @@ def test_garbage_frames_are_refused_and_the_receiver_keeps_serving(pair, dealer)
     pair.sender.finish("good")
     assert pair.wait_result("good").ok
     assert torch.equal(pair.dst[:, :, 2], pair.src[:, :, 3])
+
+
+def test_control_messages_on_the_data_socket(pair, dealer):
+    """cuda_ipc bookkeeping over the tcp receiver's socket, checked on CPU: bad
+    frames are answered with the reason, a CPU pool is not exported, and
+    begin/commit follow the lease table."""
+    ipc = pair.receiver.ipc
+
+    def ask(frame: bytes) -> dict:
+        dealer.send_multipart([frame])
+        return decode_reply(dealer.recv())
+
+    bad = ask(b"junk")
+    assert not bad["ok"] and "malformed control message" in bad["error"] and bad["token"] == -1
+    assert "unknown control message kind 'nope'" in ask(msgpack.packb({"v": 1, "kind": "nope", "token": 3}))["error"]
+    r = ask(encode_control("ipc_begin", 4, request_id="r", lease_id="l"))
+    assert r["token"] == 4 and "missing field 'pool_id'" in r["error"]
+    r = ask(encode_control("ipc_open", 5, layout={**make_layout().to_dict(), "block_size": 32}))
+    assert not r["ok"] and "KV layout mismatch on block_size" in r["error"]
+    r = ask(encode_control("ipc_open", 6, layout=make_layout().to_dict()))
+    assert not r["ok"] and "not a GPU" in r["error"]
+    lease = pair.leases.grant("r", [1], ttl_s=30)
+    r = ask(encode_control("ipc_begin", 7, request_id="r", lease_id=lease, pool_id="old"))
+    assert not r["ok"] and "stale pool" in r["error"]
+    r = ask(encode_control("ipc_begin", 8, request_id="r", lease_id=lease, pool_id=ipc.pool_id))
+    assert r["ok"] and 29 < r["data"]["seconds"] <= 30
+    assert pair.leases.close(lease) == "held"           # aborted while the writer may still store
+    r = ask(encode_control("ipc_commit", 9, request_id="r", lease_id=lease, pool_id=ipc.pool_id))
+    assert not r["ok"] and r["error"] == "unknown or revoked lease"
+    assert pair.leases.released() == [lease]
+    lease2 = pair.leases.grant("r2", [2], ttl_s=30)
+    assert ask(encode_control("ipc_begin", 10, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id))["ok"]
+    assert ask(encode_control("ipc_commit", 11, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id))["ok"]
+    assert pair.leases.close(lease2) == "free"
 
 
 def test_versioned_nack_reaches_the_right_request(pair, dealer):

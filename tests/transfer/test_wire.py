@@ -4,7 +4,7 @@ import msgpack
 import pytest
 import torch
 
-from pdd.transfer import make_receiver, make_sender
+from pdd.transfer import make_receiver, make_sender, offered_backends
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.wire import (WireError, bytes_to_tensor, decode_ack, decode_header, encode_ack,
                                encode_pages_header, tensor_bytes)
@@ -60,7 +60,17 @@ def test_factories():
         make_sender("rdma", layout)
     with pytest.raises(ValueError, match="choices"):
         make_receiver("rdma", torch.zeros(3, 2, 12, 4, 2, 8), layout, LeaseTable())
-    with pytest.raises(NotImplementedError, match="cuda_ipc"):
-        make_sender("cuda_ipc", layout)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda_ipc KV transfer backend needs a GPU"):
+            make_sender("cuda_ipc", layout)
     with pytest.raises(ValueError, match="KV pool has shape"):
         make_receiver("tcp", torch.zeros(3, 2, 12, 8, 2, 8), layout, LeaseTable())
+
+
+def test_offered_backends():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert offered_backends("auto", cpu) == ["tcp"]
+    assert offered_backends("auto", gpu) == ["cuda_ipc", "tcp"]
+    assert offered_backends("tcp", gpu) == ["tcp"] and offered_backends("local", cpu) == ["local"]
+    with pytest.raises(ValueError, match="'cuda_ipc' needs a GPU; this worker runs on cpu"):
+        offered_backends("cuda_ipc", cpu)

@@ -1,0 +1,474 @@
+"""The `cuda_ipc` backend, prefill side: one-sided page writes into a decode
+worker's KV pool on the same host (over NVLink between two GPUs, or within one).
+
+The decode worker exports its pool once (pdd.transfer.ipc_pool); this sender
+opens it in its own device's context and, for each layer the forward pass has
+just written, launches the page-copy kernel on a side stream ordered after
+that layer by an event, so the copy overlaps the layers that follow. Before
+the next step reuses any source block, the compute stream waits for the side
+stream (step_done); no host sync anywhere on the engine thread.
+
+A store into another process's memory cannot be refused after the fact, so
+the decode worker must know who may write and until when. Control messages on
+its data socket (pdd.transfer.ipc_receiver), from this sender's I/O thread:
+
+    ipc_open    once per decode worker: the pool's export, if our layouts agree
+    ipc_begin   before a request's first copy: the lease is live, the decode
+                worker holds its blocks until we end; answers how many seconds
+                we may write (no copy is launched after that)
+    ipc_commit  after the request's last copy completed: its lease is checked
+                again; only an ok commit makes the transfer a success
+    ipc_end     after the copies of an aborted or failed request completed
+
+Results: a request succeeds when its commit is acknowledged; it fails with a
+reason when the pool cannot be opened, the lease is refused or gone, the
+decode worker does not answer within `timeout_s`, or its lease would expire.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pdd.ops.triton_pages import copy_blocks_unchecked
+from pdd.kv.layout import KVLayout
+from pdd.transfer.accept import pool_mismatch
+from pdd.transfer.base import TransferTarget
+from pdd.transfer.common import Mailbox, Progress, SenderBase, Tombstones, dst_blocks_for, index_tensor
+from pdd.transfer.ipc_pool import PoolOpenError, open_pool
+from pdd.transfer.wire import WireError, decode_reply, encode_control
+
+log = logging.getLogger(__name__)
+
+_MAX_WAIT_MS = 1000
+# Stop launching copies this long before the lease the decode worker granted
+# ends: the grant's age on arrival, and copies still queued behind compute.
+_DEADLINE_MARGIN_S = 1.0
+_REOPEN_AFTER_S = 5.0  # a pool that failed to open is asked for again after this long
+
+
+@dataclass
+class _Write:
+    """One request's transfer. Fields the engine thread reads are set under the sender's lock."""
+
+    target: TransferTarget
+    progress: Progress
+    granted: threading.Event = field(default_factory=threading.Event)  # begin answered (or failed)
+    pool: torch.Tensor | None = None    # the decode worker's pool, opened here
+    pool_id: str = ""
+    deadline: float = 0.0               # perf_counter(): no copy launched after it
+    error: str = ""                     # why it failed; no more copies
+    closed: bool = False                # no more copies (finishing or failed)
+    begun: bool = False                 # the decode worker counts us as a writer
+    copies: int = 0                     # kernels launched
+    finished: bool = False              # finish() was called
+    aborted: bool = False               # abort() was called: report nothing
+    blocks_skipped: int = 0
+    ids: "_StepIds | None" = None
+
+
+def _run_of_layers(layer_view: torch.Tensor, index: int, first: int) -> torch.Tensor:
+    """Layers first..index of the pool whose layer `index` is `layer_view`: the
+    pool is one contiguous [layers, 2, blocks, ...] allocation, so neighbouring
+    layers sit one layer's size apart in the same storage."""
+    n = layer_view.numel()
+    return layer_view.as_strided((index - first + 1, *layer_view.shape), (n, *layer_view.stride()),
+                                 layer_view.storage_offset() - (index - first) * n)
+
+
+@dataclass
+class _StepIds:
+    """The blocks one engine step sends for a request, as the engine passed
+    them (compared by identity) and as device index tensors."""
+
+    src: list[int]
+    indices: list[int]
+    dst: list[int]
+    src_t: torch.Tensor
+    dst_t: torch.Tensor
+    nbytes: int          # per layer
+    counted: bool = False  # its blocks are in the request's progress
+
+
+@dataclass
+class _Dest:
+    """One decode worker's data socket and its pool, as far as we know it."""
+
+    sock: zmq.Socket
+    pending: deque = field(default_factory=deque)   # frames zmq could not take yet
+    pool: torch.Tensor | None = None
+    pool_id: str = ""
+    opening: bool = False
+    waiting: list[str] = field(default_factory=list)  # requests to begin once the pool is open
+    error: str = ""
+    failed_at: float = 0.0
+
+
+class CudaIpcSender(SenderBase):
+    def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
+                 layer_group: int = 4, copy_ctas: int | None = None):
+        super().__init__(layout)
+        # Programs per copy launch (None: one per page chunk, as many as the GPU
+        # takes): fewer leave more of the GPU to the forward pass the copies overlap.
+        self.copy_ctas = copy_ctas
+        # Layers copied per kernel launch: fewer launches on the engine thread,
+        # at the price of copying a few layers later than they were written.
+        self.layer_group = max(1, layer_group)
+        if not torch.cuda.is_available():
+            raise RuntimeError("the cuda_ipc KV transfer backend needs a GPU")
+        self.timeout_s = timeout_s
+        device = torch.device(device if device is not None else "cuda")
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self._side = torch.cuda.Stream(self.device)
+        self._lock = threading.Lock()
+        self._writes: dict[str, _Write] = {}
+        self._failed = Tombstones()    # settled before finish(): later calls for them are silent
+        self._mail = Mailbox()
+        # I/O-thread state from here on.
+        self._ctx = zmq.Context()
+        self._dests: dict[str, _Dest] = {}
+        self._token = 0
+        self._asked: dict[int, tuple[str, str, float]] = {}  # token -> (kind, request id or address, deadline)
+        self._poller = zmq.Poller()
+        self._thread = threading.Thread(target=self._run, name="kv-ipc-sender", daemon=True)
+        self._thread.start()
+
+    # -- engine side ---------------------------------------------------------
+
+    def prepare(self, target: TransferTarget) -> None:
+        """Start opening the pool and registering as a writer as soon as the
+        request is known, so the first layer's copy does not wait for it."""
+        self._write_for(target)
+
+    def _write_for(self, target: TransferTarget) -> _Write | None:
+        rid = target.request_id
+        with self._lock:
+            if rid in self._failed:
+                return None
+            w = self._writes.get(rid)
+            if w is None:
+                w = self._writes[rid] = _Write(target, Progress(rid))
+                if not self._mail.put(("begin", rid)):
+                    raise RuntimeError("sender is closed")
+        return w
+
+    def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
+                   src_block_ids: list[int], block_indices: list[int]) -> None:
+        if self._mail.closed or not self._thread.is_alive():
+            raise RuntimeError("sender is closed" if self._mail.closed else "kv sender I/O thread died (see log)")
+        if src_layer.device != self.device:
+            raise ValueError(f"source pages are on {src_layer.device}, this sender copies from {self.device}")
+        w = self._write_for(target)
+        if w is None or w.error:
+            return
+        ids = w.ids
+        if ids is None or ids.src is not src_block_ids or ids.indices is not block_indices:
+            # A new step's blocks; every layer of the step passes the same lists,
+            # so the checks and the device index tensors are made once per step.
+            dst = dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
+            if not src_layer.is_contiguous():
+                raise ValueError("source layer must be one contiguous layer of a [layers, 2, blocks, ...] pool")
+            if not w.granted.wait(self.timeout_s):
+                self._fail_soon(w, f"no answer from the decode worker's data socket in {self.timeout_s:g}s")
+                return
+            ids = w.ids = _StepIds(src_block_ids, block_indices, dst, index_tensor(src_block_ids, self.device),
+                                   index_tensor(dst, self.device),
+                                   2 * len(dst) * src_layer[0, 0].numel() * src_layer.element_size())
+        if not ids.dst:
+            return
+        first = layer - layer % self.layer_group
+        if layer - first != self.layer_group - 1 and layer != self.layout.num_layers - 1:
+            return  # copied with the last layer of its group
+        compute = torch.cuda.current_stream(self.device)
+        with self._lock:
+            if w.error or w.closed:
+                return
+            if time.perf_counter() > w.deadline:
+                self._fail_locked(w, "the KV lease would expire before the transfer completes")
+                return
+            self._side.wait_stream(compute)   # the layer's pages (and the ids) are written
+            with torch.cuda.stream(self._side):
+                copy_blocks_unchecked(_run_of_layers(src_layer, layer, first), w.pool[first:layer + 1],
+                                      ids.src_t, ids.dst_t, self.copy_ctas)
+            w.copies += 1
+            if not w.progress.bytes:
+                w.progress.t_first = time.perf_counter()
+            if not ids.counted:
+                w.progress.blocks.update(ids.dst)
+                ids.counted = True
+            w.progress.bytes += ids.nbytes * (layer - first + 1)
+
+    def step_done(self) -> None:
+        # The next step may write into blocks whose copies are still queued.
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
+        with self._lock:
+            if self._failed.discard(request_id):
+                return
+            known = request_id in self._writes
+        if known:
+            self._mail.put(("finish", request_id, blocks_skipped))
+        else:  # nothing was ever sent
+            self._emit(Progress(request_id).result(True, blocks_skipped=blocks_skipped))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._failed.discard(request_id)
+            w = self._writes.get(request_id)
+            if w is None:
+                return
+            w.aborted = True
+            w.error = w.error or "aborted"
+        self._mail.put(("abort", request_id))
+
+    def close(self) -> None:
+        if not self._mail.put(("close",)):
+            return
+        self._thread.join()
+        self._mail.close_fds()
+
+    def _fail_locked(self, w: _Write, error: str) -> None:
+        if not w.error:
+            w.error = error
+            self._mail.put(("fail", w.target.request_id))
+
+    def _fail_soon(self, w: _Write, error: str) -> None:
+        with self._lock:
+            self._fail_locked(w, error)
+
+    # -- I/O thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        self._poller.register(self._mail.fd, zmq.POLLIN)
+        try:
+            while True:
+                timeout = 0 if self._mail.going_idle() else self._next_deadline_ms()
+                events = dict(self._poller.poll(timeout))
+                self._mail.woken(self._mail.fd in events)
+                if not self._run_commands():
+                    break
+                for addr, dest in list(self._dests.items()):
+                    if events.get(dest.sock, 0) & zmq.POLLIN:
+                        self._recv_replies(dest)
+                    self._flush(dest)
+                self._expire(time.perf_counter())
+        except Exception:  # never expected; make it loud, fail what is in flight
+            log.exception("kv ipc sender I/O thread crashed")
+            with self._lock:
+                writes = list(self._writes.values())
+            for w in writes:
+                self._settle(w, False, "kv sender I/O thread crashed")
+        finally:
+            for dest in self._dests.values():
+                dest.sock.close(linger=0)
+            self._ctx.term()
+
+    def _run_commands(self) -> bool:
+        for cmd in self._mail.take():
+            kind = cmd[0]
+            if kind == "close":
+                return False
+            w = self._writes.get(cmd[1])
+            if w is None:
+                continue
+            if kind == "begin":
+                self._begin(w)
+            elif kind == "finish":
+                w.finished, w.blocks_skipped = True, cmd[2]
+                if w.error:
+                    self._settle(w, False, w.error)
+                elif w.begun:
+                    self._commit(w)
+                # else: the commit follows the begin's answer
+            elif kind in ("abort", "fail") and w.granted.is_set():
+                self._settle(w, False, w.error)
+            # (abort/fail before the begin was answered: _on_begin settles it)
+        return True
+
+    def _dest(self, addr: str) -> _Dest:
+        dest = self._dests.get(addr)
+        if dest is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection
+            sock.connect(addr)
+            dest = self._dests[addr] = _Dest(sock)
+            self._poller.register(sock, zmq.POLLIN)
+        return dest
+
+    def _begin(self, w: _Write) -> None:
+        addr = w.target.dst_addr
+        dest = self._dest(addr)
+        if dest.pool is not None:
+            self._ask(dest, "ipc_begin", w.target.request_id, request_id=w.target.request_id,
+                      lease_id=w.target.lease_id, pool_id=dest.pool_id)
+            return
+        if dest.error and time.perf_counter() - dest.failed_at < _REOPEN_AFTER_S:
+            self._settle(w, False, dest.error)
+            return
+        dest.waiting.append(w.target.request_id)
+        if not dest.opening:
+            dest.opening, dest.error = True, ""
+            self._ask(dest, "ipc_open", addr, layout=self.layout_dict)
+
+    def _commit(self, w: _Write) -> None:
+        self._wait_copies(w)
+        dest = self._dests[w.target.dst_addr]
+        self._ask(dest, "ipc_commit", w.target.request_id, request_id=w.target.request_id,
+                  lease_id=w.target.lease_id, pool_id=w.pool_id)
+
+    def _wait_copies(self, w: _Write) -> None:
+        """Block until every copy launched for `w` has completed (none can start after)."""
+        with self._lock:
+            w.closed = True
+            if not w.copies:
+                return
+            # The side stream runs copies in launch order: an event recorded now
+            # completes after the last one launched for `w` (and maybe others').
+            done = torch.cuda.Event()
+            done.record(self._side)
+        done.synchronize()
+
+    def _settle(self, w: _Write, ok: bool, error: str = "") -> None:
+        """End a request's transfer exactly once: copies completed, the decode
+        worker told (end) if it counted us as a writer, the result reported."""
+        rid = w.target.request_id
+        self._wait_copies(w)
+        with self._lock:
+            if self._writes.get(rid) is not w:
+                return
+            del self._writes[rid]
+            if not ok and not w.finished and not w.aborted:
+                self._failed.add(rid)   # its later pages are dropped, finish() is silent
+        if not ok and w.begun:
+            dest = self._dests.get(w.target.dst_addr)
+            if dest is not None:
+                self._send(dest, encode_control("ipc_end", self._next_token(), request_id=rid,
+                                                lease_id=w.target.lease_id, pool_id=w.pool_id))
+        w.granted.set()  # an engine thread waiting on it sees the error
+        if not w.aborted:
+            if ok:
+                w.progress.t_last = time.perf_counter()
+            self._emit(w.progress.result(ok, error, w.blocks_skipped))
+
+    # -- control messages --------------------------------------------------
+
+    def _next_token(self) -> int:
+        self._token += 1
+        return self._token
+
+    def _ask(self, dest: _Dest, kind: str, key: str, **fields) -> None:
+        token = self._next_token()
+        self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
+        self._send(dest, encode_control(kind, token, **fields))
+
+    def _send(self, dest: _Dest, frame: bytes) -> None:
+        dest.pending.append(frame)
+        self._flush(dest)
+
+    def _flush(self, dest: _Dest) -> None:
+        while dest.pending:
+            try:
+                dest.sock.send(dest.pending[0], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            dest.pending.popleft()
+        self._poller.register(dest.sock, zmq.POLLIN | (zmq.POLLOUT if dest.pending else 0))
+
+    def _recv_replies(self, dest: _Dest) -> None:
+        while True:
+            try:
+                frame = dest.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = decode_reply(frame)
+            except WireError as e:
+                log.warning("kv ipc sender: dropped a malformed reply: %s", e)
+                continue
+            asked = self._asked.pop(reply["token"], None)
+            if asked is not None:
+                self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
+
+    def _on_reply(self, kind: str, key: str, ok: bool, error: str, data: dict) -> None:
+        if kind == "ipc_open":
+            self._on_open(key, ok, error, data)
+            return
+        w = self._writes.get(key)
+        if w is None:
+            return
+        if kind == "ipc_begin":
+            self._on_begin(w, ok, error, data)
+        elif kind == "ipc_commit":
+            w.begun = False  # the commit ended us as a writer, whatever its answer
+            self._settle(w, ok, "" if ok else f"refused by the decode worker: {error}")
+
+    def _on_open(self, addr: str, ok: bool, error: str, data: dict) -> None:
+        dest = self._dests[addr]
+        dest.opening = False
+        if ok:
+            try:
+                pool = open_pool(data["pool"], self.device)
+                err = pool_mismatch(pool, self.layout, "the decode worker's pool")
+                if err:
+                    raise PoolOpenError(err)
+                dest.pool, dest.pool_id = pool, data["pool_id"]
+                log.info("opened the KV pool of %s through CUDA IPC", addr)
+            except (PoolOpenError, KeyError, TypeError) as e:
+                ok, error = False, str(e)
+        if not ok:
+            dest.error, dest.failed_at = f"cannot open the decode worker's KV pool: {error}", time.perf_counter()
+            log.warning("kv ipc sender: %s (%s)", dest.error, addr)
+        waiting, dest.waiting = dest.waiting, []
+        for rid in waiting:
+            w = self._writes.get(rid)
+            if w is not None:
+                self._begin(w)
+
+    def _on_begin(self, w: _Write, ok: bool, error: str, data: dict) -> None:
+        dest = self._dests[w.target.dst_addr]
+        if ok:
+            with self._lock:
+                w.pool, w.pool_id, w.begun = dest.pool, dest.pool_id, True
+                w.deadline = time.perf_counter() + float(data.get("seconds", 0.0)) - _DEADLINE_MARGIN_S
+            w.granted.set()
+            if w.error:                 # aborted or failed while we asked
+                self._settle(w, False, w.error)
+            elif w.finished:
+                self._commit(w)
+            return
+        if error.startswith("stale pool"):  # the decode worker restarted: open it afresh next time
+            dest.pool, dest.pool_id = None, ""
+        self._settle(w, False, f"refused by the decode worker: {error}")
+
+    def _expire(self, now: float) -> None:
+        for token, (kind, key, deadline) in list(self._asked.items()):
+            if now < deadline:
+                continue
+            del self._asked[token]
+            why = f"no answer to {kind} from the decode worker in {self.timeout_s:g}s"
+            if kind == "ipc_open":
+                self._on_open(key, False, why, {})
+            else:
+                w = self._writes.get(key)
+                if w is not None:
+                    # A late begin may have registered us: the decode worker
+                    # then holds the blocks until our lease deadline + grace.
+                    self._settle(w, False, why)
+
+    def _next_deadline_ms(self) -> int:
+        if not self._asked:
+            return _MAX_WAIT_MS
+        due = min(d for _, _, d in self._asked.values()) - time.perf_counter()
+        return max(1, min(_MAX_WAIT_MS, int(due * 1000) + 1))
+
+    def cannot_reach(self, addr: str) -> bool:
+        """The last attempt to open `addr`'s pool failed (read from any thread)."""
+        dest = self._dests.get(addr)
+        return dest is not None and bool(dest.error)

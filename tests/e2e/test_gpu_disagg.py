@@ -1,0 +1,76 @@
+"""1 prefill + 1 decode worker over cuda_ipc on the GPUs (one each when there
+are two, both on one otherwise) produce what a colocated cluster produces,
+token for token: the built-in tiny model, and the Llama-3-8B shape with dummy
+weights. Runs only where CUDA is available (the lent H200 machines)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from pdd import SamplingParams
+from pdd.model.tokenizer import servable_copy
+from tests.e2e.cluster import UpCluster
+from tests.e2e.test_disagg import _complete, metric, mixed_workload, run_all
+from tests.engine.helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def up(tmp: Path, model: Path, mode: str, env: dict) -> UpCluster:
+    args = ["--mode", "disagg", "--prefill", "1", "--decode", "1"] if mode == "disagg" else \
+        ["--mode", "colocated", "--workers", "1"]
+    return UpCluster(tmp / mode, model, *args, env=env, start_timeout_s=600).start()
+
+
+def run_in_order(cluster, prompts, params) -> list[tuple[str, str]]:
+    """One request at a time: every step has the same batch in both clusters,
+    so bf16 results are bitwise comparable."""
+    async def main():
+        out = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for p, sp in zip(prompts, params):
+                out.append(await _complete(session, cluster, p, sp))
+        return out
+    return asyncio.run(main())
+
+
+def compare(tmp: Path, model: Path, env: dict, workload) -> None:
+    results = {}
+    for mode in ("disagg", "colocated"):
+        c = up(tmp, model, mode, {**env, "PDD_WORKER__TRANSFER_BACKEND": "cuda_ipc"})
+        try:
+            results[mode] = workload(c)
+            if mode == "disagg":
+                assert metric(c, "pdd_kv_transfer_blocks_sent_total") > 0
+                assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 0
+                assert "through CUDA IPC" in c.logs(), c.logs()
+                workers = c.wait_idle(timeout_s=10)
+                assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
+        finally:
+            assert c.stop() == 0, c.logs()
+    for i, (got, want) in enumerate(zip(results["disagg"], results["colocated"])):
+        assert got == want, (i, got, want)
+
+
+def test_tiny_model_over_cuda_ipc_matches_colocated(tmp_path, tiny_model):
+    prompts, params = mixed_workload(40, seed=5)
+    # fp32 so that concurrent batches (which differ between the two clusters) agree too.
+    env = {"PDD_ENGINE__DTYPE": "float32", "PDD_ENGINE__KV_CACHE_BYTES": str(1 << 30)}
+    compare(tmp_path, tiny_model, env, lambda c: run_all(c, prompts, params))
+
+
+def test_llama_8b_shape_over_cuda_ipc_matches_colocated(tmp_path):
+    # Config only (dummy weights) plus a word tokenizer: text maps 1:1 to token ids.
+    model = servable_copy(REPO / "conf/models/llama-3.1-8b", tmp_path / "llama-3.1-8b")
+    prompts = random_prompts([700, 1500, 33, 4000], seed=8, vocab=128000)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+    env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
+           "PDD_ENGINE__KV_CACHE_BYTES": str(8 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
+    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))

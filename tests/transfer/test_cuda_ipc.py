@@ -1,0 +1,145 @@
+"""The cuda_ipc backend between two processes: the decode pool and its data
+socket in a child process (on the second GPU when there is one), the sender
+here. Pages must land exactly in the leased blocks; every refusal must be
+reported and write nothing. Runs only where CUDA is available."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from pdd.transfer import make_sender
+from pdd.transfer.base import TransferTarget
+from tests.transfer.conftest import make_layout, make_pool
+from tests.transfer.ipc_peer import serve_pool
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "cuda:0"
+
+
+class Peer:
+    def __init__(self, dtype: str):
+        self.layout = make_layout(dtype)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve_pool, args=(child, self.layout.to_dict(), PEER, 2), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "peer did not start"
+        self.address = self.conn.recv()
+
+    def __call__(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(30), f"peer did not answer {cmd[0]}"
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self("stop")
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def peer(request):
+    p = Peer(request.param)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def sender(peer):
+    s = make_sender("cuda_ipc", peer.layout, timeout_s=10, device="cuda:0")
+    yield s
+    s.close()
+
+
+def wait_result(sender, rid: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in sender.poll():
+            if r.request_id == rid:
+                return r
+        time.sleep(0.005)
+    raise AssertionError(f"no result for {rid}")
+
+
+def send(sender, target, src, src_blocks, layers=None):
+    for layer in range(src.shape[0]) if layers is None else layers:
+        sender.send_layer(target, layer, src[layer], src_blocks, list(range(len(src_blocks))))
+    sender.step_done()
+
+
+def test_pages_land_in_the_leased_blocks(peer, sender):
+    src = make_pool(peer.layout, seed=1).cuda()
+    before = peer("pool")
+    lease = peer("grant", "r1", [9, 3], 30)
+    target = TransferTarget("r1", lease, "d", peer.address, (9, 3), backend="cuda_ipc")
+    sender.prepare(target)
+    send(sender, target, src, [1, 6])
+    sender.finish("r1")
+    r = wait_result(sender, "r1")
+    assert r.ok, r.error
+    assert r.blocks_sent == 2 and r.bytes == src[:, :, :2].numel() * src.element_size()
+    after = peer("pool")
+    expected = before.clone()
+    expected[:, :, [9, 3]] = src[:, :, [1, 6]].cpu()
+    assert torch.equal(after, expected)
+    assert peer("close", lease) == "free"      # committed: nothing held
+
+
+def test_revoked_lease_is_refused_before_any_write(peer, sender):
+    src = make_pool(peer.layout, seed=3).cuda()
+    before = peer("pool")
+    lease = peer("grant", "r2", [4], 30)
+    assert peer("close", lease) == "free"
+    target = TransferTarget("r2", lease, "d", peer.address, (4,), backend="cuda_ipc")
+    send(sender, target, src, [0])
+    sender.finish("r2")
+    r = wait_result(sender, "r2")
+    assert not r.ok and "unknown or revoked lease" in r.error
+    assert torch.equal(peer("pool"), before)
+
+
+def test_abort_holds_the_blocks_until_the_writer_ends(peer, sender):
+    src = make_pool(peer.layout, seed=4).cuda()
+    lease = peer("grant", "r3", [5, 7], 30)
+    target = TransferTarget("r3", lease, "d", peer.address, (5, 7), backend="cuda_ipc")
+    send(sender, target, src, [2, 8], layers=[0])
+    assert peer("close", lease) == "held"       # the decode side aborted while we may still write
+    assert peer("released") == []
+    sender.abort("r3")
+    deadline = time.monotonic() + 10
+    released = []
+    while not released and time.monotonic() < deadline:
+        released = peer("released")
+        time.sleep(0.01)
+    assert released == [lease]
+    assert sender.poll() == []                  # an abort reports nothing
+
+
+def test_lease_about_to_expire_is_not_written(peer, sender):
+    before = peer("pool")
+    src = make_pool(peer.layout, seed=5).cuda()
+    lease = peer("grant", "r4", [10], 0.5)      # shorter than the sender's safety margin
+    target = TransferTarget("r4", lease, "d", peer.address, (10,), backend="cuda_ipc")
+    send(sender, target, src, [0])
+    sender.finish("r4")
+    r = wait_result(sender, "r4")
+    assert not r.ok and "would expire" in r.error
+    assert torch.equal(peer("pool"), before)
+
+
+def test_layout_mismatch_refuses_to_open_the_pool(peer):
+    other = make_layout(peer.layout.dtype, weights_hash="w1")
+    s = make_sender("cuda_ipc", other, timeout_s=10, device="cuda:0")
+    try:
+        lease = peer("grant", "r5", [1], 30)
+        target = TransferTarget("r5", lease, "d", peer.address, (1,), backend="cuda_ipc")
+        send(s, target, make_pool(other, seed=6).cuda(), [0])
+        s.finish("r5")
+        r = wait_result(s, "r5")
+        assert not r.ok and "KV layout mismatch on weights_hash" in r.error, r.error
+        assert s.cannot_reach(peer.address)
+    finally:
+        s.close()
