@@ -2,11 +2,12 @@
 worker's KV pool on the same host (over NVLink between two GPUs, or within one).
 
 The decode worker exports its pool once (pdd.transfer.ipc_pool); this sender
-opens it in its own device's context and, for each layer the forward pass has
-just written, launches the page-copy kernel on a side stream ordered after
-that layer by an event, so the copy overlaps the layers that follow. Before
-the next step reuses any source block, the compute stream waits for the side
-stream (step_done); no host sync anywhere on the engine thread.
+opens it in its own device's context and, as the forward pass writes layers,
+launches the page-copy kernel on a side stream ordered after them, one launch
+per `layer_group` layers (default: one per step, at the last layer; see
+__init__ for why). Before the next step reuses any source block, the compute
+stream waits for the side stream (step_done); no host sync anywhere on the
+engine thread.
 
 A store into another process's memory cannot be refused after the fact, so
 the decode worker must know who may write and until when. Control messages on
@@ -50,6 +51,10 @@ _MAX_WAIT_MS = 1000
 # ends: the grant's age on arrival, and copies still queued behind compute.
 _DEADLINE_MARGIN_S = 1.0
 _REOPEN_AFTER_S = 5.0  # a pool that failed to open is asked for again after this long
+# Longest the engine thread waits for a request's ipc_begin answer (asked when
+# the request arrived, so normally long there): the whole prefill worker waits
+# with it, so past this the request fails over to a local prefill instead.
+_GRANT_WAIT_S = 5.0
 
 
 @dataclass
@@ -173,8 +178,9 @@ class CudaIpcSender(SenderBase):
             dst = dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
             if not src_layer.is_contiguous():
                 raise ValueError("source layer must be one contiguous layer of a [layers, 2, blocks, ...] pool")
-            if not w.granted.wait(self.timeout_s):
-                self._fail_soon(w, f"no answer from the decode worker's data socket in {self.timeout_s:g}s")
+            wait = min(self.timeout_s, _GRANT_WAIT_S)
+            if not w.granted.wait(wait):
+                self._fail_soon(w, f"no answer to ipc_begin from the decode worker in {wait:g}s")
                 return
             ids = w.ids = _StepIds(src_block_ids, block_indices, dst, index_tensor(src_block_ids, self.device),
                                    index_tensor(dst, self.device),

@@ -141,8 +141,9 @@ class PrefillSide:
         self.engine = worker.engine
         wc = worker.cfg.worker
         device = self.engine.device
+        ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
         self.sender = MultiSender({
-            b: make_sender(b, layout, timeout_s=wc.transfer_timeout_s, **({"device": device} if b == "cuda_ipc" else {}))
+            b: make_sender(b, layout, timeout_s=wc.transfer_timeout_s, **(ipc if b == "cuda_ipc" else {}))
             for b in offered_backends(wc.transfer_backend, device)})
         self.sender.set_wakeup(worker.wake_threadsafe)
         self.connector = PrefillConnector(self.sender, self.engine.runner.kv_cache, self.engine.cfg.block_size)

@@ -1,0 +1,46 @@
+"""Which data plane a prefill -> decode pair uses, and the per-request dispatch
+of a worker that offers several (CPU: tcp and local stand in for cuda_ipc)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdd.router.disagg import transfer_backend
+from pdd.transfer.multi import MultiSender
+
+
+def worker(backends, host_id="boot-a"):
+    return SimpleNamespace(transfer_backends=backends, host_id=host_id)
+
+
+def test_backend_choice_per_pair():
+    gpu = ["cuda_ipc", "tcp"]
+    assert transfer_backend(worker(gpu), worker(gpu)) == "cuda_ipc"
+    assert transfer_backend(worker(gpu), worker(gpu, "boot-b")) == "tcp"      # other host
+    assert transfer_backend(worker(gpu, ""), worker(gpu, "")) == "tcp"        # host unknown
+    assert transfer_backend(worker(gpu), worker(["tcp"])) == "tcp"            # CPU decode worker
+    assert transfer_backend(worker(["cuda_ipc"]), worker(["tcp"])) is None    # nothing in common
+    assert transfer_backend(worker([]), worker([])) == "tcp"                  # older workers: tcp
+
+
+@pytest.fixture
+def backend() -> str:
+    return "local"
+
+
+def test_dispatch_by_the_target_backend(make_pair):
+    pair = make_pair()
+    other = make_pair()
+    multi = MultiSender({"local": pair.sender, "tcp": other.sender})  # (both local senders underneath)
+    t = pair.target("r", [4])
+    with pytest.raises(ValueError, match="backend 'cuda_ipc' is not offered by this worker"):
+        multi.prepare(type(t)(**{**vars(t), "backend": "cuda_ipc"}))
+    t = type(t)(**{**vars(t), "backend": "local"})
+    multi.prepare(t)
+    multi.send_layer(t, 0, pair.src[0], [2], [0])
+    multi.finish("r")
+    assert [r.ok for r in multi.poll()] == [True]
+    assert (pair.dst[0, :, 4] == pair.src[0, :, 2]).all()
+    multi.finish("never-prepared")     # reports "nothing sent", never hangs the request
+    assert [(r.request_id, r.ok, r.bytes) for r in multi.poll()] == [("never-prepared", True, 0)]
