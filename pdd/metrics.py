@@ -47,6 +47,10 @@ class RouterMetrics:
         self.transfer_seconds = Histogram("prefill_to_decode_kv_transfer_seconds",
                                           "First page handed over to last page acknowledged",
                                           buckets=_LATENCY_BUCKETS, registry=r)
+        self.disagg_phase = Histogram("pdd_disagg_phase_seconds",
+                                      "Router-side time of a disaggregated request's phases: reserve "
+                                      "(Reserve sent -> Reserved), prefill (Prefill sent -> PrefillDone)",
+                                      ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.transfer_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.blocks_sent = Counter("pdd_kv_transfer_blocks_sent", "KV blocks moved prefill -> decode", registry=r)
         self.blocks_skipped = Counter("pdd_kv_transfer_blocks_skipped",

@@ -57,7 +57,8 @@ def _metrics(url: str) -> dict[str, float]:
     """Step latency and KV transfer time as the cluster counted them (warm-up included)."""
     import urllib.request
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    keep = ("scheduler_iteration_latency_seconds_", "prefill_to_decode_kv_transfer_seconds_")
+    keep = ("scheduler_iteration_latency_seconds_", "prefill_to_decode_kv_transfer_seconds_",
+            "pdd_disagg_phase_seconds_", "pdd_time_to_first_token_seconds_")
     out = {}
     for line in text.splitlines():
         if line.startswith(keep) and ("_sum" in line or "_count" in line):
@@ -86,6 +87,12 @@ def main(args) -> int:
         print(f"{mode:>10} {r['wall_s']:>8.2f} {r['ttft_mean_ms']:>13.1f} {r['ttft_p50_ms']:>9.1f} "
               f"{r['ttft_p99_ms']:>9.1f} {r['itl_mean_ms']:>12.2f}")
     print(f"TTFT disagg / colocated: {ratio:.3f}")
+    mets = results["disagg"]["metrics"]
+    phases = {p: mets.get(f'pdd_disagg_phase_seconds_sum{{phase="{p}"}}', 0.0)
+              / max(1.0, mets.get(f'pdd_disagg_phase_seconds_count{{phase="{p}"}}', 0.0))
+              for p in ("reserve", "prefill")}
+    print("disagg phases at the router (means incl. warm-up): "
+          + ", ".join(f"{p} {1e3 * v:.1f} ms" for p, v in phases.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

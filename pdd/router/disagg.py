@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
@@ -68,6 +69,7 @@ class DisaggFlow:
         decode.inflight += 1
         fut = asyncio.get_running_loop().create_future()
         self.reservations[state.request_id] = fut
+        state.phase_since = time.monotonic()
         await r.chan.send(decode.worker_id, m.Reserve(state.request_id, state.prompt_token_ids,
                                                       vars(state.sampling), r.cfg.router.kv_lease_ttl_s))
         try:
@@ -85,7 +87,9 @@ class DisaggFlow:
             state.worker_id = state.prefill_worker = None
             await self._fallback(state, reply.error)
             return
-        state.phase, state.lease_id = "prefilling", reply.lease_id
+        now = time.monotonic()
+        r.metrics.disagg_phase.labels("reserve").observe(now - state.phase_since)
+        state.phase, state.lease_id, state.phase_since = "prefilling", reply.lease_id, now
         skip = reply.num_cached_tokens // r.registry.layout.block_size
         prefill.inflight += 1
         await r.chan.send(prefill.worker_id, m.Prefill(
@@ -117,6 +121,7 @@ class DisaggFlow:
             return
         self._prefill_over(state)
         state.phase = "decoding"
+        r.metrics.disagg_phase.labels("prefill").observe(time.monotonic() - state.phase_since)
         r.metrics.observe_transfer(msg.transfer)
         worker = r.registry.workers.get(peer)
         if worker is not None:

@@ -38,6 +38,7 @@ class RequestState:
     phase: str = "decoding"
     prefill_worker: str | None = None
     lease_id: str = ""
+    phase_since: float = 0.0            # when the current disaggregated phase began (monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)

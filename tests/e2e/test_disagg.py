@@ -76,6 +76,8 @@ def test_50_requests_match_colocated(disagg, offline):
     assert metric(disagg, "pdd_requests_total", '{finish_reason="length",mode="disagg"}') >= 50
     assert metric(disagg, "pdd_kv_transfer_blocks_sent_total") > before
     assert metric(disagg, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 0
+    for phase in ("reserve", "prefill"):  # where a disaggregated TTFT goes, as the router saw it
+        assert metric(disagg, "pdd_disagg_phase_seconds_count", f'{{phase="{phase}"}}') >= 50
     workers = disagg.wait_idle()
     assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
     assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
