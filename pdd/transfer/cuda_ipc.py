@@ -464,8 +464,13 @@ class CudaIpcSender(SenderBase):
             else:
                 w = self._writes.get(key)
                 if w is not None:
-                    # A late begin may have registered us: the decode worker
-                    # then holds the blocks until our lease deadline + grace.
+                    # A silent decode worker may be gone: let go of its pool (a dead
+                    # process's memory stays allocated while we map it); the next
+                    # request opens it afresh. A late begin may have registered us:
+                    # the decode worker then holds the blocks until deadline + grace.
+                    dest = self._dests.get(w.target.dst_addr)
+                    if dest is not None:
+                        dest.pool, dest.pool_id = None, ""
                     self._settle(w, False, why)
 
     def _next_deadline_ms(self) -> int:
