@@ -114,7 +114,8 @@ class WorkerConfig:
     # auto: cuda_ipc to decode workers on this host when on a GPU, else tcp.
     transfer_backend: str = "auto"       # auto | tcp | cuda_ipc | local
     transfer_timeout_s: float = 30.0     # a page unacknowledged this long fails the transfer
-    # cuda_ipc: layers per page-copy launch (0 = all, once per step; see pdd.transfer.cuda_ipc).
+    # cuda_ipc: 0 = copy a step's pages once, after its forward; N = every N
+    # layers while the forward runs (see pdd.transfer.cuda_ipc for which pays when).
     ipc_layers_per_copy: int = 0
 
     def validate(self) -> "WorkerConfig":
@@ -126,7 +127,7 @@ class WorkerConfig:
         if self.transfer_timeout_s <= 0:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")
         if self.ipc_layers_per_copy < 0:
-            raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = all layers in one copy)")
+            raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
         return self
 
 

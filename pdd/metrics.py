@@ -49,7 +49,8 @@ class RouterMetrics:
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.disagg_phase = Histogram("pdd_disagg_phase_seconds",
                                       "Router-side time of a disaggregated request's phases: reserve "
-                                      "(Reserve sent -> Reserved), prefill (Prefill sent -> PrefillDone)",
+                                      "(Reserve sent -> Reserved), first_token (Prefill sent -> FirstToken), "
+                                      "prefill (Prefill sent -> PrefillDone)",
                                       ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.transfer_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.blocks_sent = Counter("pdd_kv_transfer_blocks_sent", "KV blocks moved prefill -> decode", registry=r)

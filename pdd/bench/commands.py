@@ -73,7 +73,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--device", default="cuda:0", help="the prefill side (sender)")
     b.add_argument("--peer-device", default=None, help="the decode pool (default: cuda:1 if present)")
     b.add_argument("--repeats", type=int, default=10)
-    b.add_argument("--layer-group", type=int, default=0, help="layers per copy launch (0: all, once per step)")
+    b.add_argument("--layer-group", type=int, default=0, help="layers per copy launch during the forward (0: all, after the step)")
     b.add_argument("--copy-ctas", default="0", help="comma list of programs per copy launch (0: one per page chunk)")
     b.add_argument("--overlap-ctas", type=int, default=0, help="programs per copy launch in the overlap run")
     b.add_argument("--overlap-model", default=None, help="config-only checkpoint: also measure prefill overlap")

@@ -90,7 +90,7 @@ def main(args) -> int:
     mets = results["disagg"]["metrics"]
     phases = {p: mets.get(f'pdd_disagg_phase_seconds_sum{{phase="{p}"}}', 0.0)
               / max(1.0, mets.get(f'pdd_disagg_phase_seconds_count{{phase="{p}"}}', 0.0))
-              for p in ("reserve", "prefill")}
+              for p in ("reserve", "first_token", "prefill")}
     print("disagg phases at the router (means incl. warm-up): "
           + ", ".join(f"{p} {1e3 * v:.1f} ms" for p, v in phases.items()))
     if args.json:

@@ -70,6 +70,7 @@ def main(args) -> int:
         t0 = time.perf_counter()
         for layer in range(layout.num_layers):
             sender.send_layer(target, layer, src[layer], src_ids, idx)
+        sender.step_done()
         t_enqueue = time.perf_counter() - t0
         if timed_on_gpu:
             with torch.cuda.stream(sender._side):
@@ -109,7 +110,7 @@ def main(args) -> int:
            "transfer_s": t_all, "transfer_gb_s": nbytes / t_all / 1e9,
            "transfer_fraction_of_ceiling": nbytes / t_all / 1e9 / IPC_CEILING_GB_S, "all_transfer_s": whole}
     print(f"{args.tokens} tokens, {blocks} blocks x {layout.num_layers} layers = {nbytes / 2**30:.2f} GiB, "
-          f"{args.device} -> {peer}, {args.layer_group} layers per launch")
+          f"{args.device} -> {peer}, {args.layer_group or 'all'} layers per launch")
     for c, r in out["copy"].items():
         print(f"copies ({c or 'all'} CTAs): {1e3 * r['s']:7.2f} ms  {r['gb_s']:6.1f} GB/s  "
               f"{r['fraction_of_ceiling']:.0%} of {IPC_CEILING_GB_S:g} GB/s; engine thread "

@@ -127,8 +127,14 @@ class LLMEngine:
         return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
                             req.num_cached_tokens)
 
-    def prefill_locally(self, request_id: str) -> None:
-        self.scheduler.compute_locally(request_id)
+    def prefill_locally(self, request_id: str, first_token: int | None = None) -> EngineOutput | None:
+        """Decode role: the KV will not come; prefill here (after `first_token` if
+        the client has it). Returns an output only when that token ends the request."""
+        req = self.scheduler.compute_locally(request_id, first_token)
+        if not req.status.finished:
+            return None
+        return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
+                            req.num_cached_tokens)
 
     def attach_connector(self, connector) -> None:
         """Prefill role: a KV connector sees each step's batch and every layer as

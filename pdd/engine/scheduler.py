@@ -89,12 +89,21 @@ class Scheduler:
             self.running.append(req)
         return req
 
-    def compute_locally(self, request_id: str) -> None:
+    def compute_locally(self, request_id: str, first_token: int | None = None) -> Request:
         """The KV will not arrive: queue the reserved request for a local prefill
-        (it keeps its blocks; the cached prefix stays computed)."""
+        (it keeps its blocks; the cached prefix stays computed). A first token
+        the client already has is taken as the first output: the prefill then
+        covers it too, and the request continues after it (as after a preemption)."""
         req = self.waiting_for_kv.pop(request_id)
+        if first_token is not None:
+            req.append_token(first_token)
+            if req.check_stop():
+                self.kv.free(req)
+                del self.requests[request_id]
+                return req
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+        return req
 
     def num_waiting(self) -> int:
         return len(self.waiting)

@@ -173,6 +173,19 @@ class Prefill(Message):
 
 
 @dataclass
+class FirstToken(Message):
+    """The prefill worker sampled the request's first token; its pages may still
+    be in flight (PrefillDone follows). The router streams it at once: the
+    transfer is off the time to first token."""
+    TYPE: ClassVar[str] = "first_token"
+    worker_id: str
+    request_id: str
+    token: int
+    logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class PrefillDone(Message):
     """Every page has landed (acknowledged by the receiver)."""
     TYPE: ClassVar[str] = "prefill_done"
@@ -204,10 +217,13 @@ class KVReady(Message):
 @dataclass
 class PrefillLocally(Message):
     """Decode side: the KV will not come (transfer failed, prefill worker lost):
-    compute the prompt here, in the blocks already reserved (colocated fallback)."""
+    compute the prompt here, in the blocks already reserved (colocated fallback).
+    `first_token`, when the client already has it, is kept: the decode worker
+    continues after it instead of sampling its own."""
     TYPE: ClassVar[str] = "prefill_locally"
     request_id: str
     lease_id: str
+    first_token: int | None = None
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -3,8 +3,9 @@
     decode  <- Reserve        blocks held under a lease, its own prefix hits counted
     decode  -> Reserved
     prefill <- Prefill        computes, writes KV layer by layer into the reserved blocks
-    prefill -> PrefillDone    first token: streamed to the client now (TTFT)
-    decode  <- KVReady        decode continues, streaming tokens
+    prefill -> FirstToken     streamed to the client at once (TTFT), pages still in flight
+    prefill -> PrefillDone    every page has landed
+    decode  <- KVReady        decode continues after the first token, streaming tokens
 
 Every failure falls back to something that still answers the client: no
 decode room -> colocated admission; transfer failed or prefill worker lost ->
@@ -114,6 +115,13 @@ class DisaggFlow:
         fut.set_result(msg)
         return True
 
+    async def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
+        state = self.router.requests.get(msg.request_id)
+        if state is None or state.prefill_worker != peer or state.phase != "prefilling" or state.output_token_ids:
+            return
+        self.router.metrics.disagg_phase.labels("first_token").observe(time.monotonic() - state.phase_since)
+        self.router.deliver(state, TokenEvent([msg.token], False, None, msg.logprobs or None, msg.num_cached_tokens))
+
     async def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
         r = self.router
         state = r.requests.get(msg.request_id)
@@ -126,9 +134,12 @@ class DisaggFlow:
         worker = r.registry.workers.get(peer)
         if worker is not None:
             worker.note_hashes(state.block_hashes)
-        r.deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs or None,
-                                    msg.num_cached_tokens))
-        await r.chan.send(state.worker_id, m.KVReady(state.request_id, state.lease_id, msg.first_token))
+        if not state.output_token_ids:  # no FirstToken came ahead of it
+            r.deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs or None,
+                                        msg.num_cached_tokens))
+        if state.finished:  # the first token ended it (a stop string): the decode worker lets go
+            return
+        await r.chan.send(state.worker_id, m.KVReady(state.request_id, state.lease_id, state.output_token_ids[0]))
 
     async def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
         state = self.router.requests.get(msg.request_id)
@@ -144,7 +155,9 @@ class DisaggFlow:
         self._prefill_over(state)
         self.router.metrics.fallbacks.labels(reason).inc()
         state.phase = "decoding"
-        await self.router.chan.send(state.worker_id, m.PrefillLocally(state.request_id, state.lease_id))
+        # A first token the client already has is kept: the decode worker continues after it.
+        first = state.output_token_ids[0] if state.output_token_ids else None
+        await self.router.chan.send(state.worker_id, m.PrefillLocally(state.request_id, state.lease_id, first))
 
     def _prefill_over(self, state: RequestState) -> None:
         worker = self.router.registry.workers.get(state.prefill_worker)

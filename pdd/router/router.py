@@ -175,7 +175,8 @@ class Router:
         handlers = {
             m.Register: self._on_register, m.Heartbeat: self._on_heartbeat, m.TokenBatch: self._on_tokens,
             m.RequestFailed: self._on_request_failed, m.Goodbye: self._on_goodbye,
-            m.Reserved: self._on_reserved, m.PrefillDone: self.disagg.on_prefill_done,
+            m.Reserved: self._on_reserved, m.FirstToken: self.disagg.on_first_token,
+            m.PrefillDone: self.disagg.on_prefill_done,
             m.PrefillFailed: self.disagg.on_prefill_failed,
         }
         while True:

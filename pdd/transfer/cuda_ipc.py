@@ -2,12 +2,12 @@
 worker's KV pool on the same host (over NVLink between two GPUs, or within one).
 
 The decode worker exports its pool once (pdd.transfer.ipc_pool); this sender
-opens it in its own device's context and, as the forward pass writes layers,
-launches the page-copy kernel on a side stream ordered after them, one launch
-per `layer_group` layers (default: one per step, at the last layer; see
-__init__ for why). Before the next step reuses any source block, the compute
-stream waits for the side stream (step_done); no host sync anywhere on the
-engine thread.
+opens it in its own device's context and launches the page-copy kernel on a
+side stream ordered after the layers' writes: by default one launch per engine
+step, at its end; or one per group of layers while the forward goes on (see
+__init__ for when each pays). Before the next step reuses any source block,
+the compute stream waits for the side stream (step_done); no host sync
+anywhere on the engine thread.
 
 A store into another process's memory cannot be refused after the fact, so
 the decode worker must know who may write and until when. Control messages on
@@ -116,17 +116,25 @@ class _Dest:
 
 class CudaIpcSender(SenderBase):
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
-                 layer_group: int = 4, copy_ctas: int | None = None):
+                 layer_group: int = 0, copy_ctas: int | None = None):
         super().__init__(layout)
-        # Programs per copy launch (None: one per page chunk, as many as the GPU
-        # takes): fewer leave more of the GPU to the forward pass the copies overlap.
-        self.copy_ctas = copy_ctas
-        # Layers copied per kernel launch: fewer launches on the engine thread,
-        # at the price of copying a few layers later than they were written.
-        self.layer_group = max(1, layer_group)
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc KV transfer backend needs a GPU")
         self.timeout_s = timeout_s
+        # When pages are copied. N >= 1: one launch per N layers, as the forward
+        # writes them (layer-wise streaming; N = all layers: one launch at the
+        # last layer). 0: one launch per step, at its end, after the step's
+        # sampling was queued. Measured on H200 x2 (docs/benchmarks.md): copies
+        # beside the forward slow its GEMMs by more than they take (an 8k
+        # prompt's 1 GiB crosses NVLink in ~3 ms), and a copy still running when
+        # the sampling kernels are queued delays the first token; since the
+        # first token goes to the client ahead of the pages (FirstToken), the
+        # transfer is best off after the sampling.
+        self.layer_group = layer_group
+        self._at_step_end: list[tuple[_Write, _StepIds, torch.Tensor]] = []
+        # Programs per copy launch (None: one per page chunk, as many as the GPU
+        # takes): fewer leave more of the GPU to the forward pass the copies overlap.
+        self.copy_ctas = copy_ctas
         device = torch.device(device if device is not None else "cuda")
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._side = torch.cuda.Stream(self.device)
@@ -187,9 +195,18 @@ class CudaIpcSender(SenderBase):
                                    2 * len(dst) * src_layer[0, 0].numel() * src_layer.element_size())
         if not ids.dst:
             return
+        if self.layer_group == 0:
+            if layer == self.layout.num_layers - 1:
+                self._at_step_end.append((w, ids, _run_of_layers(src_layer, layer, 0)))
+            return
         first = layer - layer % self.layer_group
-        if layer - first != self.layer_group - 1 and layer != self.layout.num_layers - 1:
-            return  # copied with the last layer of its group
+        if layer - first == self.layer_group - 1 or layer == self.layout.num_layers - 1:
+            self._launch(w, ids, _run_of_layers(src_layer, layer, first), first)
+        # else: copied with the last layer of its group
+
+    def _launch(self, w: _Write, ids: _StepIds, src_run: torch.Tensor, first: int) -> None:
+        """Copy layers first.. (as many as `src_run` holds) of the step's blocks, after
+        everything queued so far on the compute stream (those layers' writes, the ids)."""
         compute = torch.cuda.current_stream(self.device)
         with self._lock:
             if w.error or w.closed:
@@ -197,19 +214,22 @@ class CudaIpcSender(SenderBase):
             if time.perf_counter() > w.deadline:
                 self._fail_locked(w, "the KV lease would expire before the transfer completes")
                 return
-            self._side.wait_stream(compute)   # the layer's pages (and the ids) are written
+            self._side.wait_stream(compute)
             with torch.cuda.stream(self._side):
-                copy_blocks_unchecked(_run_of_layers(src_layer, layer, first), w.pool[first:layer + 1],
-                                      ids.src_t, ids.dst_t, self.copy_ctas)
+                copy_blocks_unchecked(src_run, w.pool[first:first + src_run.shape[0]], ids.src_t, ids.dst_t,
+                                      self.copy_ctas)
             w.copies += 1
             if not w.progress.bytes:
                 w.progress.t_first = time.perf_counter()
             if not ids.counted:
                 w.progress.blocks.update(ids.dst)
                 ids.counted = True
-            w.progress.bytes += ids.nbytes * (layer - first + 1)
+            w.progress.bytes += ids.nbytes * src_run.shape[0]
 
     def step_done(self) -> None:
+        pending, self._at_step_end = self._at_step_end, []
+        for w, ids, src_run in pending:
+            self._launch(w, ids, src_run, 0)
         # The next step may write into blocks whose copies are still queued.
         torch.cuda.current_stream(self.device).wait_stream(self._side)
 

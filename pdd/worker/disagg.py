@@ -57,18 +57,19 @@ class DecodeSide:
             if not self._release_lease(msg.request_id, msg.lease_id):
                 return [m.RequestFailed(wid, msg.request_id, "no reservation for this request (lease expired?)",
                                         retriable=True)]
-            out = self.engine.kv_ready(msg.request_id, msg.first_token)
-            if out is not None:  # the first token already ended it
-                return [m.TokenBatch(wid, [[out.request_id, [], True, out.finish_reason, None,
-                                            out.num_cached_tokens]])]
-            return []
+            return self._ended(self.engine.kv_ready(msg.request_id, msg.first_token))
         if isinstance(msg, m.PrefillLocally):
-            if self._release_lease(msg.request_id, msg.lease_id):
-                self.engine.prefill_locally(msg.request_id)
-            else:
+            if not self._release_lease(msg.request_id, msg.lease_id):
                 return [m.RequestFailed(wid, msg.request_id, "no reservation to prefill locally", retriable=True)]
-            return []
+            return self._ended(self.engine.prefill_locally(msg.request_id, msg.first_token))
         return []
+
+    def _ended(self, out) -> list[m.Message]:
+        """The first token already ended the request: say so (no tokens to add)."""
+        if out is None:
+            return []
+        return [m.TokenBatch(self.worker.worker_id, [[out.request_id, [], True, out.finish_reason, None,
+                                                     out.num_cached_tokens]])]
 
     def _reserve(self, msg: m.Reserve) -> m.Reserved:
         wid = self.worker.worker_id
@@ -167,11 +168,16 @@ class PrefillSide:
                                           tuple(msg.dst_block_ids), msg.skip_blocks, msg.transfer_backend))
         return []
 
-    def on_outputs(self, outputs) -> None:
-        """The step sampled first tokens: those prompts are done, their pages all handed over."""
+    def on_outputs(self, outputs) -> list[m.Message]:
+        """The step sampled first tokens: those prompts are done, their pages all
+        handed over. The tokens go to the router now, ahead of the pages."""
+        wid = self.worker.worker_id
+        replies = []
         for o in outputs:
-            self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
+            first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             self.connector.finish(o.request_id)
+            replies.append(m.FirstToken(wid, o.request_id, *first))
+        return replies
 
     def poll(self) -> list[m.Message]:
         replies = []

@@ -247,7 +247,8 @@ class Worker:
             outputs = await loop.run_in_executor(self.executor, self.engine.step)
             self.stats.record(self.engine.last_step)
             if self.prefill_side is not None:
-                self.prefill_side.on_outputs(outputs)
+                for reply in self.prefill_side.on_outputs(outputs):
+                    await self.chan.send(reply)
             elif outputs:
                 items = [[o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs or None,
                           o.num_cached_tokens] for o in outputs]

@@ -108,11 +108,20 @@ def test_abort_while_decoding(slow):
 
 
 def test_slow_cluster_still_matches_colocated(slow, offline):
+    def phase(name: str, what: str = "sum") -> float:
+        return metric(slow, f"pdd_disagg_phase_seconds_{what}", f'{{phase="{name}"}}')
+
+    before = {p: (phase(p), phase(p, "count")) for p in ("first_token", "prefill")}
     prompts = random_prompts([40, 3, 100], seed=4)
     params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 3
     expected = offline.generate(prompts, params)
     assert [r[0] for r in run_all(slow, prompts, params)] == [e.text for e in expected]
     assert_all_free(slow)
+    # The first token reached the client ahead of its pages (each page message is
+    # held 0.1 s here): the transfer is off the time to first token.
+    first, done = ((phase(p) - before[p][0], phase(p, "count") - before[p][1]) for p in ("first_token", "prefill"))
+    assert first[1] == done[1] == 3
+    assert first[0] < done[0] - 3 * 0.1
 
 
 def test_lease_expiry_frees_blocks_and_rejects_the_late_transfer(tmp_path, tiny_model, offline):

@@ -142,6 +142,29 @@ def test_reservation_fallback_to_local_prefill(tiny_model, colocated):
     pair.assert_idle()
 
 
+@pytest.mark.parametrize("max_tokens", [1, 12])
+def test_local_prefill_continues_after_a_streamed_first_token(tiny_model, colocated, max_tokens):
+    """The client already has the first token (FirstToken came ahead of the
+    pages) when the transfer fails: the decode worker keeps that token and
+    continues after it, as if the KV had arrived."""
+    pair = Pair(tiny_model)
+    prompt = random_prompts([45], seed=18)[0]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7, ignore_eos=True)
+    want = colocated.generate([prompt], sp)[0].token_ids
+    blocks, _ = pair.d.reserve("z", prompt, sp)
+    out = pair.d.prefill_locally("z", first_token=want[0])
+    tokens = [want[0]]
+    if max_tokens == 1:
+        assert out is not None and out.finished and out.finish_reason == "length"
+    else:
+        assert out is None
+    while pair.d.has_unfinished():
+        for o in pair.d.step():
+            tokens.extend(o.new_token_ids)
+    assert tokens == want
+    pair.assert_idle()
+
+
 def test_abort_of_a_reservation_frees_its_blocks(tiny_model):
     pair = Pair(tiny_model)
     pair.d.reserve("y", random_prompts([70], seed=17)[0], SamplingParams(**vars(GREEDY)))
