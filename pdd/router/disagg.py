@@ -60,8 +60,8 @@ class DisaggFlow:
         if decode is None or prefill is None:
             await self._fallback(state, "no prefill or decode worker")
             return
-        backend = transfer_backend(prefill, decode)
-        if backend is None:
+        backend = state.transfer_backend = transfer_backend(prefill, decode) or ""
+        if not backend:
             await self._fallback(state, f"no KV transfer backend common to {prefill.worker_id} "
                                         f"{prefill.transfer_backends} and {decode.worker_id} {decode.transfer_backends}")
             return

@@ -76,6 +76,7 @@ class WorkerInfo:
             "running": load.running if load else 0, "waiting": load.waiting if load else 0,
             "free_blocks": self.free_blocks,
             "prefix_hit_rate": load.prefix_hit_rate if load else 0.0,
+            "transfer_backends": list(self.transfer_backends),
             "transfer": dict(load.transfer) if load else {},
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
         }

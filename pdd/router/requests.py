@@ -38,6 +38,7 @@ class RequestState:
     phase: str = "decoding"
     prefill_worker: str | None = None
     lease_id: str = ""
+    transfer_backend: str = ""          # the KV data plane chosen for its prefill -> decode pair
     phase_since: float = 0.0            # when the current disaggregated phase began (monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -78,5 +79,6 @@ class RequestState:
         now = time.monotonic()
         return {"request_id": self.request_id, "worker_id": self.worker_id, "mode": self.mode,
                 "phase": self.phase, "prefill_worker": self.prefill_worker,
+                "transfer_backend": self.transfer_backend,
                 "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
                 "age_s": round(now - self.arrival, 3), "migrations": self.num_migrations}

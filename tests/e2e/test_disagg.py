@@ -80,6 +80,7 @@ def test_50_requests_match_colocated(disagg, offline):
         assert metric(disagg, "pdd_disagg_phase_seconds_count", f'{{phase="{phase}"}}') >= 50
     workers = disagg.wait_idle()
     assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
+    assert all(w["transfer_backends"] == ["tcp"] for w in workers.values())  # auto on CPU: tcp
     assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
 
 
