@@ -30,8 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -42,6 +40,7 @@ from pdd.transfer.accept import pool_mismatch
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.common import Mailbox, Progress, SenderBase, Tombstones, dst_blocks_for, index_tensor
 from pdd.transfer.ipc_pool import PoolOpenError, open_pool
+from pdd.transfer.ipc_state import IpcDest, IpcWrite, StepIds, run_of_layers
 from pdd.transfer.wire import WireError, decode_reply, encode_control
 
 log = logging.getLogger(__name__)
@@ -55,63 +54,6 @@ _REOPEN_AFTER_S = 5.0  # a pool that failed to open is asked for again after thi
 # the request arrived, so normally long there): the whole prefill worker waits
 # with it, so past this the request fails over to a local prefill instead.
 _GRANT_WAIT_S = 5.0
-
-
-@dataclass
-class _Write:
-    """One request's transfer. Fields the engine thread reads are set under the sender's lock."""
-
-    target: TransferTarget
-    progress: Progress
-    granted: threading.Event = field(default_factory=threading.Event)  # begin answered (or failed)
-    pool: torch.Tensor | None = None    # the decode worker's pool, opened here
-    pool_id: str = ""
-    deadline: float = 0.0               # perf_counter(): no copy launched after it
-    error: str = ""                     # why it failed; no more copies
-    closed: bool = False                # no more copies (finishing or failed)
-    begun: bool = False                 # the decode worker counts us as a writer
-    copies: int = 0                     # kernels launched
-    finished: bool = False              # finish() was called
-    aborted: bool = False               # abort() was called: report nothing
-    blocks_skipped: int = 0
-    ids: "_StepIds | None" = None
-
-
-def _run_of_layers(layer_view: torch.Tensor, index: int, first: int) -> torch.Tensor:
-    """Layers first..index of the pool whose layer `index` is `layer_view`: the
-    pool is one contiguous [layers, 2, blocks, ...] allocation, so neighbouring
-    layers sit one layer's size apart in the same storage."""
-    n = layer_view.numel()
-    return layer_view.as_strided((index - first + 1, *layer_view.shape), (n, *layer_view.stride()),
-                                 layer_view.storage_offset() - (index - first) * n)
-
-
-@dataclass
-class _StepIds:
-    """The blocks one engine step sends for a request, as the engine passed
-    them (compared by identity) and as device index tensors."""
-
-    src: list[int]
-    indices: list[int]
-    dst: list[int]
-    src_t: torch.Tensor
-    dst_t: torch.Tensor
-    nbytes: int          # per layer
-    counted: bool = False  # its blocks are in the request's progress
-
-
-@dataclass
-class _Dest:
-    """One decode worker's data socket and its pool, as far as we know it."""
-
-    sock: zmq.Socket
-    pending: deque = field(default_factory=deque)   # frames zmq could not take yet
-    pool: torch.Tensor | None = None
-    pool_id: str = ""
-    opening: bool = False
-    waiting: list[str] = field(default_factory=list)  # requests to begin once the pool is open
-    error: str = ""
-    failed_at: float = 0.0
 
 
 class CudaIpcSender(SenderBase):
@@ -131,7 +73,7 @@ class CudaIpcSender(SenderBase):
         # first token goes to the client ahead of the pages (FirstToken), the
         # transfer is best off after the sampling.
         self.layer_group = layer_group
-        self._at_step_end: list[tuple[_Write, _StepIds, torch.Tensor]] = []
+        self._at_step_end: list[tuple[IpcWrite, StepIds, torch.Tensor]] = []
         # Programs per copy launch (None: one per page chunk, as many as the GPU
         # takes): fewer leave more of the GPU to the forward pass the copies overlap.
         self.copy_ctas = copy_ctas
@@ -139,12 +81,12 @@ class CudaIpcSender(SenderBase):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._side = torch.cuda.Stream(self.device)
         self._lock = threading.Lock()
-        self._writes: dict[str, _Write] = {}
+        self._writes: dict[str, IpcWrite] = {}
         self._failed = Tombstones()    # settled before finish(): later calls for them are silent
         self._mail = Mailbox()
         # I/O-thread state from here on.
         self._ctx = zmq.Context()
-        self._dests: dict[str, _Dest] = {}
+        self._dests: dict[str, IpcDest] = {}
         self._token = 0
         self._asked: dict[int, tuple[str, str, float]] = {}  # token -> (kind, request id or address, deadline)
         self._poller = zmq.Poller()
@@ -158,14 +100,14 @@ class CudaIpcSender(SenderBase):
         request is known, so the first layer's copy does not wait for it."""
         self._write_for(target)
 
-    def _write_for(self, target: TransferTarget) -> _Write | None:
+    def _write_for(self, target: TransferTarget) -> IpcWrite | None:
         rid = target.request_id
         with self._lock:
             if rid in self._failed:
                 return None
             w = self._writes.get(rid)
             if w is None:
-                w = self._writes[rid] = _Write(target, Progress(rid))
+                w = self._writes[rid] = IpcWrite(target, Progress(rid))
                 if not self._mail.put(("begin", rid)):
                     raise RuntimeError("sender is closed")
         return w
@@ -190,21 +132,21 @@ class CudaIpcSender(SenderBase):
             if not w.granted.wait(wait):
                 self._fail_soon(w, f"no answer to ipc_begin from the decode worker in {wait:g}s")
                 return
-            ids = w.ids = _StepIds(src_block_ids, block_indices, dst, index_tensor(src_block_ids, self.device),
+            ids = w.ids = StepIds(src_block_ids, block_indices, dst, index_tensor(src_block_ids, self.device),
                                    index_tensor(dst, self.device),
                                    2 * len(dst) * src_layer[0, 0].numel() * src_layer.element_size())
         if not ids.dst:
             return
         if self.layer_group == 0:
             if layer == self.layout.num_layers - 1:
-                self._at_step_end.append((w, ids, _run_of_layers(src_layer, layer, 0)))
+                self._at_step_end.append((w, ids, run_of_layers(src_layer, layer, 0)))
             return
         first = layer - layer % self.layer_group
         if layer - first == self.layer_group - 1 or layer == self.layout.num_layers - 1:
-            self._launch(w, ids, _run_of_layers(src_layer, layer, first), first)
+            self._launch(w, ids, run_of_layers(src_layer, layer, first), first)
         # else: copied with the last layer of its group
 
-    def _launch(self, w: _Write, ids: _StepIds, src_run: torch.Tensor, first: int) -> None:
+    def _launch(self, w: IpcWrite, ids: StepIds, src_run: torch.Tensor, first: int) -> None:
         """Copy layers first.. (as many as `src_run` holds) of the step's blocks, after
         everything queued so far on the compute stream (those layers' writes, the ids)."""
         compute = torch.cuda.current_stream(self.device)
@@ -259,12 +201,12 @@ class CudaIpcSender(SenderBase):
         self._thread.join()
         self._mail.close_fds()
 
-    def _fail_locked(self, w: _Write, error: str) -> None:
+    def _fail_locked(self, w: IpcWrite, error: str) -> None:
         if not w.error:
             w.error = error
             self._mail.put(("fail", w.target.request_id))
 
-    def _fail_soon(self, w: _Write, error: str) -> None:
+    def _fail_soon(self, w: IpcWrite, error: str) -> None:
         with self._lock:
             self._fail_locked(w, error)
 
@@ -317,18 +259,18 @@ class CudaIpcSender(SenderBase):
             # (abort/fail before the begin was answered: _on_begin settles it)
         return True
 
-    def _dest(self, addr: str) -> _Dest:
+    def _dest(self, addr: str) -> IpcDest:
         dest = self._dests.get(addr)
         if dest is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection
             sock.connect(addr)
-            dest = self._dests[addr] = _Dest(sock)
+            dest = self._dests[addr] = IpcDest(sock)
             self._poller.register(sock, zmq.POLLIN)
         return dest
 
-    def _begin(self, w: _Write) -> None:
+    def _begin(self, w: IpcWrite) -> None:
         addr = w.target.dst_addr
         dest = self._dest(addr)
         if dest.pool is not None:
@@ -343,13 +285,13 @@ class CudaIpcSender(SenderBase):
             dest.opening, dest.error = True, ""
             self._ask(dest, "ipc_open", addr, layout=self.layout_dict)
 
-    def _commit(self, w: _Write) -> None:
+    def _commit(self, w: IpcWrite) -> None:
         self._wait_copies(w)
         dest = self._dests[w.target.dst_addr]
         self._ask(dest, "ipc_commit", w.target.request_id, request_id=w.target.request_id,
                   lease_id=w.target.lease_id, pool_id=w.pool_id)
 
-    def _wait_copies(self, w: _Write) -> None:
+    def _wait_copies(self, w: IpcWrite) -> None:
         """Block until every copy launched for `w` has completed (none can start after)."""
         with self._lock:
             w.closed = True
@@ -361,7 +303,7 @@ class CudaIpcSender(SenderBase):
             done.record(self._side)
         done.synchronize()
 
-    def _settle(self, w: _Write, ok: bool, error: str = "") -> None:
+    def _settle(self, w: IpcWrite, ok: bool, error: str = "") -> None:
         """End a request's transfer exactly once: copies completed, the decode
         worker told (end) if it counted us as a writer, the result reported."""
         rid = w.target.request_id
@@ -389,16 +331,16 @@ class CudaIpcSender(SenderBase):
         self._token += 1
         return self._token
 
-    def _ask(self, dest: _Dest, kind: str, key: str, **fields) -> None:
+    def _ask(self, dest: IpcDest, kind: str, key: str, **fields) -> None:
         token = self._next_token()
         self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
         self._send(dest, encode_control(kind, token, **fields))
 
-    def _send(self, dest: _Dest, frame: bytes) -> None:
+    def _send(self, dest: IpcDest, frame: bytes) -> None:
         dest.pending.append(frame)
         self._flush(dest)
 
-    def _flush(self, dest: _Dest) -> None:
+    def _flush(self, dest: IpcDest) -> None:
         while dest.pending:
             try:
                 dest.sock.send(dest.pending[0], flags=zmq.NOBLOCK)
@@ -407,7 +349,7 @@ class CudaIpcSender(SenderBase):
             dest.pending.popleft()
         self._poller.register(dest.sock, zmq.POLLIN | (zmq.POLLOUT if dest.pending else 0))
 
-    def _recv_replies(self, dest: _Dest) -> None:
+    def _recv_replies(self, dest: IpcDest) -> None:
         while True:
             try:
                 frame = dest.sock.recv(flags=zmq.NOBLOCK)
@@ -457,7 +399,7 @@ class CudaIpcSender(SenderBase):
             if w is not None:
                 self._begin(w)
 
-    def _on_begin(self, w: _Write, ok: bool, error: str, data: dict) -> None:
+    def _on_begin(self, w: IpcWrite, ok: bool, error: str, data: dict) -> None:
         dest = self._dests[w.target.dst_addr]
         if ok:
             with self._lock:
