@@ -130,7 +130,8 @@ class DecodeSide:
     def stats(self) -> dict:
         st = self.receiver.stats
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
-                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held)}
+                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held),
+                "ipc_writers": getattr(getattr(self.receiver, "ipc", None), "num_writers", 0)}
 
     def close(self) -> None:
         self.receiver.close()

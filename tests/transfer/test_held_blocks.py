@@ -59,7 +59,7 @@ def test_aborted_reservation_is_held_until_the_writer_ends(decode, writer):
     decode.abort("r")
     decode.engine.abort_request("r")
     assert kv.num_free_blocks == total - len(reply.block_ids)     # held, not reusable
-    assert decode.expire() == [] and decode.stats()["held_leases"] == 1
+    assert decode.expire() == [] and decode.stats()["held_leases"] == 1 and decode.stats()["ipc_writers"] == 1
     assert kv.num_free_blocks == total - len(reply.block_ids)
     assert writer("ipc_end", request_id="r", lease_id=reply.lease_id)["ok"]
     decode.expire()                                                # the engine loop's next pass
