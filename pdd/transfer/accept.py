@@ -120,7 +120,7 @@ class PageWriter:
                 ops.scatter_blocks(kv_layer, ids, pages)
                 if kv_layer.is_cuda:
                     # The write must be done, not merely queued, before the lock is
-                    # released: a revoke() that returns hands the blocks to another
+                    # released: a close() that returns hands the blocks to another
                     # request, whose writes may run on another stream.
                     torch.cuda.current_stream(kv_layer.device).synchronize()
         return None

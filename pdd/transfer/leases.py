@@ -3,7 +3,7 @@
 The decode engine grants a lease when it reserves blocks for an incoming
 request and revokes it before it frees or reuses those blocks. Every write by
 a KV receiver happens inside `LeaseTable.writing()`, which holds the table's
-lock for the whole write, so once `revoke()` has returned no write into the
+lock for the whole write, so once `close()` has returned no write into the
 lease's blocks is in progress and none can start: a late or duplicated page
 can never land in blocks that now belong to another request.
 
@@ -58,11 +58,6 @@ class LeaseTable:
         with self._lock:
             self._leases[lease_id] = lease
         return lease_id
-
-    def revoke(self, lease_id: str) -> bool:
-        """Remove a lease. When this returns, no locked write under it runs or
-        will run (a one-sided writer may: use close())."""
-        return self.close(lease_id) != "none"
 
     def close(self, lease_id: str) -> str:
         """Revoke a lease: "none" (no such lease), "free" (its blocks may be

@@ -129,9 +129,10 @@ class DecodeSide:
 
     def stats(self) -> dict:
         st = self.receiver.stats
+        ipc = getattr(self.receiver, "ipc", None)  # the local (test) receiver takes no cuda_ipc writers
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
                 "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held),
-                "ipc_writers": getattr(getattr(self.receiver, "ipc", None), "num_writers", 0)}
+                "ipc_writers": ipc.num_writers if ipc else 0}
 
     def close(self) -> None:
         self.receiver.close()

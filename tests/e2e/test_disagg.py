@@ -23,7 +23,7 @@ def metric(cluster, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-async def _complete(session, cluster, prompt, sp: SamplingParams) -> tuple[list[int], str]:
+async def complete(session, cluster, prompt, sp: SamplingParams) -> tuple[list[int], str]:
     body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": sp.max_tokens,
             "temperature": sp.temperature, "ignore_eos": sp.ignore_eos, "logprobs": 0}
     if sp.seed is not None:
@@ -40,7 +40,7 @@ async def _complete(session, cluster, prompt, sp: SamplingParams) -> tuple[list[
 def run_all(cluster, prompts, params) -> list[tuple[str, str]]:
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            return await asyncio.gather(*(_complete(session, cluster, p, sp) for p, sp in zip(prompts, params)))
+            return await asyncio.gather(*(complete(session, cluster, p, sp) for p, sp in zip(prompts, params)))
     return asyncio.run(main())
 
 

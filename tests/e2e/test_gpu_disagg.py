@@ -14,7 +14,7 @@ import torch
 from pdd import SamplingParams
 from pdd.model.tokenizer import servable_copy
 from tests.e2e.cluster import UpCluster
-from tests.e2e.test_disagg import _complete, metric, mixed_workload, run_all
+from tests.e2e.test_disagg import complete, metric, mixed_workload, run_all
 from tests.engine.helpers import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,7 +35,7 @@ def run_in_order(cluster, prompts, params) -> list[tuple[str, str]]:
         out = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             for p, sp in zip(prompts, params):
-                out.append(await _complete(session, cluster, p, sp))
+                out.append(await complete(session, cluster, p, sp))
         return out
     return asyncio.run(main())
 

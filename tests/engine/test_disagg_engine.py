@@ -56,7 +56,7 @@ class Pair:
         assert set(results) == set(reqs) and all(r.ok for r in results.values()), results
         for rid, info in reqs.items():
             info["result"] = results[rid]
-            self.leases.revoke(info["lease"])
+            self.leases.close(info["lease"])
             done = self.d.kv_ready(rid, info["tokens"][0])
             assert done is None or done.finished
         while self.d.has_unfinished():
@@ -132,7 +132,7 @@ def test_reservation_fallback_to_local_prefill(tiny_model, colocated):
     prompt = random_prompts([50], seed=16)[0]
     blocks, cached = pair.d.reserve("x", prompt, SamplingParams(**vars(GREEDY)))
     lease = pair.leases.grant("x", blocks, 30.0)
-    pair.leases.revoke(lease)
+    pair.leases.close(lease)
     pair.d.prefill_locally("x")
     tokens = []
     while pair.d.has_unfinished():
