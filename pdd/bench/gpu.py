@@ -57,6 +57,8 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
         engine.step()  # prefill everything first
     times = _timed_steps(engine, args.steps)
     forward_ms = _graph_replay_ms(engine, batch)
+    if args.profile:
+        _profile_steps(engine, batch)
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     cfg, spec = engine.model_config, engine.runner.kv_spec
@@ -67,6 +69,25 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
     return {"batch": batch, "context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
             "fraction_of_roofline": floor / step, "tokens_s": batch / step, "graph_forward_ms": forward_ms,
             "forward_fraction_of_roofline": (1e3 * floor / forward_ms) if forward_ms else None}
+
+
+def _profile_steps(engine, batch: int, n: int = 10) -> None:
+    """Kernel time by kernel, and how much of the wall time the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in averages) / 1e6  # us -> s
+    launches = sum(e.count for e in averages if e.device_type != torch.autograd.DeviceType.CPU)
+    print(f"-- profile batch {batch}: {n} steps, wall {1e3 * wall / n:.2f} ms/step, GPU busy "
+          f"{1e3 * busy / n:.2f} ms/step ({100 * busy / wall:.0f}%), {launches / n:.0f} kernels/step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
 def _graph_replay_ms(engine, batch: int) -> float | None:
