@@ -24,13 +24,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next")
 
 
 def _engine_kwargs(args) -> dict:
     return dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                 block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching)
+                enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=not args.no_async_scheduling)
 
 
 def cmd_make_model(args) -> int:

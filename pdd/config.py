@@ -38,6 +38,9 @@ class EngineConfig:
     chunk_size: int = 512                # longest prefill chunk of one request per step
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Schedule and launch step N+1 before waiting for step N's tokens, so the
+    # host's per-step work overlaps the GPU's (off: every step waits for itself).
+    async_scheduling: bool = True
     seed: int = 0
 
     def validate(self) -> "EngineConfig":

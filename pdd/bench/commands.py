@@ -93,6 +93,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--prefill", default="4096,16384")
     b.add_argument("--prefill-reps", type=int, default=3)
     b.add_argument("--no-cuda-graphs", action="store_true")
+    b.add_argument("--no-async-scheduling", action="store_true")
     b.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes (GPU kernels, host gaps)")
     b.add_argument("--json", default=None)

@@ -1,10 +1,16 @@
 """The engine: scheduler + model runner + KV manager behind add/step/abort.
 
     out = scheduler.schedule()           which requests, how many tokens each
-    result = runner.execute(out, ...)    one forward over the mixed batch
-    scheduler.update_from_output(...)    advance, append tokens, finish, free
+    step = runner.launch(out, ...)       one forward over the mixed batch, queued
+    runner.collect(previous step)        the step before it: wait for its tokens
+    scheduler.update_from_output(...)    append tokens, finish, free
 
-Every role (colocated, prefill, decode) runs this same loop.
+Every role (colocated, prefill, decode) runs this same loop. With async
+scheduling (the default) a step() call schedules and launches step N before it
+waits for step N-1, so the host's scheduling, input preparation and output
+handling overlap the GPU's work instead of leaving it idle; the outputs a call
+returns are those of the step launched by the call before. A step that finds
+nothing to schedule still returns the results of the one in flight.
 """
 from __future__ import annotations
 
@@ -82,6 +88,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         self.last_step = StepStats()
         self.connector = None
+        self.in_flight = None  # the launched step whose results are not taken yet
+        self.steps_done = 0    # launched steps known to have finished on the device
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -116,7 +124,14 @@ class LLMEngine:
         (block ids, tokens already cached here) or None when out of blocks."""
         req = self.make_request(request_id, prompt_token_ids, sampling)
         blocks = self.scheduler.reserve(req)
-        return (list(blocks), req.num_cached_tokens) if blocks is not None else None
+        if blocks is None:
+            return None
+        # A block freed while a step was in flight (its request aborted, preempted
+        # or stopped) may still be written by that step; the KV coming for it is
+        # written by another process or thread, in no order with our stream.
+        if any(self.kv.pool.freed_at[b] > self.steps_done for b in blocks):
+            self.wait_in_flight()
+        return list(blocks), req.num_cached_tokens
 
     def kv_ready(self, request_id: str, first_token: int) -> EngineOutput | None:
         """Decode role: the KV has landed. Returns an output only when the first
@@ -143,10 +158,21 @@ class LLMEngine:
         self.runner.model.layer_done_hooks.append(connector.save_layer)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        if self.scheduler.abort(request_id) is None:
+            return False
+        if self.in_flight is not None and all(r.status.finished for r, _ in self.in_flight.out.scheduled):
+            self.in_flight = None  # nothing in it to wait for: its results would all be dropped
+        return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def wait_in_flight(self) -> None:
+        """Block until the device has finished every launched step (also one
+        whose results were dropped: it may still write freed blocks)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.steps_done = self.kv.pool.steps_launched
 
     def _use_device(self) -> None:
         """Make our GPU the calling thread's current device: kernels (Triton's
@@ -162,27 +188,40 @@ class LLMEngine:
         self._use_device()  # steps may come from another thread than __init__
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        if not out:
-            self.last_step = StepStats(num_preempted=len(out.preempted))
-            return []
-        tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
-        if self.connector is not None:
-            self.connector.begin_step(out.scheduled, tables)
-        try:
-            result = self.runner.execute(out, tables)
-        finally:
-            if self.connector is not None:
-                self.connector.end_step()
-        logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
-        updated = self.scheduler.update_from_output(out, result.tokens)
-        outputs = []
-        for req in updated:
-            lp = logprobs.get(req.request_id)
-            outputs.append(EngineOutput(
-                req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,
-                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens))
+        launched = self._launch(out) if out else None
+        previous, self.in_flight = self.in_flight, launched
+        outputs = self._take_results(previous) if previous is not None else []
+        if launched is not None and not self.cfg.async_scheduling:
+            self.in_flight = None
+            outputs += self._take_results(launched)
         self.last_step = StepStats(
             latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
             num_decodes=sum(1 for _, n in out.scheduled if n == 1),
             prefill_chunks=[n for _, n in out.scheduled if n > 1], num_preempted=len(out.preempted))
+        return outputs
+
+    def _launch(self, out):
+        tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
+        if self.connector is not None:
+            self.connector.begin_step(out, tables)
+        self.kv.pool.steps_launched += 1
+        try:
+            step = self.runner.launch(out, tables, self.in_flight)
+            step.seq = self.kv.pool.steps_launched
+            return step
+        finally:
+            if self.connector is not None:
+                self.connector.end_step()
+
+    def _take_results(self, step) -> list[EngineOutput]:
+        result = self.runner.collect(step)
+        self.steps_done = step.seq
+        out = step.out
+        logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
+        outputs = []
+        for req in self.scheduler.update_from_output(out, result.tokens):
+            lp = logprobs.get(req.request_id)
+            outputs.append(EngineOutput(
+                req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,
+                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens))
         return outputs

@@ -3,6 +3,12 @@ samples. Owns the model and the KV pool of its device.
 
 The batch is reordered decodes first (query length 1) then prefill chunks, the
 layout the attention ops expect; results are mapped back to schedule order.
+
+`launch` only queues work on the GPU and returns; `collect` waits for that
+step's sampled tokens. Between the two the engine prepares and launches the
+next step, so the host's work hides behind the GPU's. A token sampled by the
+step in flight is fed to the next one on the GPU (`LaunchedStep.row_of`): the
+host never waits for it to build the next batch.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 from pdd.config import EngineConfig
 from pdd.engine.sampler import SampleResult, SamplingBatch, sample
 from pdd.engine.scheduler import SchedulerOutput
+from pdd.engine.staging import Staging
 from pdd.kv.cache import KVCacheSpec, allocate_kv_cache
 from pdd.model.config import ModelConfig
 from pdd.model.loader import load_model
@@ -31,6 +38,24 @@ class StepInputs:
     logits_indices: torch.Tensor    # [S] rows of hidden states to sample from
     sample_rows: list[int]          # schedule index of each sampled row
     sampling: SamplingBatch | None
+    sampled_ids: list[str]          # request id of each sampled row
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; `ModelRunner.collect` turns it into a StepResult."""
+    out: SchedulerOutput
+    sample_rows: list[int]
+    row_of: dict[str, int]               # request id -> row of `tokens` (sampled ones)
+    tokens: torch.Tensor | None = None   # [S] sampled tokens, on the device
+    tokens_host: torch.Tensor | None = None  # their copy into host memory, done at `done`
+    result: SampleResult | None = None
+    done: torch.cuda.Event | None = None  # recorded after the step's last work (CUDA only)
+    seq: int = 0                           # the engine's launch count
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
 
 @dataclass
@@ -57,6 +82,7 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, device)
 
         self.graphs = None
+        self.staging = Staging(device)
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only; needs the pool and max_model_len)."""
@@ -79,21 +105,27 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[2]
 
-    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]],
+                in_flight: LaunchedStep | None = None) -> StepInputs:
         scheduled = out.scheduled
         # Decodes first; stable so prefill chunks keep their order.
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
         reqs = [scheduled[i][0] for i in order]
         q_lens = np.array([scheduled[i][1] for i in order], dtype=np.int64)
-        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        starts = np.array([out.starts[i] for i in order], dtype=np.int64)
         seq_lens = starts + q_lens
         cu = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
 
-        token_ids = np.empty(num_tokens, dtype=np.int64)
+        token_ids = np.zeros(num_tokens, dtype=np.int64)
+        from_gpu, gpu_rows = [], []  # input tokens still in flight: where they go, where they are
         for r, s, c, n in zip(reqs, cu[:-1], starts, q_lens):
-            token_ids[s:s + n] = r.all_token_ids[c:c + n]
+            known = min(n, r.num_tokens - c)
+            token_ids[s:s + known] = r.all_token_ids[c:c + known]
+            if known < n:  # only ever the last input: the token the step in flight samples
+                from_gpu.append(s + n - 1)
+                gpu_rows.append(in_flight.row_of[r.request_id])
         seq_of_token = np.repeat(np.arange(len(reqs)), q_lens)
         positions = np.arange(num_tokens) - cu[:-1][seq_of_token] + starts[seq_of_token]
 
@@ -104,51 +136,69 @@ class ModelRunner:
         bs = self.cfg.block_size
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
 
-        # Sample only where the step reaches the end of the request's known tokens.
-        sample_rows = [row for row, r in enumerate(reqs) if seq_lens[row] == r.num_tokens]
+        # Sample where the step reaches the end of the request's tokens.
+        sample_rows = [row for row, i in enumerate(order) if out.samples[i]]
         logits_indices = cu[1:][sample_rows] - 1
         sampling = None
         if sample_rows:
             sampling = SamplingBatch.build([reqs[row].sampling for row in sample_rows],
-                                           [int(seq_lens[row]) for row in sample_rows], self.device)
+                                           [int(seq_lens[row]) for row in sample_rows], self.device, self.staging)
 
-        dev = self.device
-
-        def t(a, dtype=torch.int64):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype, non_blocking=True)
-
+        input_ids, positions_d, slots_d, logits_d, from_gpu_d, gpu_rows_d = self.staging.upload(
+            [token_ids, positions, slots, logits_indices, from_gpu, gpu_rows], torch.int64)
+        cu_d, seq_lens_d, table_d = self.staging.upload([cu, seq_lens, table], torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=t(slots), query_start_loc=t(cu, torch.int32), seq_lens=t(seq_lens, torch.int32),
-            block_tables=t(table, torch.int32), num_decodes=int((q_lens == 1).sum()),
-            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
-        return StepInputs(t(token_ids), t(positions), meta, t(logits_indices),
-                          [order[row] for row in sample_rows], sampling)
+            slot_mapping=slots_d, query_start_loc=cu_d, seq_lens=seq_lens_d, block_tables=table_d,
+            num_decodes=int((q_lens == 1).sum()), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()))
+        if from_gpu:
+            input_ids[from_gpu_d] = in_flight.tokens[gpu_rows_d]
+        return StepInputs(input_ids, positions_d, meta, logits_d, [order[row] for row in sample_rows], sampling,
+                          [reqs[row].request_id for row in sample_rows])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
-        inputs = self.prepare(out, block_tables)
+    def launch(self, out: SchedulerOutput, block_tables: list[list[int]],
+               in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling; returns without waiting for them."""
+        inputs = self.prepare(out, block_tables, in_flight)
         if self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        tokens: list[int | None] = [None] * len(out.scheduled)
-        logprobs: list[tuple | None] = [None] * len(out.scheduled)
-        if inputs.sampling is None:
+        step = LaunchedStep(out, inputs.sample_rows, {rid: j for j, rid in enumerate(inputs.sampled_ids)})
+        on_gpu = self.device.type == "cuda"
+        if inputs.sampling is not None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            step.result = sample(logits, inputs.sampling)
+            step.tokens = step.tokens_host = step.result.tokens
+            if on_gpu:
+                step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+                step.tokens_host.copy_(step.tokens, non_blocking=True)
+        if on_gpu:
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step and return its sampled tokens in schedule order."""
+        tokens: list[int | None] = [None] * len(step.out.scheduled)
+        logprobs: list[tuple | None] = [None] * len(step.out.scheduled)
+        step.wait()
+        if step.result is None:
             return StepResult(tokens, logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        result = sample(logits, inputs.sampling)
-        for i, tok in zip(inputs.sample_rows, result.tokens.tolist()):
+        for i, tok in zip(step.sample_rows, step.tokens_host.tolist()):
             tokens[i] = tok
-        if result.logprobs is not None:
-            self._attach_logprobs(out, inputs, result, logprobs)
+        if step.result.logprobs is not None:
+            self._attach_logprobs(step, logprobs)
         return StepResult(tokens, logprobs)
 
     @staticmethod
-    def _attach_logprobs(out, inputs: StepInputs, result: SampleResult, logprobs: list) -> None:
+    def _attach_logprobs(step: LaunchedStep, logprobs: list) -> None:
+        out, result = step.out, step.result
         lp = result.logprobs.tolist()
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for row, i in enumerate(inputs.sample_rows):
+        for row, i in enumerate(step.sample_rows):
             n = out.scheduled[i][0].sampling.logprobs
             if n is None:
                 continue

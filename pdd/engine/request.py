@@ -45,7 +45,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
+    # Tokens whose KV is written, or being written by a launched step (the
+    # scheduler advances it when it schedules, so the next step can be
+    # scheduled before this one's results are back).
     num_computed_tokens: int = 0
+    # Tokens sampled by a launched step whose value the host does not have yet
+    # (0 or 1 between steps): the next step may already compute them, reading
+    # them on the GPU.
+    num_in_flight: int = 0
     num_cached_tokens: int = 0          # prompt tokens found in the prefix cache
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -57,6 +64,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_in_flight(self) -> int:
+        return len(self.all_token_ids) + self.num_in_flight
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +84,12 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    def stops_after_in_flight(self) -> bool:
+        """The token in flight ends the request whatever its value (a prefill-only
+        request, or the last of max_tokens): nothing to schedule after it."""
+        return self.num_in_flight > 0 and (
+            self.prefill_only or self.num_output_tokens + self.num_in_flight >= self.sampling.max_tokens)
 
     def check_stop(self) -> bool:
         """Set a finished status if the last token ends the request."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdd import ops
+
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -56,24 +58,30 @@ class SamplingBatch:
     any_min_p: bool
     max_logprobs: int | None   # None: no row wants logprobs
 
+    max_top_k: int = 0         # largest top_k of the batch (a host int: no sync to find it)
+
     @classmethod
-    def build(cls, params: list, positions: list[int], device: torch.device) -> "SamplingBatch":
+    def build(cls, params: list, positions: list[int], device: torch.device,
+              staging=None) -> "SamplingBatch":
+        """staging: a pdd.engine.staging.Staging for the device (uploads without
+        making the host wait for the GPU); None = plain copies."""
         temps = [p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        ints = [top_k, [p.seed for p in params], positions]
+        floats = [temps, top_p, min_p]
+        if staging is None:
+            ints = [torch.tensor(v, dtype=torch.int64, device=device) for v in ints]
+            floats = [torch.tensor(v, dtype=torch.float32, device=device) for v in floats]
+        else:
+            ints, floats = staging.upload(ints, torch.int64), staging.upload(floats, torch.float32)
         return cls(
-            temperature=t(temps, torch.float32), top_k=t(top_k, torch.int64),
-            top_p=t(top_p, torch.float32), min_p=t(min_p, torch.float32),
-            seeds=t([p.seed for p in params], torch.int64), positions=t(positions, torch.int64),
-            all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
+            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seeds=ints[1],
+            positions=ints[2], all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
             any_top_p=any(x < 1.0 for x in top_p), any_min_p=any(x > 0.0 for x in min_p),
-            max_logprobs=max(wanted) if wanted else None,
+            max_logprobs=max(wanted) if wanted else None, max_top_k=max(top_k),
         )
 
 
@@ -87,7 +95,7 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [B, V] float32 -> one token per row."""
-    greedy = logits.argmax(dim=-1)
+    greedy = ops.argmax(logits)  # torch's argmax is a slow generic reduce on the GPU
     if batch.all_greedy:
         tokens = greedy
     else:
@@ -107,7 +115,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temp = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
     x = logits / temp[:, None]
     if batch.any_top_k:
-        x = _apply_top_k(x, batch.top_k)
+        x = _apply_top_k(x, batch.top_k, batch.max_top_k)
     if batch.any_top_p or batch.any_min_p:
         probs = torch.softmax(x, dim=-1)
         if batch.any_min_p:
@@ -121,8 +129,8 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return (logp + gumbel).argmax(dim=-1)
 
 
-def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    k_max = int(top_k.max())
+def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    k_max = max_top_k
     kth = x.topk(min(k_max, x.shape[-1]), dim=-1).values  # [B, k_max], descending
     k = torch.where(top_k > 0, top_k, k_max).clamp(max=x.shape[-1]) - 1
     threshold = kth.gather(1, k[:, None])

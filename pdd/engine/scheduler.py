@@ -8,6 +8,13 @@ while budget, sequence slots and blocks last. A prompt longer than
 `chunk_size` is spread over several steps. When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
 cache) and it is recomputed later.
+
+Scheduling runs one step ahead of the GPU (async scheduling): `schedule()`
+advances each request's `num_computed_tokens` as it schedules it, and a step
+that samples leaves a token "in flight" (`num_in_flight`), which the next step
+may already compute (the runner feeds it from the GPU). `update_from_output`
+later appends the sampled tokens; a result for a request that was aborted,
+finished or preempted since it was scheduled is dropped.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ class SchedulerOutput:
     # (request, number of its tokens computed this step), in schedule order.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Per scheduled request: its num_computed_tokens before this step, whether
+    # this step samples its next token, and its preemption count (a result is
+    # stale once the request was preempted after being scheduled).
+    starts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -120,16 +133,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, self.cfg.chunk_size, budget)
+            i += 1
+            n = min(req.num_tokens_with_in_flight - req.num_computed_tokens, self.cfg.chunk_size, budget)
+            if n <= 0 or req.stops_after_in_flight():
+                continue  # its last token is in flight; the request ends when it lands
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()  # newest admitted; never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
-            out.scheduled.append((req, n))
+            self._take(out, req, n)
             budget -= n
-            i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -147,29 +162,45 @@ class Scheduler:
                 req.num_cached_tokens = max(req.num_cached_tokens, min(num_cached, req.num_prompt_tokens))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, n))
+            self._take(out, req, n)
             budget -= n
+
+    @staticmethod
+    def _take(out: SchedulerOutput, req: Request, n: int) -> None:
+        """Put n of req's tokens in this step, and count them as computed."""
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens_with_in_flight
+        out.scheduled.append((req, n))
+        out.starts.append(start)
+        out.samples.append(samples)
+        out.epochs.append(req.num_preemptions)
+        req.num_computed_tokens = start + n
+        if samples:
+            req.num_in_flight += 1
 
     def _preempt(self, req: Request) -> None:
         log.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.num_in_flight = 0  # dropped; the recompute samples that position again
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance the scheduled requests by what the step computed. Returns the
-        requests that got a new token (finished ones included, already freed)."""
+        """Take a finished step's results: publish the blocks it completed, append
+        the sampled tokens. Returns the requests that got a new token (finished
+        ones included, already freed)."""
         updated = []
-        for (req, n), token in zip(out.scheduled, sampled):
-            if req.status.finished:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            if req.num_computed_tokens < req.num_tokens:
+        for (req, n), start, samples, epoch, token in zip(out.scheduled, out.starts, out.samples, out.epochs,
+                                                           sampled):
+            if req.status.finished or req.num_preemptions != epoch:
+                continue  # aborted, finished or preempted since it was scheduled: stale
+            self.kv.cache_blocks(req, start + n)
+            if not samples:
                 continue  # a prefill chunk that is not the prompt's last: nothing sampled
+            req.num_in_flight -= 1
             req.append_token(token)
             updated.append(req)
             if req.check_stop() or req.prefill_only:

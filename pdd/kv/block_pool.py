@@ -29,6 +29,11 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.ref_counts[NULL_BLOCK] = 1
+        # The engine's count of launched steps, and its value when each block was
+        # last freed: with async scheduling a step launched by then may still be
+        # writing the block (see LLMEngine.reserve).
+        self.steps_launched = 0
+        self.freed_at = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +79,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
+                self.freed_at[b] = self.steps_launched
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash. If another block

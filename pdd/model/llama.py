@@ -60,7 +60,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with a precomputed cos/sin table."""
+    """The precomputed cos/sin table of Neox-style rotary embedding; attention
+    applies it (`ops.rotary_store_kv`, fused with the KV-cache write)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
@@ -68,9 +69,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops.rotary(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -94,8 +92,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        ops.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        # Rotary and the KV-cache write in one op (one kernel launch per layer on the GPU).
+        q, k = ops.rotary_store_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
+                                   self.kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -1,4 +1,4 @@
-"""KV-cache ops, dispatched by device.
+"""KV-cache, decoder-layer and sampling ops, dispatched by device.
 
 Every op has a torch reference (`reference.py`) that defines its semantics and
 runs on any device. On CUDA the Triton kernels are used when they are
@@ -17,7 +17,7 @@ from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary"]
+           "rotary", "rotary_store_kv", "argmax"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -76,3 +76,13 @@ def silu_and_mul(x) -> torch.Tensor:
 
 def rotary(positions, q, k, cos, sin):
     return backend_for(q).rotary(positions, q, k, cos, sin)
+
+
+def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping):
+    """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
+    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping)
+
+
+def argmax(logits) -> torch.Tensor:
+    """[B, V] logits -> int64 [B], as torch.argmax(dim=-1)."""
+    return backend_for(logits).argmax(logits)

@@ -139,3 +139,23 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     c = cos[positions][:, None, :]
     s = sin[positions][:, None, :]
     return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
+    """`rotary`, then `store_kv` of the rotated k and v; returns the rotated (q, k).
+
+    The Triton kernel rotates q and k in place and returns them, this one returns
+    new tensors: callers use the returned pair, and count neither on the inputs
+    being rotated nor on them being left as they were.
+    """
+    q, k = rotary(positions, q, k, cos, sin)
+    store_kv(k, v, kv_layer, slot_mapping)
+    return q, k
+
+
+# ---------------------------------------------------------------- sampling
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> int64 [B]: the lowest index among ties; NaN counts as the maximum."""
+    return logits.argmax(dim=-1)

@@ -33,6 +33,22 @@ def _check_index(t: torch.Tensor, name: str, device: torch.device, dim: int = 1)
         assert t.numel() <= 1 or t.stride(0) == 1, f"{name} must be contiguous, stride {t.stride()}"
 
 
+def _check_kv_write(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """New tokens' K and V ([T, kv_heads, head_dim]) and their slots in kv_layer."""
+    _check_kv_layer(kv_layer)
+    _, _, _, kvh, d = kv_layer.shape
+    for name, t in (("key", key), ("value", value)):
+        assert t.dim() == 3 and t.shape[1:] == (kvh, d), (
+            f"{name} must be [T, {kvh}, {d}] to match kv_layer, got {tuple(t.shape)}")
+        assert t.dtype in _FLOAT_DTYPES, f"{name} dtype {t.dtype} not supported"
+        assert t.device == kv_layer.device, f"{name} is on {t.device}, kv_layer on {kv_layer.device}"
+    assert key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}"
+    _check_index(slot_mapping, "slot_mapping", kv_layer.device)
+    assert slot_mapping.shape[0] == key.shape[0], (
+        f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -2,7 +2,9 @@
 
 Eagerly, RMSNorm, the residual add, rotary embedding and SiLU-and-mul are each
 a chain of 4-10 tiny torch kernels; at decode batch sizes those launches (even
-replayed from a CUDA graph) cost more than the work. One kernel each here.
+replayed from a CUDA graph) cost more than the work. One kernel each here;
+rotary of q and k and the KV-cache write of the rotated k and v share one
+(`rotary_store_kv`), one program per token.
 Semantics (and rounding points) follow `pdd.ops.reference`.
 """
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pdd.ops.triton_common import _check_kv_write
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -92,37 +96,111 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, HEADS, HALF,
-                 H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rope_heads(x_ptr, stride_h, cos, sin, HEADS: tl.constexpr, HALF: tl.constexpr,
+                H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Rotate one token's [HEADS, 2 * HALF] rows at x_ptr in place; returns the
+    rotated halves (in x's dtype) for a caller that also stores them elsewhere."""
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, HALF_PAD)
+    m = (h[:, None] < HEADS) & (d[None, :] < HALF)
+    base = x_ptr + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0)
+    x2 = tl.load(base + HALF, mask=m, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = (a * cos[None, :] - b * sin[None, :]).to(x1.dtype)
+    y2 = (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
+    tl.store(base, y1, mask=m)
+    tl.store(base + HALF, y2, mask=m)
+    return y1, y2
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slot_mapping,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd,
+                   stride_cb, stride_cs, stride_ch,
+                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr):
+    """One token: rotate all its q and k heads in place and, with STORE_KV, write
+    the rotated k and its v into the token's cache slot (store_kv's layout)."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
-    h = tl.arange(0, H_PAD)
     dm = d < HALF
-    m = (h[:, None] < HEADS) & dm[None, :]
-    base = x_ptr + t * stride_t + h[:, None] * stride_h + d[None, :]
-    x1 = tl.load(base, mask=m, other=0.0)
-    x2 = tl.load(base + HALF, mask=m, other=0.0)
     # cos/sin are rounded to the activations' dtype first, as the reference does.
-    cos = tl.load(cos_ptr + p * HALF + d, mask=dm, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + p * HALF + d, mask=dm, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (a * cos - b * sin).to(x1.dtype), mask=m)
-    tl.store(base + HALF, (b * cos + a * sin).to(x1.dtype), mask=m)
+    act = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + p * HALF + d, mask=dm, other=0.0).to(act).to(tl.float32)
+    sin = tl.load(sin_ptr + p * HALF + d, mask=dm, other=0.0).to(act).to(tl.float32)
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, HEADS, HALF, H_PAD, HALF_PAD)
+    k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, KV_HEADS, HALF, KVH_PAD, HALF_PAD)
+    if STORE_KV:
+        slot = tl.load(slot_mapping + t).to(tl.int64)
+        if slot >= 0:  # a negative slot (the reference would raise) writes nothing
+            h = tl.arange(0, KVH_PAD)
+            m = (h[:, None] < KV_HEADS) & dm[None, :]
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+                + h[:, None] * stride_ch + d[None, :]
+            cdt = k_cache.dtype.element_ty
+            tl.store(k_cache + dst, k1.to(cdt), mask=m)
+            tl.store(k_cache + dst + HALF, k2.to(cdt), mask=m)
+            # V moves in the same two half tiles, so one mask and one dst serve all four stores.
+            src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd
+            v1 = tl.load(src, mask=m)
+            v2 = tl.load(src + HALF * stride_vd, mask=m)
+            tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=m)
+            tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=m)
 
 
-def _rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    t, heads, dim = x.shape
-    assert x.stride(2) == 1, "rotary: head_dim must be contiguous"
-    half = dim // 2
-    assert cos.shape[1] == half and cos.is_contiguous() and sin.is_contiguous()
-    if t:
-        _rope_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), heads, half,
-                           H_PAD=triton.next_power_of_2(heads), HALF_PAD=triton.next_power_of_2(half))
+def _check_rotary(positions, q, k, cos, sin) -> None:
+    assert q.dim() == 3 and k.dim() == 3, f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, head_dim]"
+    t, _, dim = q.shape
+    assert k.shape[0] == t and k.shape[2] == dim and dim % 2 == 0, (
+        f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match (even head_dim)")
+    assert q.dtype == k.dtype, f"q is {q.dtype}, k {k.dtype}"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "rotary: head_dim must be contiguous"
+    assert positions.shape == (t,), f"positions {tuple(positions.shape)} for {t} tokens"
+    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == dim // 2, (
+        f"cos/sin must be [max_positions, {dim // 2}], got {tuple(cos.shape)}")
+    assert cos.is_contiguous() and sin.is_contiguous(), "cos/sin tables must be contiguous"
+
+
+def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mapping=None) -> None:
+    t, heads, dim = q.shape
+    kvh = k.shape[1]
+    if t == 0:
+        return
+    store = kv_layer is not None
+    if store:
+        kc, vc = kv_layer[0], kv_layer[1]
+        kv_strides = (v.stride(0), v.stride(1), v.stride(2), kc.stride(0), kc.stride(1), kc.stride(2))
+        bs = kv_layer.shape[2]
+    else:  # unused pointers and strides: any valid tensor will do
+        kc = vc = v = slot_mapping = k
+        kv_strides, bs = (0,) * 6, 1
+    pow2 = triton.next_power_of_2
+    h_pad, kvh_pad, half_pad = pow2(heads), pow2(kvh), pow2(dim // 2)
+    _rotary_kernel[(t,)](
+        q, k, v, positions, cos, sin, kc, vc, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides,
+        HEADS=heads, KV_HEADS=kvh, HALF=dim // 2, H_PAD=h_pad, KVH_PAD=kvh_pad, HALF_PAD=half_pad,
+        BLOCK_SIZE=bs, STORE_KV=store, num_warps=4 if h_pad * half_pad >= 1024 else 1)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Neox-style rotary embedding of q [T, H, D] and k [T, KVH, D], in place."""
-    _rope_(q, positions, cos, sin)
-    _rope_(k, positions, cos, sin)
+    """Neox-style rotary embedding of q [T, H, D] and k [T, KVH, D], in place (one launch)."""
+    _check_rotary(positions, q, k, cos, sin)
+    _launch_rotary(positions, q, k, cos, sin)
+    return q, k
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
+    """`rotary` of q and k in place, then `store_kv` of the rotated k and v, in one launch.
+
+    A cache dtype other than k/v's is converted in the kernel (round to nearest
+    even, as torch does, when compiled; the interpreter truncates fp32 -> bf16).
+    """
+    _check_rotary(positions, q, k, cos, sin)
+    _check_kv_write(k, v, kv_layer, slot_mapping)
+    _launch_rotary(positions, q, k, cos, sin, v, kv_layer, slot_mapping)
     return q, k

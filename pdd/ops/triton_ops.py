@@ -27,18 +27,24 @@ Kernels:
   masks, the diagonal tiles with the causal mask, later tiles are skipped.
 - page copies (`gather_blocks`, `scatter_blocks`, `copy_blocks`): grid
   (pages, 2 halves x chunks), one contiguous CHUNK of a page per program.
+- `rotary_store_kv` (triton_layers): one program per token rotates its q and
+  k heads in place and writes the rotated k and v into its slot.
+- `argmax` (triton_sampling): grid (rows, vocab chunks), then one program per
+  row merges the chunks' answers.
 """
 from __future__ import annotations
 
 from pdd.ops import triton_layers as _layers
 from pdd.ops.triton_attention import paged_attention
 from pdd.ops.triton_pages import copy_blocks, gather_blocks, scatter_blocks, store_kv
+from pdd.ops.triton_sampling import argmax
 
 __all__ = ["store_kv", "paged_attention", "gather_blocks", "scatter_blocks", "copy_blocks",
-           "rms_norm", "add_rms_norm", "silu_and_mul", "rotary"]
+           "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_store_kv", "argmax"]
 
 # The decoder's per-token ops (fused norm, rotary, SiLU-mul) live in triton_layers.
 rms_norm = _layers.rms_norm
 add_rms_norm = _layers.add_rms_norm
 silu_and_mul = _layers.silu_and_mul
 rotary = _layers.rotary
+rotary_store_kv = _layers.rotary_store_kv

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import _FLOAT_DTYPES, _check_index, _check_kv_layer, _on_gpu, _pow2
+from pdd.ops.triton_common import _FLOAT_DTYPES, _check_index, _check_kv_layer, _on_gpu, _pow2, _check_kv_write
 
 # ---------------------------------------------------------------------------
 # store_kv
@@ -39,18 +39,9 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write K/V of new tokens ([T, kv_heads, head_dim]) into their slots."""
-    _check_kv_layer(kv_layer)
+    _check_kv_write(key, value, kv_layer, slot_mapping)
     _, _, bs, kvh, d = kv_layer.shape
-    for name, t in (("key", key), ("value", value)):
-        assert t.dim() == 3 and t.shape[1:] == (kvh, d), (
-            f"{name} must be [T, {kvh}, {d}] to match kv_layer, got {tuple(t.shape)}")
-        assert t.dtype in _FLOAT_DTYPES, f"{name} dtype {t.dtype} not supported"
-        assert t.device == kv_layer.device, f"{name} is on {t.device}, kv_layer on {kv_layer.device}"
-    assert key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}"
-    _check_index(slot_mapping, "slot_mapping", kv_layer.device)
     num_tokens = key.shape[0]
-    assert slot_mapping.shape[0] == num_tokens, (
-        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     if num_tokens == 0:
         return
     # A dtype conversion (never needed by the engine, whose cache has the model's

@@ -38,13 +38,14 @@ class PrefillConnector:
         self.next_block[target.request_id] = target.skip_blocks
         self.sender.prepare(target)
 
-    def begin_step(self, scheduled, block_tables: list[list[int]]) -> None:
+    def begin_step(self, out, block_tables: list[list[int]]) -> None:
+        """out: the step's SchedulerOutput."""
         plan = []
-        for (req, num_new), table in zip(scheduled, block_tables):
+        for (req, num_new), start, table in zip(out.scheduled, out.starts, block_tables):
             target = self.targets.get(req.request_id)
             if target is None:
                 continue
-            end = req.num_computed_tokens + num_new
+            end = start + num_new
             first = self.next_block[req.request_id]
             last = (end - 1) // self.block_size
             indices = list(range(first, last + 1))

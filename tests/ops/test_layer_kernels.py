@@ -1,11 +1,11 @@
 """Fused decoder-layer kernels (pdd.ops.triton_layers) against the torch reference.
-Interpreted on CPU (float32), compiled on CUDA (float32 and bf16)."""
+Interpreted on CPU (float32; rotary_store_kv bf16 too), compiled on CUDA (float32 and bf16)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.ops.test_kernels import CUDA, DEVICE, tk  # sets up the interpreter when there is no GPU
+from tests.ops.test_kernels import CUDA, DEVICE, make_kv, tk, triton  # sets up the interpreter when there is no GPU
 
 from pdd.ops import reference  # noqa: E402
 
@@ -66,3 +66,100 @@ def test_rotary_in_place_on_qkv_views(dtype, heads, kv_heads, dim):
     close(out_q, ref_q, dtype)
     close(out_k, ref_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "rotary touched V"
+
+
+# ---------------------------------------------------------------------------
+# rotary_store_kv: rotary of q and k, then store_kv of the rotated k and v
+# ---------------------------------------------------------------------------
+
+BOTH = [torch.float32, torch.bfloat16]  # bf16 interpreted too: close, not equal (it truncates)
+
+
+def rope_tables(dim, max_pos, seed):
+    g = torch.Generator().manual_seed(seed)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(dim // 2, generator=g) + 0.01)
+    return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+
+
+def qkv_views(t, heads, kv_heads, dim, dtype, seed):
+    """q, k, v as the model makes them: splits of one [T, q + 2 kv] projection output, viewed per head."""
+    qkv = rand(t, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=seed)
+    qkv = torch.where(qkv == 0, torch.ones_like(qkv), qkv)  # never zero: a missed write shows
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return qkv, q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+
+
+def scattered_slots(t, num_blocks, block_size, seed):
+    """t distinct slots in random order over blocks 1.. (block 0 is the null block)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm((num_blocks - 1) * block_size, generator=g)[:t] + block_size).to(DEVICE)
+
+
+def check_rotary_store_kv(t, heads, kv_heads, dim, dtype, cache_dtype, block_size=8):
+    num_blocks = 2 + 2 * triton.cdiv(t, block_size)
+    cos, sin = rope_tables(dim, 100, seed=t)
+    positions = torch.randint(0, 100, (t,), generator=torch.Generator().manual_seed(t + 1)).to(DEVICE)
+    slots = scattered_slots(t, num_blocks, block_size, seed=t + 2)
+    qkv, q, k, v = qkv_views(t, heads, kv_heads, dim, dtype, seed=t + 3)
+    kv = make_kv(num_blocks, block_size, kv_heads, dim, cache_dtype, seed=t + 4)
+    before, ref_kv, v_before = kv.clone(), kv.clone(), v.clone()
+    ref_q, ref_k = reference.rotary_store_kv(positions, q.clone(), k.clone(), v.clone(), cos, sin,
+                                             ref_kv, slots)
+
+    out_q, out_k = tk.rotary_store_kv(positions, q, k, v, cos, sin, kv, slots)
+    assert out_q is q and out_k is k, "q and k are rotated in place"
+    close(q, ref_q, dtype)
+    close(k, ref_k, dtype)
+    assert torch.equal(v, v_before), "V was modified"
+    flat, ref_flat, old = (x.view(2, -1, kv_heads, dim) for x in (kv, ref_kv, before))
+    coarsest = torch.bfloat16 if torch.bfloat16 in (dtype, cache_dtype) else torch.float32
+    close(flat[0, slots], ref_flat[0, slots], coarsest)
+    if dtype == cache_dtype or cache_dtype == torch.float32:  # V: exact copies
+        assert torch.equal(flat[1, slots], ref_flat[1, slots])
+    else:
+        close(flat[1, slots], ref_flat[1, slots], cache_dtype)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], old[:, untouched]), "a slot outside slot_mapping changed"
+
+
+@pytest.mark.parametrize("dtype", BOTH)
+@pytest.mark.parametrize("t", [1, 5, 37])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (4, 2, 48), (8, 2, 64), (6, 1, 16)])
+def test_rotary_store_kv(dtype, t, heads, kv_heads, dim):
+    check_rotary_store_kv(t, heads, kv_heads, dim, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_rotary_store_kv_converts_to_the_cache_dtype(dtype, cache_dtype):
+    check_rotary_store_kv(9, 4, 2, 32, dtype, cache_dtype)
+
+
+def test_rotary_store_kv_no_tokens():
+    cos, sin = rope_tables(32, 10, seed=0)
+    _, q, k, v = qkv_views(0, 4, 2, 32, torch.float32, seed=0)
+    kv = make_kv(3, 8, 2, 32, torch.float32)
+    before = kv.clone()
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    tk.rotary_store_kv(empty, q, k, v, cos, sin, kv, empty)
+    assert torch.equal(kv, before)
+
+
+def test_rotary_store_kv_rejects_bad_inputs():
+    cos, sin = rope_tables(32, 10, seed=0)
+    _, q, k, v = qkv_views(3, 4, 2, 32, torch.float32, seed=0)
+    kv = make_kv(3, 8, 2, 32, torch.float32)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(AssertionError, match="slot_mapping has"):
+        tk.rotary_store_kv(pos, q, k, v, cos, sin, kv, pos[:2])
+    with pytest.raises(AssertionError, match="value must be"):
+        tk.rotary_store_kv(pos, q, k, v[:, :1], cos, sin, kv, pos)
+    with pytest.raises(AssertionError, match="cos/sin must be"):
+        tk.rotary_store_kv(pos, q, k, v, cos[:, :8], sin[:, :8], kv, pos)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 3000])
+def test_cuda_rotary_store_kv_llama3(t):
+    # Llama-3-8B: 32 q heads, 8 kv heads, head_dim 128, bf16, block 16.
+    check_rotary_store_kv(t, 32, 8, 128, torch.bfloat16, torch.bfloat16, block_size=16)
