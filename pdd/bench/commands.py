@@ -89,7 +89,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--load-format", default="dummy")
     b.add_argument("--batches", default="1,32,128")
     b.add_argument("--context", type=int, default=1024)
-    b.add_argument("--steps", type=int, default=30)
+    b.add_argument("--steps", type=int, default=60)
     b.add_argument("--prefill", default="4096,16384")
     b.add_argument("--prefill-reps", type=int, default=3)
     b.add_argument("--no-cuda-graphs", action="store_true")

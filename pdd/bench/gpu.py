@@ -4,8 +4,9 @@ decode: B requests with a context of --context tokens each, all decoding; a
 step's floor is (weight bytes + KV bytes read) / HBM bandwidth.
 prefill: one prompt of N tokens in one step; the floor is
 (2 * params * N + attention FLOPs) / matmul peak.
-Times are whole engine steps (schedule, inputs, forward, sample, outputs), as
-the mean of windows of back-to-back steps: what a request actually waits for.
+Times are whole engine steps (schedule, inputs, forward, sample, outputs): the
+median gap between consecutive step() returns, steps back to back, which is
+what a decoding request waits per token.
 
     pdd bench gpu --model conf/models/llama-3.1-8b --load-format dummy
 """
@@ -34,35 +35,38 @@ def _engine(args, max_batched: int, num_blocks: int):
                                   async_scheduling=not args.no_async_scheduling))
 
 
-def _timed_steps(engine, n: int, window: int = 10) -> list[float]:
-    """Mean step time over windows of back-to-back steps: with async scheduling
-    a step's host work overlaps the previous step's GPU work, so only a run of
-    steps shows the rate a request sees (a sync around each step would hide the
-    overlap and count the host time again)."""
+def _timed_steps(engine, n: int) -> list[float]:
+    """Time between consecutive step() returns, steps back to back: a call
+    returns when the device has finished a step (its tokens are out), so this is
+    the rate at which a request gets tokens. With async scheduling a step's host
+    work overlaps the previous step's device work; a sync around each step would
+    hide that and count the host time again."""
     engine.step()  # the pipeline holds one step from here on
-    times = []
-    for _ in range(max(1, n // window)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(window):
-            engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / window)
-    return times
+    engine.step()
+    marks = [time.perf_counter()]
+    for _ in range(n):
+        engine.step()
+        marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def bench_decode(args, engine, batch: int, context: int) -> dict:
     from pdd.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prompt = torch.randint(0, 32000, (context,), generator=g).tolist()
-        engine.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=args.steps + 64, temperature=0.0,
-                                                                     ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.waiting:
+    # Nobody may finish inside the measured steps (the batch would shrink):
+    # requests decode while the later ones prefill, then the timed and profiled steps.
+    max_tokens = _decode_tokens_needed(args, engine.cfg.max_num_batched_tokens, batch)
+    vocab = min(32000, engine.model_config.vocab_size)
+    reqs = [engine.add_request(f"d{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            for i in range(batch)]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or engine.scheduler.waiting:
         engine.step()  # prefill everything first
+    tokens_before = sum(r.num_tokens for r in reqs)
     times = _timed_steps(engine, args.steps)
+    tokens_after = sum(r.num_tokens for r in reqs)
+    assert all(not r.status.finished for r in reqs), "a request finished inside the measured steps"
     forward_ms = _graph_replay_ms(engine, batch)
     if args.profile:
         _profile_steps(engine, batch)
@@ -70,12 +74,20 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
         engine.abort_request(rid)
     cfg, spec = engine.model_config, engine.runner.kv_spec
     weight_bytes = cfg.num_parameters() * engine.dtype.itemsize
-    kv_bytes = batch * (context + args.steps // 2) * spec.bytes_per_token
+    # KV each step reads: the batch's mean total context over the timed steps.
+    kv_bytes = (tokens_before + tokens_after) / 2 * spec.bytes_per_token
     step = statistics.median(times)
     floor = (weight_bytes + kv_bytes) / HBM_BYTES_S
+    deciles = statistics.quantiles(times, n=10)
     return {"batch": batch, "context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
+            "p10_ms": 1e3 * deciles[0], "p90_ms": 1e3 * deciles[-1],
             "fraction_of_roofline": floor / step, "tokens_s": batch / step, "graph_forward_ms": forward_ms,
             "forward_fraction_of_roofline": (1e3 * floor / forward_ms) if forward_ms else None}
+
+
+def _decode_tokens_needed(args, max_batched: int, batch: int) -> int:
+    prefill_steps = -(-batch * args.context // max_batched) + 2
+    return prefill_steps + args.steps + 48  # + pipeline fill, the profile's 10 steps, margin
 
 
 def _profile_steps(engine, batch: int, n: int = 10) -> None:
@@ -140,16 +152,18 @@ def bench_prefill(args, engine, tokens: int) -> dict:
 
 def main(args) -> int:
     batches = [int(x) for x in args.batches.split(",")]
-    prompts = [int(x) for x in args.prefill.split(",") if x]
+    prompts = [int(x) for x in args.prefill.split(",") if x and int(x) > 0]  # "0": no prefill runs
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "model": args.model,
            "async_scheduling": not args.no_async_scheduling, "decode": [], "prefill": []}
-    blocks_needed = max(batches) * (args.context + args.steps + 80) // 16 + 64
-    blocks_needed = max(blocks_needed, max(prompts, default=0) // 16 + 64)
-    engine = _engine(args, max(max(prompts, default=0), 2048), blocks_needed)
+    max_batched = max(max(prompts, default=0), 8192)
+    blocks_needed = max(batches) * (args.context + _decode_tokens_needed(args, max_batched, max(batches))) // 16
+    blocks_needed = max(blocks_needed, max(prompts, default=0) // 16) + 64
+    engine = _engine(args, max_batched, blocks_needed)
     for b in batches:
         r = bench_decode(args, engine, b, args.context)
         out["decode"].append(r)
-        print(f"decode  batch {b:>4} ctx {args.context}: step {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
+        print(f"decode  batch {b:>4} ctx {args.context}: step {r['step_ms']:.2f} ms (p10 {r['p10_ms']:.2f}, "
+              f"p90 {r['p90_ms']:.2f}), floor {r['floor_ms']:.2f} ms, "
               f"{100 * r['fraction_of_roofline']:.0f}% of roofline, {r['tokens_s']:.0f} tok/s; "
               f"graph forward alone {r['graph_forward_ms'] or float('nan'):.2f} ms", flush=True)
     for n in prompts:

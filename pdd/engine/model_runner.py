@@ -35,7 +35,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor    # [S] rows of hidden states to sample from
+    logits_indices: torch.Tensor | None  # [S] rows of hidden states to sample from; None: all, in order
     sample_rows: list[int]          # schedule index of each sampled row
     sampling: SamplingBatch | None
     sampled_ids: list[str]          # request id of each sampled row
@@ -153,6 +153,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()))
         if from_gpu:
             input_ids[from_gpu_d] = in_flight.tokens[gpu_rows_d]
+        if len(sample_rows) == num_tokens:
+            logits_d = None  # a pure decode step: every token is sampled (saves a gather)
         return StepInputs(input_ids, positions_d, meta, logits_d, [order[row] for row in sample_rows], sampling,
                           [reqs[row].request_id for row in sample_rows])
 
@@ -168,7 +170,8 @@ class ModelRunner:
         step = LaunchedStep(out, inputs.sample_rows, {rid: j for j, rid in enumerate(inputs.sampled_ids)})
         on_gpu = self.device.type == "cuda"
         if inputs.sampling is not None:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(rows)
             step.result = sample(logits, inputs.sampling)
             step.tokens = step.tokens_host = step.result.tokens
             if on_gpu:

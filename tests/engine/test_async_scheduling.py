@@ -78,7 +78,8 @@ def test_results_come_one_call_later_and_the_token_in_flight_is_fed_on_device(ti
     tokens = list(req.output_token_ids)
     while engine.has_unfinished():
         tokens += [t for o in engine.step() for t in o.new_token_ids]
-    alone = LLM(str(tiny_model), num_blocks=POOL, async_scheduling=False).generate([prompt], greedy(4, ignore_eos=True))[0]
+    sync = LLM(str(tiny_model), num_blocks=POOL, async_scheduling=False)
+    alone = sync.generate([prompt], greedy(4, ignore_eos=True))[0]
     assert tokens == alone.token_ids == req.output_token_ids
     assert_all_blocks_free(llm)
 
