@@ -19,6 +19,8 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
     b.add_argument("--hf-batched", action="store_true", help="also time HF generate on all prompts at once")
+    b.add_argument("--hf-cb", action="store_true",
+                   help="also time HF generate_batch (its continuous batching) on all prompts")
     b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("offline"))

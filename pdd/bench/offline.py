@@ -67,7 +67,7 @@ def run(args) -> dict:
     if t_solo is not None:
         result.update(pdd_solo_s=t_solo, pdd_solo_out_tok_s=out_tokens / t_solo,
                       batched_vs_solo=out_tokens / t_batched / (out_tokens / t_solo))
-    if args.hf or args.hf_batched:
+    if args.hf or args.hf_batched or args.hf_cb:
         model_dir, dev, dtype, load_format = engine.model_dir, engine.device, engine.dtype, engine.cfg.load_format
         del llm, engine, batched  # free the GPU for the HF model
         if dev.type == "cuda":
@@ -81,6 +81,10 @@ def run(args) -> dict:
         if args.hf_batched:
             result.update(_run_hf_batched(hf, dev, prompts, args.max_tokens))
             result["batched_vs_hf_batched"] = result["pdd_batched_out_tok_s"] / result["hf_batched_out_tok_s"]
+        if args.hf_cb:
+            result.update(_run_hf_continuous(hf, dev, prompts, args.max_tokens))
+            if "hf_cb_out_tok_s" in result:
+                result["batched_vs_hf_cb"] = result["pdd_batched_out_tok_s"] / result["hf_cb_out_tok_s"]
     return result
 
 
@@ -111,6 +115,26 @@ def _run_hf_batched(hf, dev, prompts, max_tokens: int) -> dict:
         _sync(dev)
     t = time.perf_counter() - t0
     return {"hf_batched_s": t, "hf_batched_out_tok_s": len(prompts) * max_tokens / t}
+
+
+def _run_hf_continuous(hf, dev, prompts, max_tokens: int) -> dict:
+    """HF's own continuous batching (`generate_batch`, paged KV cache), when the
+    installed transformers has it. EOS is disabled so every request makes
+    max_tokens tokens, as ours do; the tokens it actually returned are counted."""
+    if not hasattr(hf, "generate_batch"):
+        return {"hf_cb": "generate_batch not in this transformers"}
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generate_batch(prompts[:2], generation_config=config)  # warm-up (also captures its graphs)
+    _sync(dev)
+    t0 = time.perf_counter()
+    outputs = hf.generate_batch(prompts, generation_config=config)
+    _sync(dev)
+    t = time.perf_counter() - t0
+    made = sum(len(o.generated_tokens) for o in outputs.values() if o.error is None)
+    failed = sum(1 for o in outputs.values() if o.error is not None) + len(prompts) - len(outputs)
+    return {"hf_cb_s": t, "hf_cb_out_tok_s": made / t, "hf_cb_tokens": made, "hf_cb_failed": failed}
 
 
 def _run_hf(hf, dev, prompts, max_tokens: int) -> dict:
