@@ -22,6 +22,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--hf-cb", action="store_true",
                    help="also time HF generate_batch (its continuous batching) on all prompts")
     b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
+    b.add_argument("--passes", type=int, default=2, help="batched passes; the last one is reported")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("offline"))
 
