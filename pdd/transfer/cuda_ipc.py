@@ -23,7 +23,9 @@ its data socket (pdd.transfer.ipc_receiver), from this sender's I/O thread:
 
 Results: a request succeeds when its commit is acknowledged; it fails with a
 reason when the pool cannot be opened, the lease is refused or gone, the
-decode worker does not answer within `timeout_s`, or its lease would expire.
+decode worker does not answer within `timeout_s` or its connection drops, or
+its lease would expire. A dropped connection also unmaps the pool at once: a
+dead process's GPU memory stays allocated while anyone maps it.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from pdd.transfer.base import TransferTarget
 from pdd.transfer.common import Mailbox, Progress, SenderBase, Tombstones, dst_blocks_for, index_tensor
 from pdd.transfer.ipc_pool import PoolOpenError, open_pool
 from pdd.transfer.ipc_state import IpcDest, IpcWrite, StepIds, run_of_layers
-from pdd.transfer.wire import WireError, decode_reply, encode_control
+from pdd.transfer.wire import encode_control
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +226,9 @@ class CudaIpcSender(SenderBase):
                 for addr, dest in list(self._dests.items()):
                     if events.get(dest.sock, 0) & zmq.POLLIN:
                         self._recv_replies(dest)
-                    self._flush(dest)
+                    if events.get(dest.monitor, 0) & zmq.POLLIN and dest.saw_disconnect():
+                        self._peer_gone(addr, dest)
+                    dest.flush(self._poller)
                 self._expire(time.perf_counter())
         except Exception:  # never expected; make it loud, fail what is in flight
             log.exception("kv ipc sender I/O thread crashed")
@@ -234,7 +238,7 @@ class CudaIpcSender(SenderBase):
                 self._settle(w, False, "kv sender I/O thread crashed")
         finally:
             for dest in self._dests.values():
-                dest.sock.close(linger=0)
+                dest.close()
             self._ctx.term()
 
     def _run_commands(self) -> bool:
@@ -265,10 +269,23 @@ class CudaIpcSender(SenderBase):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection
+            dest = self._dests[addr] = IpcDest(sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(addr)
-            dest = self._dests[addr] = IpcDest(sock)
             self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(dest.monitor, zmq.POLLIN)
         return dest
+
+    def _peer_gone(self, addr: str, dest: IpcDest) -> None:
+        """The decode worker's socket closed (it exited, or is restarting): fail
+        what we write there and let go of its pool now. Each write keeps the
+        mapping alive until its own copies completed (_settle waits for them)."""
+        if dest.pool is None:
+            return
+        log.warning("kv ipc sender: lost the connection to %s; its KV pool is unmapped", addr)
+        dest.pool, dest.pool_id = None, ""
+        for w in [w for w in self._writes.values() if w.target.dst_addr == addr]:
+            self._settle(w, False, "the decode worker disconnected (exited or restarting)")
+            w.pool = None
 
     def _begin(self, w: IpcWrite) -> None:
         addr = w.target.dst_addr
@@ -338,28 +355,10 @@ class CudaIpcSender(SenderBase):
 
     def _send(self, dest: IpcDest, frame: bytes) -> None:
         dest.pending.append(frame)
-        self._flush(dest)
-
-    def _flush(self, dest: IpcDest) -> None:
-        while dest.pending:
-            try:
-                dest.sock.send(dest.pending[0], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            dest.pending.popleft()
-        self._poller.register(dest.sock, zmq.POLLIN | (zmq.POLLOUT if dest.pending else 0))
+        dest.flush(self._poller)
 
     def _recv_replies(self, dest: IpcDest) -> None:
-        while True:
-            try:
-                frame = dest.sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = decode_reply(frame)
-            except WireError as e:
-                log.warning("kv ipc sender: dropped a malformed reply: %s", e)
-                continue
+        for reply in dest.replies():
             asked = self._asked.pop(reply["token"], None)
             if asked is not None:
                 self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])

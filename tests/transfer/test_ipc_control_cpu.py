@@ -3,9 +3,15 @@ the data socket refuses to export it, and the sender must turn that into one
 failed result (no hang, nothing written, later calls for the request silent)
 and remember the decode worker as unreachable (so `auto` uses tcp for it).
 
+Also: a decode worker whose connection drops (it exited) fails what is being
+written to it at once and has its pool let go of (a dead process's GPU memory
+stays allocated while anyone maps it).
+
 Faked, and only to get past the sender's constructor on a machine without
-CUDA: torch.cuda.is_available and torch.cuda.Stream. Nothing here launches a
-kernel; the GPU paths are covered by test_cuda_ipc.py on the lent H200s."""
+CUDA: torch.cuda.is_available and torch.cuda.Stream; for the dropped-connection
+test also the CUDA IPC export/open of the pool (the CPU tensor stands for the
+mapping). Nothing here launches a kernel; the GPU paths are covered by
+test_cuda_ipc.py on the lent H200s."""
 from __future__ import annotations
 
 import time
@@ -55,3 +61,32 @@ def test_unopenable_pool_fails_the_request_once(cpu_ipc_sender):
         assert torch.equal(pool, before) and leases.close(lease) == "free"   # never registered as a writer
     finally:
         receiver.close()
+
+
+def test_a_dropped_connection_fails_the_write_and_unmaps_the_pool(cpu_ipc_sender, monkeypatch):
+    import pdd.transfer.cuda_ipc as cuda_ipc
+    import pdd.transfer.ipc_receiver as ipc_receiver
+
+    layout = make_layout()
+    leases = LeaseTable()
+    pool = make_pool(layout, seed=3)
+    monkeypatch.setattr(ipc_receiver, "export_pool", lambda kv: {"fake": "export"})
+    monkeypatch.setattr(cuda_ipc, "open_pool", lambda desc, device: pool)
+    receiver = make_receiver("tcp", pool, layout, leases)
+    receiver.start()
+    lease = leases.grant("r", [1, 2], 60)
+    target = TransferTarget("r", lease, "d", receiver.address, (1, 2), backend="cuda_ipc")
+    cpu_ipc_sender.prepare(target)
+    write = cpu_ipc_sender._writes["r"]
+    assert write.granted.wait(5) and not write.error          # opened, registered as a writer
+    dest = cpu_ipc_sender._dests[receiver.address]
+    assert dest.pool is pool
+    t0 = time.monotonic()
+    receiver.close()                                          # the decode worker goes away
+    results = []
+    while not results and time.monotonic() - t0 < 5:
+        results = cpu_ipc_sender.poll()
+        time.sleep(0.01)
+    assert len(results) == 1 and not results[0].ok and "disconnected" in results[0].error
+    assert time.monotonic() - t0 < 2                          # seen at once, not by a timeout
+    assert dest.pool is None and dest.pool_id == "" and write.pool is None
