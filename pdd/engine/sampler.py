@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdd import ops
+from pdd.engine.staging import Staging
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -63,20 +64,16 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list, positions: list[int], device: torch.device,
               staging=None) -> "SamplingBatch":
-        """staging: a pdd.engine.staging.Staging for the device (uploads without
-        making the host wait for the GPU); None = plain copies."""
+        """staging: the runner's pdd.engine.staging.Staging (uploads without making
+        the host wait for the GPU); None = a new one for `device`."""
         temps = [p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        ints = [top_k, [p.seed for p in params], positions]
-        floats = [temps, top_p, min_p]
-        if staging is None:
-            ints = [torch.tensor(v, dtype=torch.int64, device=device) for v in ints]
-            floats = [torch.tensor(v, dtype=torch.float32, device=device) for v in floats]
-        else:
-            ints, floats = staging.upload(ints, torch.int64), staging.upload(floats, torch.float32)
+        staging = staging or Staging(device)
+        ints = staging.upload([top_k, [p.seed for p in params], positions], torch.int64)
+        floats = staging.upload([temps, top_p, min_p], torch.float32)
         return cls(
             temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seeds=ints[1],
             positions=ints[2], all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
