@@ -3,6 +3,7 @@
     pdd make-model --preset tiny --out DIR     random-weight HF checkpoint, no download
     pdd generate --prompt TEXT [--model DIR]   offline generation with the engine
     pdd bench offline                          engine throughput benchmark (CPU or GPU)
+    pdd keys generate DIR                      CURVE keys of a cluster (router, worker, admin)
 
 Each subcommand imports what it needs lazily so `pdd admin` and the router
 never pay for importing torch.
@@ -93,6 +94,19 @@ def cmd_admin(args) -> int:
     return admin(args)
 
 
+def cmd_keys_generate(args) -> int:
+    from pdd.security import generate_keys
+
+    roles = tuple(args.only.split(",")) if args.only else ("router", "worker", "admin")
+    unknown = set(roles) - {"router", "worker", "admin"}
+    if unknown:
+        raise ValueError(f"--only: unknown role(s) {sorted(unknown)}; choose from router, worker, admin")
+    out = generate_keys(args.dir, roles)
+    print(f"pdd keys: {', '.join(roles)} key pair(s) in {out} (secret files 0600, directory 0700); "
+          "which host needs which file: README.md, \"Keys\"")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -136,18 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     p.add_argument("--workers", type=int, default=1, help="colocated workers")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--run-dir", default=None, help="where logs and the generated config go")
+    p.add_argument("--run-dir", default=None, help="where logs, keys and the generated config go (mode 0700)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the HTTP API (repeatable)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("admin", help="operate a running cluster through the router's admin socket")
     p.add_argument("--addr", default=None, help="admin socket (default from --config, else tcp://127.0.0.1:7101)")
     p.add_argument("--token", default=None, help="admin token (default: --config's, or $PDD_ADMIN_TOKEN)")
     p.add_argument("--config", default=None)
+    p.add_argument("--keys", default=None, help="keys directory with admin.key_secret and router.key "
+                                                "(default: --config's security.keys_dir)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config"])
+    p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config",
+                                             "security"])
     p.add_argument("args", nargs="*")
     p.set_defaults(func=cmd_admin)
+
+    p = sub.add_parser("keys", help="CURVE keys that authenticate every socket of a cluster")
+    keys_sub = p.add_subparsers(dest="keys_command", required=True)
+    k = keys_sub.add_parser("generate", help="new key pairs and authorized-key directories in DIR")
+    k.add_argument("dir")
+    k.add_argument("--only", default=None, metavar="ROLES",
+                   help="comma list of router, worker, admin (default: all three); "
+                        "e.g. --only worker: a pair for one more worker host")
+    k.set_defaults(func=cmd_keys_generate)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)

@@ -70,6 +70,32 @@ ROLES = ("router", "colocated", "prefill", "decode")
 # Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
 # Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
 EXIT_REFUSED = 78
+# Exit status of a worker that cannot go on (its engine failed: a device error,
+# steps failing in a row; or its control loop did): EX_SOFTWARE. Supervisors
+# restart it.
+EXIT_WORKER_FAILED = 70
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """[router.breaker]: the circuit breakers on the disaggregated path (pdd.router.breaker)."""
+    consecutive_failures: int = 5        # failures in a row that open a pair's breaker
+    window_s: float = 30.0               # ... or a failure rate over this sliding window
+    window_min_transfers: int = 10       # ... counted once it holds this many transfers
+    failure_rate: float = 0.5
+    cooldown_s: float = 10.0             # open -> half-open; doubled after a failed trial ...
+    max_cooldown_s: float = 160.0        # ... up to this
+    successes_to_close: int = 2          # half-open trials that must succeed
+
+    def validate(self) -> "BreakerConfig":
+        if self.consecutive_failures < 1 or self.window_min_transfers < 1 or self.successes_to_close < 1:
+            raise ConfigError("router.breaker: consecutive_failures, window_min_transfers and "
+                              "successes_to_close must be >= 1")
+        if not 0.0 < self.failure_rate <= 1.0:
+            raise ConfigError(f"router.breaker.failure_rate: must be in (0, 1], got {self.failure_rate}")
+        if self.window_s <= 0 or self.cooldown_s <= 0 or self.max_cooldown_s < self.cooldown_s:
+            raise ConfigError("router.breaker: window_s and cooldown_s must be > 0, max_cooldown_s >= cooldown_s")
+        return self
 
 
 @dataclass(frozen=True)
@@ -91,6 +117,13 @@ class RouterConfig:
     mode: str = "auto"               # auto | colocated | disagg
     kv_lease_ttl_s: float = 60.0     # a decode reservation whose KV has not come by then is freed
     reserve_timeout_s: float = 10.0  # decode worker's answer to Reserve
+    # A request not finished this long after arrival ends with an error (0 = no deadline).
+    request_timeout_s: float = 0.0
+    # Admission control: requests in flight that have no token yet (queued at a
+    # worker, reserving, prefilling). Above it new requests get 429 with
+    # Retry-After (0 = no limit).
+    max_queued_requests: int = 4096
+    breaker: BreakerConfig = BreakerConfig()
 
     def validate(self) -> "RouterConfig":
         if self.mode not in ("auto", "colocated", "disagg"):
@@ -99,6 +132,8 @@ class RouterConfig:
             raise ConfigError(f"router.port: {self.port} is not a TCP port")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
             raise ConfigError("router.heartbeat_interval_s must be > 0 and heartbeat_misses >= 1")
+        if self.request_timeout_s < 0 or self.max_queued_requests < 0:
+            raise ConfigError("router.request_timeout_s and router.max_queued_requests: must be >= 0 (0 = off)")
         if self.max_body_bytes < 1024:
             raise ConfigError("router.max_body_bytes: must be >= 1024")
         return self
@@ -120,6 +155,9 @@ class WorkerConfig:
     # cuda_ipc: 0 = copy a step's pages once, after its forward; N = every N
     # layers while the forward runs (see pdd.transfer.cuda_ipc for which pays when).
     ipc_layers_per_copy: int = 0
+    # An engine step running longer than this is a hung worker: the router moves
+    # its requests and sends it nothing new until its steps advance again.
+    step_timeout_s: float = 60.0
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
@@ -129,8 +167,45 @@ class WorkerConfig:
                               f"got {self.transfer_backend!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")
+        if self.step_timeout_s <= 0:
+            raise ConfigError("worker.step_timeout_s: must be > 0")
         if self.ipc_layers_per_copy < 0:
             raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
+        return self
+
+
+# Paths the HTTP API may serve without a key (security.open_paths).
+HTTP_OPENABLE_PATHS = ("/health", "/metrics", "/v1/models")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    # CURVE key files of the control bus, data sockets and admin socket
+    # (`pdd keys generate DIR`; which files each host needs: README.md).
+    keys_dir: str = ""
+    # Plaintext sockets, no authentication: anyone who reaches a socket joins
+    # the cluster. Only for a host nobody else can reach; warned at start.
+    insecure: bool = False
+    # HTTP `Authorization: Bearer KEY`; empty = the HTTP API is open (warned at start).
+    api_keys: tuple[str, ...] = ()
+    open_paths: tuple[str, ...] = ("/health", "/metrics")   # served without a key
+    http_header_timeout_s: float = 10.0   # first byte of a request -> end of its headers
+    http_body_timeout_s: float = 60.0     # reading a request body
+    http_idle_timeout_s: float = 75.0     # a connection with no request in progress
+    http_max_connections: int = 1024
+
+    def validate(self) -> "SecurityConfig":
+        for key in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"security.{key}: must be > 0")
+        if self.http_max_connections < 1:
+            raise ConfigError("security.http_max_connections: must be >= 1")
+        for path in self.open_paths:
+            if path not in HTTP_OPENABLE_PATHS:
+                raise ConfigError(f"security.open_paths: {path!r} cannot be opened; choose from {HTTP_OPENABLE_PATHS}")
+        for i, key in enumerate(self.api_keys):
+            if not key or not key.isascii() or not key.isprintable() or " " in key:
+                raise ConfigError(f"security.api_keys[{i}]: must be non-empty printable ASCII without spaces")
         return self
 
 
@@ -140,6 +215,7 @@ class ClusterConfig:
     engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def served_model_name(self, model_dir) -> str:
         """What clients put in "model": configured, else the checkpoint directory's name."""
@@ -150,7 +226,8 @@ class ClusterConfig:
         return os.path.basename(os.path.normpath(str(model_dir)))
 
 
-_TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig}
+_TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig,
+           "security": SecurityConfig}
 
 
 def load_cluster_config(path: str | Path | None = None, env: dict | None = None,
@@ -179,15 +256,17 @@ def dump_toml(cfg: ClusterConfig) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    lines = []
-    for name in _TABLES:
-        lines.append(f"[{name}]")
-        for f in dataclasses.fields(getattr(cfg, name)):
-            v = getattr(getattr(cfg, name), f.name)
-            if v is not None:
+    def table(name: str, obj) -> list[str]:
+        lines, subtables = [f"[{name}]"], []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                subtables += table(f"{name}.{f.name}", v)
+            elif v is not None:
                 lines.append(f"{f.name} = {value(v)}")
-        lines.append("")
-    return "\n".join(lines)
+        return lines + [""] + subtables
+
+    return "\n".join(line for name in _TABLES for line in table(name, getattr(cfg, name)))
 
 
 def _coerce(value, hint, key: str):
@@ -244,14 +323,22 @@ def build(cls, table: dict | None, section: str, env: dict | None = None):
     unknown = set(table) - names
     if unknown:
         raise ConfigError(f"[{section}]: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
-    prefix = f"PDD_{section.upper()}__"
+    nested = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+    prefix = f"PDD_{section.upper().replace('.', '__')}__"
     for var, value in env.items():
         if var.startswith(prefix):
             key = var[len(prefix):].lower()
+            if key.split("__")[0] in nested:
+                continue   # PDD_ROUTER__BREAKER__X: the nested table's own override
             if key not in names:
                 raise ConfigError(f"{var}: {section} has no key {key!r}")
             table[key] = value
-    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in table.items()}
+    for key in nested:   # [router.breaker] and its PDD_ROUTER__BREAKER__* overrides
+        sub = table.get(key, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{section}.{key}: expected a table, got {sub!r}")
+        table[key] = build(hints[key], sub, f"{section}.{key}", env)
+    kwargs = {k: v if k in nested else _coerce(v, hints[k], f"{section}.{k}") for k, v in table.items()}
     obj = cls(**kwargs)
     return obj.validate() if hasattr(obj, "validate") else obj
 

@@ -6,6 +6,10 @@ prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
 (finishes what is in flight, refuses new requests), then the workers stop.
 A worker that dies is restarted (as systemd's Restart=on-failure would; the
 router moves its requests meanwhile); if the router dies, `up` stops and fails.
+
+Unless the config names keys (or waives them), the cluster gets a throw-away
+CURVE key set and admin token of its own, made at each start in the run
+directory (0700; the config, which holds the token and API keys, 0600).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_config
+from pdd.security import admin_token_problem, generate_keys, private_dir, write_private
 
 STOP_TIMEOUT_S = 40.0
 MAX_RESTARTS = 5
@@ -70,26 +76,46 @@ class Cluster:
         child.proc = self._popen(child.name, child.args, child.env)
 
     def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(dump_toml(self.cfg))
+        private_dir(self.run_dir)
+        self.cfg = self._with_secrets(self.cfg)
+        write_private(self.config_path, dump_toml(self.cfg))
         self._spawn("router", ["--role", "router"])
         for role, wid, device in self.workers:
             env = {"PDD_ENGINE__DEVICE": device} if device else None
             self._spawn(wid, ["--role", role, "--worker-id", wid], env)
 
+    def _with_secrets(self, cfg: ClusterConfig) -> ClusterConfig:
+        """`cfg` with what the config leaves out: a fresh key set, a random admin token."""
+        sec, router = cfg.security, cfg.router
+        if not sec.keys_dir and not sec.insecure:
+            keys = self.run_dir / "keys"
+            shutil.rmtree(keys, ignore_errors=True)  # a previous run's: never reused
+            sec = dataclasses.replace(sec, keys_dir=str(generate_keys(keys)))
+        if not router.admin_token:
+            router = dataclasses.replace(router, admin_token=secrets.token_hex(16))
+        return dataclasses.replace(cfg, security=sec, router=router)
+
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, stopping=lambda: False) -> None:
+        """Until the router reports every worker; RuntimeError if a child dies, time
+        runs out, or `stopping()` says a signal came (a cluster that never gets
+        ready must still stop on Ctrl-C)."""
         deadline = time.monotonic() + timeout_s
         want = len(self.workers)
         while time.monotonic() < deadline:
+            if stopping():
+                raise RuntimeError("stopped by a signal before the cluster was ready")
             dead = self.dead_child()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up; "
                                    f"see {self.run_dir / (dead.name + '.log')}")
+            health = urllib.request.Request(self.url + "/health")
+            if self.cfg.security.api_keys:  # in case /health is not among the open paths
+                health.add_header("Authorization", f"Bearer {self.cfg.security.api_keys[0]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                with urllib.request.urlopen(health, timeout=1) as r:
                     if json.loads(r.read()).get("workers", 0) >= want:
                         return
             except OSError:
@@ -126,8 +152,11 @@ def build_cluster(args) -> Cluster:
     if not args.config:
         overrides["router"]["control_addr"] = f"tcp://127.0.0.1:{free_port()}"
         overrides["router"]["admin_addr"] = f"tcp://127.0.0.1:{free_port()}"
-    if not base.router.admin_token:
-        overrides["router"]["admin_token"] = secrets.token_hex(16)
+    why = base.router.admin_token and admin_token_problem(base.router.admin_token)
+    if why:
+        raise ValueError(f"{args.config}: {why}; remove it (pdd up makes a random one) or set a random one")
+    if getattr(args, "api_key", None):
+        overrides["security"] = {"api_keys": list(args.api_key)}
     cfg = load_cluster_config(args.config, overrides=overrides)
     workers = _plan_workers(args, cfg)
     run_dir = Path(args.run_dir or Path.home() / ".cache" / "pdd" / "run" / f"up-{cfg.router.port}")
@@ -170,7 +199,7 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     cluster.start()
     try:
-        cluster.wait_ready(args.ready_timeout)
+        cluster.wait_ready(args.ready_timeout, lambda: stop["signal"] is not None)
     except RuntimeError as e:
         print(f"pdd up: {e}", file=sys.stderr)
         cluster.stop()

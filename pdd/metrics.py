@@ -59,6 +59,13 @@ class RouterMetrics:
         self.transfer_failures = Counter("pdd_kv_transfer_failures", "KV transfers that failed", registry=r)
         self.fallbacks = Counter("pdd_disagg_fallbacks", "Disaggregated requests finished another way",
                                  ["reason"], registry=r)
+        self.rejected = Counter("pdd_requests_rejected", "Requests refused or cut by admission control",
+                                ["reason"], registry=r)
+        self.breaker_state = Gauge("pdd_breaker_state", "Circuit breaker per prefill->decode pair "
+                                   "(0 closed, 1 open, 2 half-open; * * = the whole path)",
+                                   ["prefill", "decode"], registry=r)
+        self.breaker_transitions = Counter("pdd_breaker_transitions", "Circuit breaker state changes",
+                                           ["prefill", "decode", "to"], registry=r)
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
 

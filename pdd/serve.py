@@ -3,14 +3,20 @@
 router     HTTP + control bus + admin socket; no model
 colocated  a worker that prefills and decodes
 prefill / decode   disaggregated workers (same worker code, other config)
+
+Before anything starts, the security set-up is checked (pdd.security.check_start):
+missing keys without security.insecure, or an empty or placeholder admin token
+on the router, end the process with EXIT_REFUSED (78, EX_CONFIG: systemd's
+RestartPreventExitStatus keeps it from restarting in a loop).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 
-from pdd.config import ClusterConfig
+from pdd.config import EXIT_REFUSED, ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +37,18 @@ async def run_router(cfg: ClusterConfig, ready_file: str | None = None) -> int:
     from pdd.http.app import build_app, serve_http
     from pdd.model.tokenizer import Tokenizer
     from pdd.router.router import Router
+    from pdd.security import admin_security
 
     model_dir = resolve_model_dir(cfg.engine.model)
     tokenizer = Tokenizer(model_dir)
     router = Router(cfg)
     await router.start()
-    admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token)
+    admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
     await admin.start(router.ctx)
     runner = await serve_http(build_app(router, tokenizer, cfg.served_model_name(model_dir)),
                               cfg.router.host, cfg.router.port)
     log.info("router listening on http://%s:%d", cfg.router.host, cfg.router.port)
+    _warn_open_http(cfg)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -55,6 +63,15 @@ async def run_router(cfg: ClusterConfig, ready_file: str | None = None) -> int:
     return 0
 
 
+def _warn_open_http(cfg: ClusterConfig) -> None:
+    if cfg.security.api_keys:
+        return
+    loopback = cfg.router.host in ("127.0.0.1", "::1", "localhost")
+    log.log(logging.INFO if loopback else logging.WARNING,
+            "the HTTP API on %s:%d takes requests without an API key (set security.api_keys)",
+            cfg.router.host, cfg.router.port)
+
+
 async def run_worker(cfg: ClusterConfig) -> int:
     from pdd.worker.worker import Worker
 
@@ -62,6 +79,14 @@ async def run_worker(cfg: ClusterConfig) -> int:
 
 
 def serve(role: str, cfg: ClusterConfig) -> int:
+    from pdd.security import check_start
+
+    try:
+        check_start(cfg, role)
+    except ConfigError as e:
+        log.error("%s refuses to start: %s", role, e)
+        print(f"pdd serve: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     install_event_loop()
     if role == "router":
         return asyncio.run(run_router(cfg))

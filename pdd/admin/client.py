@@ -1,4 +1,10 @@
-"""`pdd admin [--addr ADDR] [--token T | --config FILE] COMMAND [ARGS]` — talks to the router's admin socket."""
+"""`pdd admin [--addr ADDR] [--token T] [--keys DIR | --config FILE] COMMAND [ARGS]`:
+talks to the router's admin socket.
+
+With keys the socket runs CURVE: the client needs the admin key pair
+(admin.key_secret) and the router's public key (router.key), from --keys DIR or
+the config's security.keys_dir.
+"""
 from __future__ import annotations
 
 import json
@@ -8,26 +14,49 @@ import sys
 import msgpack
 import zmq
 
+from pdd.security import Curve, admin_client_security
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
 
 class AdminError(RuntimeError):
     pass
 
 
-def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0):
+def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0, security: Curve | None = None):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
     try:
+        if security is not None:
+            security.dial(sock)
         sock.connect(addr)
         sock.send(msgpack.packb({"token": token, "cmd": cmd, "args": list(args)}, use_bin_type=True))
-        if not sock.poll(int(timeout_s * 1000)):
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        events = dict(poller.poll(int(timeout_s * 1000)))
+        if sock not in events and monitor in events:
+            raise AdminError(f"{addr} refused the connection (CURVE handshake failed): the admin key is not "
+                             "authorized there, the router key is wrong, or one side runs without keys")
+        if sock not in events:
             raise AdminError(f"no answer from {addr} within {timeout_s:.0f}s (is the router running?)")
         reply = msgpack.unpackb(sock.recv(), raw=False)
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
     if not reply.get("ok"):
         raise AdminError(reply.get("error", "unknown error"))
     return reply.get("result")
+
+
+def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0):
+    """`call` with the address, token and keys a cluster config names."""
+    keys = None if cfg.security.insecure else admin_client_security(cfg.security.keys_dir)
+    return call(cfg.router.admin_addr, cfg.router.admin_token, cmd, *args, timeout_s=timeout_s, security=keys)
 
 
 def _format_workers(workers: list[dict]) -> str:
@@ -41,16 +70,30 @@ def _format_workers(workers: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def _connection(args) -> tuple[str, str, Curve | None]:
+    """(address, token, CURVE identity or None) from the flags, the config and the environment."""
     addr, token = args.addr, args.token or os.environ.get("PDD_ADMIN_TOKEN", "")
+    keys_dir, insecure = args.keys or os.environ.get("PDD_SECURITY__KEYS_DIR", ""), False
     if args.config:
         from pdd.config import load_cluster_config
         cfg = load_cluster_config(args.config)
         addr = addr or cfg.router.admin_addr
         token = token or cfg.router.admin_token
+        keys_dir = keys_dir or cfg.security.keys_dir
+        insecure = cfg.security.insecure
     addr = addr or "tcp://127.0.0.1:7101"
+    if keys_dir:
+        return addr, token, admin_client_security(keys_dir)
+    if insecure:
+        return addr, token, None
+    raise AdminError("no keys: pass --keys DIR (holding admin.key_secret and router.key) or --config FILE "
+                     "with security.keys_dir")
+
+
+def main(args) -> int:
     try:
-        result = call(addr, token, args.admin_command, *args.args)
+        addr, token, keys = _connection(args)
+        result = call(addr, token, args.admin_command, *args.args, security=keys)
     except AdminError as e:
         print(f"pdd admin: {e}", file=sys.stderr)
         return 1

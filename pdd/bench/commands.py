@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import importlib
 
+from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
+
 
 def _runner(module: str):
     return lambda args: importlib.import_module(f"pdd.bench.{module}").main(args)
 
 
 def add_bench_parsers(sub, add_engine_args) -> None:
+    add_serve_parser(sub, _runner)
+    add_sweep_parser(sub, _runner)
+
     b = sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
     add_engine_args(b)
     b.add_argument("--num-requests", type=int, default=64)
@@ -51,6 +56,14 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc"])
     b.add_argument("--json", default=None)
     b.set_defaults(func=_runner("disagg"))
+
+    b = sub.add_parser("stall", help="a live stream's token gaps while huge text prompts arrive (router loop)")
+    b.add_argument("--model", default=None)
+    b.add_argument("--big-prompts", type=int, default=4)
+    b.add_argument("--body-bytes", type=int, default=4_000_000, help="each big prompt's JSON body, about")
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-stall")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("stall"))
 
     b = sub.add_parser("transfer", help="KV transfer (tcp backend) throughput vs plain ZeroMQ on loopback")
     b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")

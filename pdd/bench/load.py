@@ -1,69 +1,38 @@
-"""Load generation shared by the benchmarks: concurrent streaming completions
-against a running cluster, and a throw-away cluster on loopback ports."""
+"""Bursts and throw-away clusters for the older benchmarks (`bench serving`,
+`bench disagg`): all prompts at once or one at a time, measured with the
+`bench serve` client and metric definitions (serve_client, metrics_calc)."""
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 from pathlib import Path
 
-import aiohttp
+from pdd.bench.metrics_calc import compute
+from pdd.bench.runner import LoadConfig, run_load
+from pdd.bench.serve_client import Target
+from pdd.bench.workloads import Item, Turn
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-async def stream_completion(session, url: str, model: str, prompt: list[int], max_tokens: int,
-                            ) -> tuple[float, list[float], int]:
-    """One greedy streaming request: (TTFT, gaps between chunks, chunks)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    t0 = time.perf_counter()
-    ttft, last, gaps, n = None, None, [], 0
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - t0
-            else:
-                gaps.append(now - last)
-            last = now
-            n += 1
-    return ttft, gaps, n
-
-
-async def _burst(url: str, model: str, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> dict:
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        t0 = time.perf_counter()
-        if sequential:
-            results = [await stream_completion(session, url, model, p, max_tokens) for p in prompts]
-        else:
-            results = await asyncio.gather(*(stream_completion(session, url, model, p, max_tokens) for p in prompts))
-        wall = time.perf_counter() - t0
-    ttfts = [r[0] for r in results]
-    gaps = [g for r in results for g in r[1]]
-    chunks = sum(r[2] for r in results)
-    return {"chunks": chunks, "wall_s": wall, "tok_s": chunks / wall,
-            "ttft_mean_ms": 1e3 * statistics.mean(ttfts), "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5),
-            "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
-            "itl_mean_ms": 1e3 * statistics.mean(gaps) if gaps else 0.0,
-            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
+def _burst(url: str, model: str, prompts: list[list[int]], max_tokens: int, max_concurrency: int | None) -> dict:
+    items = [Item((Turn(p, len(p), max_tokens),)) for p in prompts]
+    out = asyncio.run(run_load(Target(url, model=model), items, LoadConfig(max_concurrency=max_concurrency,
+                                                                          request_timeout_s=3600)))
+    bad = [r.error for r in out.records if not r.success]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(items)} requests failed, e.g. {bad[0]}")
+    m = compute(out.records, out.duration_s)
+    return {"chunks": m.total_output_tokens, "wall_s": m.duration_s, "tok_s": m.output_throughput,
+            "ttft_mean_ms": m.ttft_ms.mean, "ttft_p50_ms": m.ttft_ms.median, "ttft_p99_ms": m.ttft_ms.p99,
+            "itl_mean_ms": m.itl_ms.mean or 0.0, "itl_p50_ms": m.itl_ms.median, "itl_p99_ms": m.itl_ms.p99}
 
 
 def burst(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """All prompts at once, streaming; figures over every request."""
-    return asyncio.run(_burst(url, model, prompts, max_tokens))
+    return _burst(url, model, prompts, max_tokens, None)
 
 
 def one_at_a_time(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Each prompt after the previous one finished: latency without queueing."""
-    return asyncio.run(_burst(url, model, prompts, max_tokens, sequential=True))
+    return _burst(url, model, prompts, max_tokens, 1)
 
 
 def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]], model: str | None = None,

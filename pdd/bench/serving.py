@@ -12,11 +12,11 @@ per token; tokens/s is the relay rate.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
-from pdd.bench.load import burst, percentile, start_cluster
+from pdd.bench.load import burst, start_cluster
+from pdd.bench.metrics_calc import latency_stats
 
 
 def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -36,8 +36,9 @@ def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
             last[o.request_id] = now
             tokens += len(o.new_token_ids)
     wall = time.perf_counter() - t0
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": 1e3 * statistics.mean(gaps),
-            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
+    itl = latency_stats(gaps)
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": itl.mean,
+            "itl_p50_ms": itl.median, "itl_p99_ms": itl.p99}
 
 
 def main(args) -> int:

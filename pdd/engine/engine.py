@@ -14,6 +14,7 @@ nothing to schedule still returns the results of the one in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class StepStats:
     num_preempted: int = 0
 
 
+def _is_token(t, vocab: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,19 +94,33 @@ class LLMEngine:
         self.last_step = StepStats()
         self.connector = None
         self.in_flight = None  # the launched step whose results are not taken yet
+        self._batch = None     # what the running step() call scheduled (see abort_failed_step)
         self.steps_done = 0    # launched steps known to have finished on the device
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams | None = None, **kwargs) -> Request:
-        sampling = (sampling or SamplingParams()).validate()
+        """A checked Request, or InvalidRequest naming the field. Everything is
+        checked here, whoever sent it: one bad value must fail its own request,
+        never a whole batch on the device."""
+        # A copy: validate() normalises in place, and the caller's object may be shared.
+        sampling = dataclasses.replace(sampling or SamplingParams()).validate()
         if not prompt_token_ids:
             raise InvalidRequest("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in prompt_token_ids if not _is_token(t, vocab)), None)
         if bad is not None:
             raise InvalidRequest(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + sampling.max_tokens - kwargs.get("num_prior_output_tokens", 0)
+        bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if sampling.top_k >= vocab:
+            sampling.top_k = 0  # keeping every token is no filter at all
+        num_prior = kwargs.get("num_prior_output_tokens", 0)
+        if not 0 <= num_prior < len(prompt_token_ids):
+            raise InvalidRequest(f"num_prior_output_tokens: must be in [0, {len(prompt_token_ids)}) (they are "
+                                 f"the tail of the prompt), got {num_prior}")
+        total = len(prompt_token_ids) + sampling.max_tokens - num_prior
         if len(prompt_token_ids) >= self.max_model_len or total > self.max_model_len:
             raise InvalidRequest(
                 f"prompt: this model's maximum context length is {self.max_model_len} tokens, but "
@@ -136,16 +155,25 @@ class LLMEngine:
     def kv_ready(self, request_id: str, first_token: int) -> EngineOutput | None:
         """Decode role: the KV has landed. Returns an output only when the first
         token already ends the request (nothing left to decode)."""
-        req = self.scheduler.kv_ready(request_id, first_token)
-        if not req.status.finished:
-            return None
-        return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
-                            req.num_cached_tokens)
+        self._check_first_token(first_token)
+        return self._finished_output(self.scheduler.kv_ready(request_id, first_token))
 
     def prefill_locally(self, request_id: str, first_token: int | None = None) -> EngineOutput | None:
         """Decode role: the KV will not come; prefill here (after `first_token` if
         the client has it). Returns an output only when that token ends the request."""
-        req = self.scheduler.compute_locally(request_id, first_token)
+        if first_token is not None:
+            self._check_first_token(first_token)
+        return self._finished_output(self.scheduler.compute_locally(request_id, first_token))
+
+    def _check_first_token(self, token: int) -> None:
+        # It becomes an input of the next step: out of the vocabulary, it would
+        # fail the whole batch in the embedding lookup.
+        vocab = self.model_config.vocab_size
+        if not _is_token(token, vocab):
+            raise InvalidRequest(f"first_token: token id {token!r} is outside the vocabulary [0, {vocab})")
+
+    @staticmethod
+    def _finished_output(req: Request) -> EngineOutput | None:
         if not req.status.finished:
             return None
         return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
@@ -187,18 +215,35 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         self._use_device()  # steps may come from another thread than __init__
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        self._batch = None   # stays None if scheduling raises (see abort_failed_step)
+        out = self._batch = self.scheduler.schedule()
         launched = self._launch(out) if out else None
-        previous, self.in_flight = self.in_flight, launched
-        outputs = self._take_results(previous) if previous is not None else []
+        # The step in flight stays in_flight until its results are taken: if
+        # taking them fails, abort_failed_step still knows its requests.
+        outputs = self._take_results(self.in_flight) if self.in_flight is not None else []
+        self.in_flight = launched
         if launched is not None and not self.cfg.async_scheduling:
-            self.in_flight = None
             outputs += self._take_results(launched)
+            self.in_flight = None
         self.last_step = StepStats(
             latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
             num_decodes=sum(1 for _, n in out.scheduled if n == 1),
             prefill_chunks=[n for _, n in out.scheduled if n > 1], num_preempted=len(out.preempted))
         return outputs
+
+    def abort_failed_step(self) -> list[str]:
+        """step() raised: abort the requests whose state that leaves unknown
+        (KV half written, sampled tokens lost) and return their ids. Those are
+        the requests of the batch it scheduled (every running request if
+        scheduling itself failed) and of the step in flight. Waits for the
+        device first, so a broken device raises here, not in the next step."""
+        at_risk = self.scheduler.running if self._batch is None else [r for r, _ in self._batch.scheduled]
+        ids = [r.request_id for r in at_risk]
+        if self.in_flight is not None:
+            ids += [r.request_id for r, _ in self.in_flight.out.scheduled]
+        self._batch = self.in_flight = None
+        self.wait_in_flight()
+        return [rid for rid in dict.fromkeys(ids) if self.abort_request(rid)]
 
     def _launch(self, out):
         tables = [self.kv.block_ids(r) for r, _ in out.scheduled]

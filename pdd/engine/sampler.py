@@ -138,8 +138,11 @@ def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.
 def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_x, order = x.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_x, dim=-1)
-    # Drop a token when the tokens ranked above it already cover top_p.
+    # Drop a token when the tokens ranked above it already cover top_p. The
+    # likeliest token always stays: a tiny top_p rounds to 0 in float32, and a
+    # row with every token dropped would sample garbage.
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = mass_before >= top_p[:, None]
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))

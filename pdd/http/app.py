@@ -5,17 +5,28 @@ turn its token events into text (TextStream: incremental detokenization and
 stop strings) and then into SSE chunks or one JSON body. Whatever way a
 handler ends — finished, stop string, client gone, error — `finally` makes
 sure the router forgets the request and the worker frees its blocks.
+
+Access (config `[security]`): with API keys every path but `open_paths` needs
+`Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); bodies
+must arrive within `http_body_timeout_s` (408); idle and slow connections and
+the connection limit are pdd.http.guard's. Large prompts are tokenized off the
+event loop, so one 1 MB prompt does not stall every stream.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from aiohttp import web
 
+from pdd import security
 from pdd.engine.sampling_params import InvalidRequest
 from pdd.engine.text_stream import TextStream
 from pdd.http import schemas as s
+from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
@@ -24,6 +35,10 @@ from pdd.router.router import Router, Unavailable
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
+GUARDS_KEY = web.AppKey("guards", Guards)
+# Texts longer than this are tokenized in a thread: inline, a large prompt
+# would hold the event loop (and every stream it serves) for its whole encode.
+TOKENIZE_INLINE_BYTES = 16 * 1024
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -41,14 +56,33 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = router.cfg.router.default_max_tokens
+        self.body_timeout_s = router.cfg.security.http_body_timeout_s
+        # One thread: tokenizations of large prompts queue instead of competing for the GIL.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            security.count("http.body_timeout")
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                           code="request_timeout") from None
+
+    async def _tokenize(self, size: int, fn, *args) -> list[int]:
+        if size <= TOKENIZE_INLINE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = s.parse_completion_request(await request.read(), [self.model_name], self.default_max_tokens)
+        body = await self._body(request)
+        req = s.parse_completion_request(body, [self.model_name], self.default_max_tokens)
         ids = req.prompt_token_ids
         if ids is None:
-            ids = self.tokenizer.encode(req.prompt)
+            ids = await self._tokenize(len(body), self.tokenizer.encode, req.prompt)
         else:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in ids if t >= vocab), None)
@@ -58,9 +92,10 @@ class OpenAIServer:
         return await self._generate(request, req, ids)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = s.parse_chat_request(await request.read(), [self.model_name])
+        body = await self._body(request)
+        req = s.parse_chat_request(body, [self.model_name])
         try:
-            ids = self.tokenizer.encode_chat(req.messages)
+            ids = await self._tokenize(len(body), self.tokenizer.encode_chat, req.messages)
         except Exception as e:  # template errors come from Jinja as any exception type
             raise APIError(400, f"messages: cannot apply the chat template ({e})", param="messages") from None
         return await self._generate(request, req, ids)
@@ -173,13 +208,57 @@ class OpenAIServer:
         return resp
 
 
+class ApiKeys:
+    """The configured `Authorization: Bearer` keys; none = the API is open."""
+
+    def __init__(self, keys, open_paths):
+        self.keys = [k.encode() for k in keys]
+        self.open_paths = frozenset(open_paths)
+
+    def allows(self, request: web.Request) -> bool:
+        if not self.keys or request.path in self.open_paths:
+            return True
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        given = value.strip().encode("utf-8", "replace")
+        ok = False
+        for key in self.keys:  # every key compared, in constant time: no timing hint of which matched
+            ok |= hmac.compare_digest(given, key)
+        return ok and scheme.lower() == "bearer"
+
+
+API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler):
+    """Tells the connection guard a request is in progress; refuses it without a valid API key."""
+    guard = request.app[GUARDS_KEY].get(request.transport)
+    if guard is not None:
+        guard.request_started()
+    try:
+        if not request.app[API_KEYS_KEY].allows(request):
+            security.count("http.bad_api_key")
+            request.app[ROUTER_KEY].metrics.http_errors.labels("401").inc()
+            resp = error_response(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                                  code="invalid_api_key")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+    finally:
+        if guard is not None:
+            guard.request_finished()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
         request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
-        return json_response(e.body(), e.status)
+        resp = json_response(e.body(), e.status)
+        if e.status == 408:
+            resp.force_close()  # the rest of the body may still come: this connection is done
+        return resp
     except Unavailable as e:
         request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()
         return error_response(503, str(e), "service_unavailable")
@@ -200,9 +279,13 @@ async def error_middleware(request: web.Request, handler):
 
 
 def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=router.cfg.router.max_body_bytes)
+    sec = router.cfg.security
+    app = web.Application(middlewares=[access_middleware, error_middleware],
+                          client_max_size=router.cfg.router.max_body_bytes)
     server = OpenAIServer(router, tokenizer, model_name)
     app[ROUTER_KEY] = router
+    app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s)
+    app[API_KEYS_KEY] = ApiKeys(sec.api_keys, sec.open_paths)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -211,10 +294,16 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Appl
     return app
 
 
-async def serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def serve_http(app: web.Application, host: str, port: int) -> GuardedServer:
+    """Serve `app` on host:port (port 0: any free one, see .port); cleanup() stops it."""
+    sec = app[ROUTER_KEY].cfg.security
     # handler_cancellation: a client that disconnects cancels its handler at
     # once, so its request is aborted even while it waits for a token.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # lingering_time: how long the unread rest of a refused body is drained.
+    # aiohttp's own keep-alive timer is only a backstop behind the guard's
+    # timers (which answer a slow request with a 408 where aiohttp would not).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=sec.http_idle_timeout_s + sec.http_header_timeout_s,
+                           lingering_time=min(2.0, sec.http_body_timeout_s))
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    return await serve_guarded(runner, app[GUARDS_KEY], host, port)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import orjson
 
-from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.engine.sampling_params import (INT64_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                        MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest,
+                                        SamplingParams)
 from pdd.http.validate import (APIError, Fields, bad, check_response_format,
                                json_type, load_object, reject_nonempty, reject_nonzero,
                                reject_tool_choice, token_ids, unsupported, wrong_type)
@@ -29,7 +31,6 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-MAX_STOP_STRINGS = 16       # OpenAI allows 4; more costs us nothing
 MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
 MAX_LOGPROBS_CHAT = 20
 
@@ -57,11 +58,12 @@ class GenerateRequest:
 
 # ---------------------------------------------------------------- requests
 
-def parse_completion_request(body: bytes, served_models: Sequence[str],
-                             max_tokens_default: int = 16) -> GenerateRequest:
+def parse_completion_request(body: bytes, served_models: Sequence[str], max_tokens_default: int = 16,
+                             vocab_size: int | None = None) -> GenerateRequest:
+    """vocab_size (the tokenizer's): token ids at or above it are refused here."""
     f = Fields(load_object(body))
     model = _model(f, served_models)
-    prompt, prompt_ids = _prompt(f)
+    prompt, prompt_ids = _prompt(f, vocab_size)
     if f.boolean("echo", False):
         raise bad("echo", "echo is not supported; set 'echo' to false or leave it out")
     best_of = f.integer("best_of")
@@ -71,7 +73,7 @@ def parse_completion_request(body: bytes, served_models: Sequence[str],
         raise unsupported("suffix")
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
     max_tokens = f.integer("max_tokens", max_tokens_default, lo=1)
-    sampling = _sampling(f, max_tokens, logprobs)
+    sampling = _sampling(f, max_tokens, logprobs, vocab_size)
     stream, include_usage = _stream(f)
     _finish(sampling, unset=False)
     return GenerateRequest(
@@ -81,7 +83,8 @@ def parse_completion_request(body: bytes, served_models: Sequence[str],
         created=int(time.time()))
 
 
-def parse_chat_request(body: bytes, served_models: Sequence[str]) -> GenerateRequest:
+def parse_chat_request(body: bytes, served_models: Sequence[str],
+                       vocab_size: int | None = None) -> GenerateRequest:
     f = Fields(load_object(body))
     model = _model(f, served_models)
     messages = _messages(f)
@@ -95,7 +98,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str]) -> GenerateReq
     max_tokens = f.integer("max_tokens", lo=1)
     max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     unset = max_tokens is None
-    sampling = _sampling(f, 0 if unset else max_tokens, logprobs)
+    sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
     stream, include_usage = _stream(f)
     _finish(sampling, unset=unset)
     return GenerateRequest(
@@ -127,7 +130,7 @@ _PROMPT_KINDS = ("a string, a list of one string, a list of token ids (integers)
                  "or a list of one list of token ids")
 
 
-def _prompt(f: Fields) -> tuple[str | None, list[int] | None]:
+def _prompt(f: Fields, vocab_size: int | None) -> tuple[str | None, list[int] | None]:
     """(text, None) or (None, token ids), from the four prompt forms OpenAI accepts."""
     p = f.obj.get("prompt")
     if p is None:
@@ -145,7 +148,7 @@ def _prompt(f: Fields) -> tuple[str | None, list[int] | None]:
     if not p:
         raise bad("prompt", "'prompt' must not be empty")
     # Anything else in the list is reported by index, as a bad token id.
-    return None, token_ids("prompt", p)
+    return None, token_ids("prompt", p, vocab_size)
 
 
 def _messages(f: Fields) -> list[dict]:
@@ -204,7 +207,9 @@ def _chat_logprobs(f: Fields) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _sampling(f: Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
+    """Types and the bounds a value needs to travel (int64); SamplingParams.validate
+    (in _finish, or at the router for chat without max_tokens) checks the rest."""
     n = f.integer("n", 1, lo=1)
     if n > 1:
         raise bad("n", "n > 1 is not supported; send n separate requests")
@@ -214,18 +219,20 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None) -> SamplingParam
         raise unsupported("logit_bias")
     check_response_format(f)
     f.string("user")    # accepted and ignored, but a wrong type is still an error
-    top_k = f.integer("top_k", 0)
+    top_k = f.integer("top_k", 0, hi=INT64_MAX)   # above the vocabulary: the same as off
     if top_k < -1:
         raise bad("top_k", f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}")
-    stop_ids = f.array("stop_token_ids")
+    stop_ids = f.array("stop_token_ids") or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=f.number("temperature", 1.0, lo=0, hi=2),
         top_k=top_k,
         top_p=f.number("top_p", 1.0, lo=0, hi=1, lo_exclusive=True),
         min_p=f.number("min_p", 0.0, lo=0, hi=1),
-        seed=f.integer("seed"),
-        stop_token_ids=token_ids("stop_token_ids", stop_ids) if stop_ids else [],
+        seed=f.integer("seed", lo=SEED_MIN, hi=SEED_MAX),
+        stop_token_ids=token_ids("stop_token_ids", stop_ids, vocab_size),
         stop=_stop(f),
         ignore_eos=f.boolean("ignore_eos", False),
         min_tokens=f.integer("min_tokens", 0, lo=0),
@@ -248,6 +255,9 @@ def _stop(f: Fields) -> list[str]:
             raise bad("stop", f"'stop' must contain only strings, got {json_type(s)} at index {i}")
         if not s:
             raise bad("stop", "'stop' strings must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise bad("stop", f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters, "
+                              f"got {len(s)} at index {i}")
     return list(stop)
 
 

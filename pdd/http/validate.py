@@ -156,13 +156,23 @@ def _check_range(name: str, value: float, lo: float | None, hi: float | None) ->
         raise bad(name, f"'{name}' must be <= {hi}, got {value}")
 
 
-def token_ids(param: str, value: list) -> list[int]:
-    """A list of token ids: non-negative JSON integers (true/false are not ids)."""
+# Without the vocabulary size, a token id must still fit the int64 fields it
+# travels in (msgpack cannot encode a larger integer).
+_INT64_LIMIT = 1 << 63
+
+
+def token_ids(param: str, value: list, vocab_size: int | None = None) -> list[int]:
+    """A list of token ids: non-negative JSON integers (true/false are not ids),
+    below `vocab_size` when it is known."""
+    limit = vocab_size or _INT64_LIMIT
     for i, t in enumerate(value):
         if not is_int(t) or t < 0:
             shown = t if is_int(t) else json_type(t)
             raise bad(param, f"'{param}' must contain only non-negative integer token ids, "
                              f"got {shown} at index {i}")
+        if t >= limit:
+            where = f"the vocabulary [0, {vocab_size})" if vocab_size else "int64"
+            raise bad(param, f"'{param}': token id {t} at index {i} is outside {where}")
     return value
 
 

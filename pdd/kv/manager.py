@@ -27,7 +27,8 @@ class KVCacheManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         # Hashes published since the last take_recent_hashes(): the router's
-        # picture of what each worker caches (prefix-affinity routing).
+        # picture of what each worker caches (prefix-affinity routing). Bounded
+        # for an engine nobody takes them from (the offline API).
         self._recent_hashes: deque[int] = deque(maxlen=4096)
 
     @property
@@ -124,6 +125,10 @@ class KVCacheManager:
         return self.req_blocks.get(req.request_id, [])
 
     def take_recent_hashes(self) -> list[int]:
+        """Hashes published since the last call, oldest first. Call it on the
+        thread that runs the engine (the worker's engine thread takes them for
+        its heartbeat snapshots): from another thread, hashes appended between
+        the copy and the clear would be lost."""
         out = list(self._recent_hashes)
         self._recent_hashes.clear()
         return out

@@ -4,6 +4,11 @@ The router binds one ROUTER socket; each worker connects a DEALER whose
 identity is its worker id. No other module touches zmq control sockets
 directly. Malformed frames are logged and dropped here: handlers only ever
 see well-formed `Message`s.
+
+With a `security` (pdd.security.control_security) both ends run CURVE: the
+router lets in only authorized worker keys, a worker only talks to the holder
+of the router's key. A peer that fails the handshake never reaches recv();
+its failures are counted and logged (pdd.protocol.zap.HandshakeWatch).
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import zmq.asyncio
 
 from pdd.protocol.codec import ProtocolError, decode, encode
 from pdd.protocol.messages import Message
+from pdd.protocol.zap import HandshakeWatch
+from pdd.security import Curve
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +36,21 @@ def _configure(sock: zmq.asyncio.Socket) -> None:
 class RouterChannel:
     """Bound side: many peers, addressed by identity."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, security: Curve | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock)
         # Sending to a peer that is gone raises instead of vanishing silently.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(addr)
+        self.security = security
+        self.watch = None
+        if security is not None:
+            security.serve(self.sock)  # before bind: no plaintext peer may slip in
+            self.watch = HandshakeWatch.for_socket(self.sock, security.domain, client=False)
+        try:
+            self.sock.bind(addr)
+        except zmq.ZMQError:
+            self.close()
+            raise
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped = 0
 
@@ -63,18 +79,25 @@ class RouterChannel:
             raise
 
     def close(self) -> None:
-        self.sock.close(0)
+        _close(self.sock, self.watch, self.security, served=True)
 
 
 class DealerChannel:
     """Connecting side: one peer (the router)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, identity: str):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, identity: str, security: Curve | None = None):
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.security = security
+        self.watch = None
+        if security is not None:
+            security.dial(self.sock)
+            # A worker whose key the router refuses would otherwise retry in silence.
+            self.watch = HandshakeWatch.for_socket(self.sock, security.domain, client=True)
         self.sock.connect(addr)
-        self.dropped = 0
+        self.dropped = 0   # malformed messages from the router
+        self.unsent = 0    # messages to the router that could not be queued
 
     async def recv(self) -> Message:
         while True:
@@ -90,7 +113,26 @@ class DealerChannel:
                 log.warning("control: dropped a malformed message from the router: %s", e)
 
     async def send(self, msg: Message) -> None:
-        await self.sock.send(encode(msg))
+        """Queue `msg` for the router; dropped (counted in `unsent`) when the
+        socket has nowhere to queue it: a refused handshake leaves the DEALER
+        without a connection for good, and a blocking send would hang the caller."""
+        try:
+            await self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent += 1
+            if self.unsent in (1, 10, 100) or self.unsent % 1000 == 0:
+                log.warning("control: %d message(s) to the router dropped: no connection can take them "
+                            "(refused handshake, or %d messages already queued)", self.unsent, _HWM)
 
     def close(self) -> None:
-        self.sock.close(0)
+        _close(self.sock, self.watch, self.security, served=False)
+
+
+def _close(sock, watch: HandshakeWatch | None, security: Curve | None, served: bool) -> None:
+    if sock.closed:
+        return
+    if watch is not None:
+        watch.close()
+    sock.close(0)
+    if served and security is not None:
+        security.release(sock)  # the context cannot terminate while its ZAP handler runs

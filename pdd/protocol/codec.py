@@ -22,7 +22,14 @@ class ProtocolError(ValueError):
 def encode(msg: Message) -> bytes:
     payload = {"t": msg.TYPE, "v": PROTOCOL_VERSION}
     payload.update(msg.__dict__)
-    return msgpack.packb(payload, use_bin_type=True)
+    return msgpack.packb(payload, use_bin_type=True, default=_as_map)
+
+
+def _as_map(obj):
+    """Nested dataclasses (TokenItem, SamplingParams) travel as maps of their fields."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return obj.__dict__
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 def decode(data: bytes) -> Message:
@@ -38,18 +45,38 @@ def decode(data: bytes) -> Message:
     cls = MESSAGE_TYPES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}")
+    return _build(cls, raw, kind)
+
+
+def _build(cls, raw: dict, where: str):
+    """An instance of dataclass `cls` from a decoded map, every field checked."""
     spec = _fields(cls)
     missing = [name for name, (_, required) in spec.items() if required and name not in raw]
     if missing:
-        raise ProtocolError(f"{kind}: missing field(s) {missing}")
+        raise ProtocolError(f"{where}: missing field(s) {missing}")
     unknown = set(raw) - set(spec)
     if unknown:
-        raise ProtocolError(f"{kind}: unknown field(s) {sorted(unknown)}")
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
     for name, value in raw.items():
-        hint = spec[name][0]
-        if not _conforms(value, hint):
-            raise ProtocolError(f"{kind}.{name}: expected {_describe(hint)}, got {type(value).__name__}")
+        raw[name] = _convert(value, spec[name][0], f"{where}.{name}")
     return cls(**raw)
+
+
+def _convert(value, hint, where: str):
+    """`value` checked against `hint`; nested dataclass maps become instances."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a {hint.__name__} map, got {type(value).__name__}")
+        return _build(hint, value, where)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item):
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+            return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not _conforms(value, hint):
+        raise ProtocolError(f"{where}: expected {_describe(hint)}, got {type(value).__name__}")
+    return value
 
 
 @lru_cache(maxsize=None)

@@ -3,14 +3,23 @@
 Each message is a dataclass with a `TYPE` tag. On the wire it is a msgpack map
 {"t": TYPE, "v": PROTOCOL_VERSION, <fields>} (see codec.py). Field types are
 checked on receipt, so a malformed message is refused at the socket, with an
-error naming the field, before any handler sees it.
+error naming the field, before any handler sees it. Fields that are themselves
+dataclasses (TokenItem, SamplingParams) travel as nested maps, checked the same
+way.
+
+Every message about one request carries its `epoch`: the router bumps it each
+time it places the request anew (migration, fallback), a worker holds a
+request as (request_id, epoch), and the router drops whatever a worker says
+about an earlier placement.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+from pdd.engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 2
 
 
 @dataclass
@@ -38,6 +47,10 @@ class Register(Message):
     data_addr: str = ""
     transfer_backends: list[str] = field(default_factory=list)  # best first
     host_id: str = ""   # this boot of this machine: cuda_ipc needs both ends on one
+    # A fresh random id per process start: the same worker id registering with
+    # another incarnation is a new process, and the old one's requests are lost.
+    incarnation: str = ""
+    public_key: str = ""  # CURVE public key of its data socket (z85), "" when insecure
 
 
 @dataclass
@@ -59,15 +72,32 @@ class Heartbeat(Message):
     transfer: dict = field(default_factory=dict)
     # A draining worker finishes what it runs but must be sent nothing new.
     draining: bool = False
+    # Engine progress, from the engine thread: steps completed since start, and
+    # how long the step running now has run (0.0 when idle). A step that never
+    # ends shows here while the event loop still answers (hang detection).
+    steps_completed: int = 0
+    step_running_s: float = 0.0
+
+
+@dataclass
+class TokenItem:
+    """What one step produced for one request."""
+    request_id: str
+    epoch: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    # Per new token: [logprob of the sampled token, [[token id, logprob], ...]].
+    logprobs: list | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class TokenBatch(Message):
-    """Every token one engine step produced: one message per step, not per token.
-    Each item: [request_id, token_ids, finished, finish_reason, logprobs, num_cached_tokens]."""
+    """Every token one engine step produced: one message per step, not per token."""
     TYPE: ClassVar[str] = "tokens"
     worker_id: str
-    items: list[list]
+    items: list[TokenItem]
 
 
 @dataclass
@@ -75,6 +105,7 @@ class RequestFailed(Message):
     TYPE: ClassVar[str] = "request_failed"
     worker_id: str
     request_id: str
+    epoch: int
     error: str
     # True when another worker could still serve it (e.g. this one is out of
     # capacity); False for a request that is itself invalid.
@@ -109,8 +140,9 @@ class Admit(Message):
     """Run a request here, prefill and decode (colocated path)."""
     TYPE: ClassVar[str] = "admit"
     request_id: str
+    epoch: int
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     # Tokens already streamed to the client before this worker took over (they
     # are the tail of prompt_token_ids); they count towards max_tokens.
     num_prior_output_tokens: int = 0
@@ -118,6 +150,7 @@ class Admit(Message):
 
 @dataclass
 class Abort(Message):
+    """Drop these requests, whatever their epoch, and free their blocks."""
     TYPE: ClassVar[str] = "abort"
     request_ids: list[str]
 
@@ -138,8 +171,9 @@ class Reserve(Message):
     """Decode side: hold blocks for a prompt whose KV will arrive from a prefill worker."""
     TYPE: ClassVar[str] = "reserve"
     request_id: str
+    epoch: int
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     lease_ttl_s: float
 
 
@@ -148,6 +182,7 @@ class Reserved(Message):
     TYPE: ClassVar[str] = "reserved"
     worker_id: str
     request_id: str
+    epoch: int
     ok: bool
     error: str = ""
     lease_id: str = ""
@@ -162,14 +197,16 @@ class Prefill(Message):
     of blocks [skip_blocks:] into dst_block_ids on dst_addr under lease_id."""
     TYPE: ClassVar[str] = "prefill"
     request_id: str
+    epoch: int
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     dst_worker: str
     dst_addr: str
     dst_block_ids: list[int]
     skip_blocks: int
     lease_id: str
     transfer_backend: str = "tcp"
+    dst_public_key: str = ""   # the decode worker's data-socket CURVE key, as it registered
 
 
 @dataclass
@@ -180,6 +217,7 @@ class FirstToken(Message):
     TYPE: ClassVar[str] = "first_token"
     worker_id: str
     request_id: str
+    epoch: int
     token: int
     logprobs: list | None = None
     num_cached_tokens: int = 0
@@ -191,6 +229,7 @@ class PrefillDone(Message):
     TYPE: ClassVar[str] = "prefill_done"
     worker_id: str
     request_id: str
+    epoch: int
     first_token: int
     logprobs: list | None = None
     num_cached_tokens: int = 0       # prompt tokens the prefill worker found in its own cache
@@ -202,6 +241,7 @@ class PrefillFailed(Message):
     TYPE: ClassVar[str] = "prefill_failed"
     worker_id: str
     request_id: str
+    epoch: int
     error: str
 
 
@@ -210,6 +250,7 @@ class KVReady(Message):
     """Decode side: the KV is in the reserved blocks; continue from first_token."""
     TYPE: ClassVar[str] = "kv_ready"
     request_id: str
+    epoch: int
     lease_id: str
     first_token: int
 
@@ -222,6 +263,7 @@ class PrefillLocally(Message):
     continues after it instead of sampling its own."""
     TYPE: ClassVar[str] = "prefill_locally"
     request_id: str
+    epoch: int
     lease_id: str
     first_token: int | None = None
 

@@ -33,19 +33,23 @@ class WorkerInfo:
     data_addr: str = ""
     transfer_backends: list[str] = field(default_factory=list)
     host_id: str = ""
+    incarnation: str = ""           # this process's start; another one under the same id is a new worker
+    public_key: str = ""            # its data socket's CURVE key, handed to prefill workers that write to it
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
+    heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one
     draining: bool = False          # set by the admin (drain) ...
     self_draining: bool = False     # ... or by the worker itself (SIGTERM)
-    # Requests the router sent here and that have not finished (its own count,
+    hung: bool = False              # its engine step outran worker.step_timeout_s
+    # Requests with a phase owned here (pdd.router.control keeps it exact;
     # fresher than the last heartbeat).
     inflight: int = 0
     cached_hashes: OrderedDict = field(default_factory=OrderedDict)
 
     @property
     def accepting(self) -> bool:
-        return not (self.draining or self.self_draining)
+        return not (self.draining or self.self_draining or self.hung)
 
     @property
     def free_blocks(self) -> int:
@@ -72,13 +76,16 @@ class WorkerInfo:
         return {
             "worker_id": self.worker_id, "role": self.role, "host": self.host, "pid": self.pid,
             "device": self.device, "accepting": self.accepting, "draining": self.draining or self.self_draining,
+            "hung": self.hung,
             "inflight": self.inflight, "num_blocks": self.num_blocks,
             "running": load.running if load else 0, "waiting": load.waiting if load else 0,
             "free_blocks": self.free_blocks,
             "prefix_hit_rate": load.prefix_hit_rate if load else 0.0,
             "transfer_backends": list(self.transfer_backends),
             "transfer": dict(load.transfer) if load else {},
-            "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
+            "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3), "heartbeats": self.heartbeats,
+            "steps_completed": load.steps_completed if load else 0,
+            "step_running_s": load.step_running_s if load else 0.0,
         }
 
 
@@ -88,8 +95,15 @@ class WorkerRegistry:
         self.layout: KVLayout | None = None
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
 
+    def is_new_incarnation(self, msg: m.Register) -> bool:
+        """A worker id already registered by another process (restarted before its
+        old entry expired): the old one is lost, with everything it held."""
+        old = self.workers.get(msg.worker_id)
+        return old is not None and (old.incarnation, old.pid, old.host) != (msg.incarnation, msg.pid, msg.host)
+
     def register(self, msg: m.Register) -> str | None:
-        """Add or refresh a worker. Returns an error message if refused."""
+        """Add or refresh a worker. Returns an error message if refused. The
+        caller has removed an older incarnation under the same id first."""
         try:
             layout = KVLayout.from_dict(msg.layout)
         except (TypeError, ValueError) as e:
@@ -102,11 +116,12 @@ class WorkerRegistry:
             self.layout = layout
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
-                          msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id)
-        if old is not None and old.pid == msg.pid:
+                          msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
+                          msg.incarnation, msg.public_key)
+        if old is not None:
             # A repeated registration of the same process keeps its state.
             info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes
-            info.load = old.load
+            info.load, info.heartbeats = old.load, old.heartbeats
         self.workers[msg.worker_id] = info
         return None
 
@@ -117,6 +132,7 @@ class WorkerRegistry:
             return False
         info.last_seen = time.monotonic()
         info.load = msg
+        info.heartbeats += 1
         info.self_draining = msg.draining
         info.note_hashes(msg.recent_hashes)
         return True

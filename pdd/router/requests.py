@@ -1,8 +1,15 @@
-"""Requests in flight, as the router holds them: the state of record.
+"""A request in flight, as the router holds it: the state of record.
 
 The router keeps each request's prompt, sampling parameters (seed included)
-and every token streamed so far, so a request whose worker dies can be
-re-admitted elsewhere with prompt + streamed tokens and continue exactly.
+and every token streamed so far, so a request whose worker dies can be placed
+again with prompt + streamed tokens and continue exactly. Which worker owns
+which phase, and the epoch of the current placement, are here too; only
+pdd.router.control changes them.
+
+    queued ──▶ reserving ──▶ prefilling ──▶ decoding ──▶ done
+       │            (disaggregated)             ▲
+       └────────────── colocated ───────────────┘
+    any phase ──▶ placed again (epoch + 1) on a failure, or done with an error
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdd.engine.sampling_params import SamplingParams
+from pdd.kv.hashing import ROOT_HASH, block_hashes
 
 
 class RequestError(Exception):
@@ -26,20 +34,27 @@ class TokenEvent:
     num_cached_tokens: int
 
 
+QUEUED, RESERVING, PREFILLING, DECODING, DONE = "queued", "reserving", "prefilling", "decoding", "done"
+
+
 @dataclass
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_hashes: list[int]
-    worker_id: str | None = None        # the worker that decodes (and streams) it
-    mode: str = "colocated"             # colocated | disagg
-    # Disaggregated only: reserving -> prefilling -> decoding.
-    phase: str = "decoding"
-    prefill_worker: str | None = None
+    # The current placement. `epoch` changes at every (re-)placement; a worker's
+    # message about an older epoch is stale and dropped.
+    epoch: int = 0
+    phase: str = QUEUED
+    decode_worker: str | None = None    # decodes and streams (colocated: does everything)
+    prefill_worker: str | None = None   # owns the prefill phase (reserving/prefilling) when disaggregated
+    mode: str = "colocated"             # colocated | disagg: how the current placement runs
     lease_id: str = ""
-    transfer_backend: str = ""          # the KV data plane chosen for its prefill -> decode pair
-    phase_since: float = 0.0            # when the current disaggregated phase began (monotonic)
+    transfer_backend: str = ""
+    phase_since: float = 0.0            # when the current phase began (monotonic)
+    timer_seq: int = 0                  # the live phase timer; older ones are ignored when they fire
+    deadline_seq: int = 0               # its request_timeout_s timer, if any
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -49,6 +64,10 @@ class RequestState:
     finish_reason: str | None = None
     num_migrations: int = 0
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        return tuple(w for w in (self.decode_worker, self.prefill_worker) if w is not None)
 
     def deliver(self, event: TokenEvent) -> None:
         self.output_token_ids.extend(event.token_ids)
@@ -75,10 +94,19 @@ class RequestState:
             if event.finished:
                 return
 
+    def cached_block_hashes(self, block_size: int) -> list[int]:
+        """Blocks whose KV the decoding worker holds at the end: the prompt and
+        every output token but the last (never fed back). Only the output part
+        is hashed here; the prompt's hashes were computed once, at submission."""
+        tokens = self.prompt_token_ids + self.output_token_ids[:-1]
+        done = len(self.block_hashes)
+        parent = self.block_hashes[-1] if done else ROOT_HASH
+        return self.block_hashes + block_hashes(tokens, block_size, parent, start=done * block_size)
+
     def summary(self) -> dict:
         now = time.monotonic()
-        return {"request_id": self.request_id, "worker_id": self.worker_id, "mode": self.mode,
-                "phase": self.phase, "prefill_worker": self.prefill_worker,
+        return {"request_id": self.request_id, "epoch": self.epoch, "phase": self.phase,
+                "worker_id": self.decode_worker, "prefill_worker": self.prefill_worker, "mode": self.mode,
                 "transfer_backend": self.transfer_backend,
                 "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
                 "age_s": round(now - self.arrival, 3), "migrations": self.num_migrations}

@@ -1,9 +1,10 @@
-"""The router's core: workers in, requests out, tokens relayed.
+"""The router process's core: sockets and loops around the control plane.
 
-It owns the control socket, the worker registry and the request table (the
-state of record). The HTTP layer calls `submit` and iterates the returned
-request's events; everything else here is driven by control messages and a
-liveness timer. It runs no model.
+pdd.router.control holds every request's state machine and decides; this
+module feeds it events — control messages, timer expiries, lost workers — and
+delivers what it sends, in order, from one task (a peer found unreachable is
+a lost worker, fed back as an event). The HTTP layer calls `submit` and
+iterates the returned request's events. It runs no model.
 """
 from __future__ import annotations
 
@@ -11,27 +12,27 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 
 import zmq.asyncio
 
 from pdd.config import ClusterConfig
 from pdd.engine.sampling_params import SamplingParams
-from pdd.kv.hashing import block_hashes
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
-from pdd.router.disagg import DisaggFlow, output_hashes
-from pdd.router.policy import pick_worker
-from pdd.router.registry import WorkerInfo, WorkerRegistry
-from pdd.router.requests import RequestState, TokenEvent
+from pdd.router.breaker import PATH
+from pdd.router.control import ControlPlane, Overloaded, Unavailable
+from pdd.router.placement import SERVING_ROLES
+from pdd.router.registry import WorkerRegistry
+from pdd.router.requests import RequestState
+from pdd.security import control_security
+
+__all__ = ["Overloaded", "Router", "Unavailable"]
 
 log = logging.getLogger(__name__)
 
-SERVING_ROLES = ("colocated", "decode")
-
-
-class Unavailable(Exception):
-    """No worker can take the request now (HTTP 503)."""
+_HASH_INLINE_TOKENS = 16_384  # longer prompts are hashed in a thread
 
 
 class Router:
@@ -39,22 +40,30 @@ class Router:
         self.cfg = cfg
         rc = cfg.router
         self.registry = WorkerRegistry(rc.heartbeat_interval_s, rc.heartbeat_misses)
-        self.requests: dict[str, RequestState] = {}
         self.metrics = RouterMetrics(self.registry)
+        self.control = ControlPlane(rc, self.registry, self.metrics, self._post,
+                                    step_timeout_s=cfg.worker.step_timeout_s)
+        self.control.on_timer_change = self._rearm
         self.accepting = True
         self.started_at = time.time()
+        self._outbox: deque[tuple[str, m.Message]] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._timers_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.ctx: zmq.asyncio.Context | None = None
         self.chan: RouterChannel | None = None
-        self.disagg = DisaggFlow(self)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.control.requests
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.chan = RouterChannel(self.ctx, self.cfg.router.control_addr)
+        self.chan = RouterChannel(self.ctx, self.cfg.router.control_addr, control_security(self.cfg, "router"))
         log.info("router control bus on %s", self.chan.addr)
-        self._tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._liveness_loop())]
+        self._tasks = [asyncio.create_task(loop()) for loop in (self._recv_loop, self._send_loop, self._timer_loop)]
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait (bounded) for those in flight."""
@@ -64,12 +73,11 @@ class Router:
             await asyncio.sleep(0.05)
 
     async def stop(self, shutdown_workers: bool = False) -> None:
-        if shutdown_workers and self.chan is not None:
+        self.control.fail_all("the router is shutting down")
+        if shutdown_workers:
             for wid in list(self.registry.workers):
-                await self.chan.send(wid, m.Shutdown(drain=False))
-        for state in list(self.requests.values()):
-            state.fail("the router is shutting down")
-        self.requests.clear()
+                self._post(wid, m.Shutdown(drain=False))
+        await self._flush()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -91,213 +99,113 @@ class Router:
                      request_id: str | None = None) -> RequestState:
         if not self.accepting:
             raise Unavailable("the server is shutting down")
-        hashes = self._hashes(prompt_token_ids)
-        disagg = self.cfg.router.mode != "colocated" and self.disagg.available()
-        if not disagg and not self.registry.candidates(SERVING_ROLES):
-            raise Unavailable("no worker is available")
-        state = RequestState(request_id or uuid.uuid4().hex, list(prompt_token_ids), sampling, hashes)
-        self.requests[state.request_id] = state
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self.metrics.inflight.inc()
-        if disagg:
-            task = asyncio.create_task(self.disagg.start(state))
-            task.add_done_callback(self._report_task_error)
-        else:
-            await self.admit_colocated(state)
-        return state
-
-    @staticmethod
-    def _report_task_error(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request flow failed", exc_info=task.exception())
-
-    async def admit_colocated(self, state: RequestState, exclude: set[str] = frozenset()) -> bool:
-        """Prefill and decode on one worker. False if no worker can take it."""
-        candidates = [w for w in self.registry.candidates(SERVING_ROLES) if w.worker_id not in exclude]
-        worker = pick_worker(candidates, state.block_hashes)
-        if worker is None:
-            return False
-        await self._admit(state, worker)
-        return True
-
-    def _hashes(self, tokens: list[int]) -> list[int]:
-        layout = self.registry.layout
-        return block_hashes(tokens, layout.block_size) if layout else []
-
-    async def _admit(self, state: RequestState, worker: WorkerInfo) -> None:
-        state.worker_id = worker.worker_id
-        worker.inflight += 1
-        k = len(state.output_token_ids)
-        msg = m.Admit(state.request_id, state.prompt_token_ids + state.output_token_ids,
-                      vars(state.sampling), num_prior_output_tokens=k)
-        if not await self.chan.send(worker.worker_id, msg):
-            await self._on_worker_lost(worker.worker_id, "unreachable")
+        hashes = None
+        if len(prompt_token_ids) > _HASH_INLINE_TOKENS:
+            # ~3.6 us a block (measured): a 1M-token prompt would hold the loop, and every stream, 0.2 s.
+            hashes = await asyncio.get_running_loop().run_in_executor(
+                None, self.control.prompt_hashes, prompt_token_ids)
+        return self.control.submit(prompt_token_ids, sampling, request_id or uuid.uuid4().hex, hashes)
 
     async def abort(self, state: RequestState) -> None:
-        """The client went away (or a stop string matched): stop the work, free its blocks."""
-        if state.request_id not in self.requests:
-            return
-        if not state.finished:
-            state.finished, state.finish_reason = True, "abort"
-        self.retire(state)
-        await self.disagg.release_prefill(state)
-        if state.worker_id is not None:
-            await self.chan.send(state.worker_id, m.Abort([state.request_id]))
+        """The client went away, or its answer is complete: no-op once it finished."""
+        self.control.abort(state)
 
-    def retire(self, state: RequestState) -> None:
-        if self.requests.pop(state.request_id, None) is None:
-            return
-        worker = self.registry.workers.get(state.worker_id)
-        if worker is not None:
-            worker.inflight = max(0, worker.inflight - 1)
-            if state.output_token_ids and self.registry.layout is not None:
-                # The worker now caches this conversation: the next turn should go there.
-                worker.note_hashes(output_hashes(state, self.registry.layout.block_size))
-        self.metrics.inflight.dec()
-        self.metrics.observe_finished(state)
+    # ------------------------------------------------------------------ loops
 
-    def deliver(self, state: RequestState, event: TokenEvent) -> None:
-        """Tokens for a request: to its stream, into the metrics; retire it when finished."""
-        now = time.monotonic()
-        if state.last_token_at is not None:
-            self.metrics.itl.observe(now - state.last_token_at)
-        elif event.token_ids:
-            self.metrics.ttft.labels(state.mode).observe(now - state.arrival)
-        self.metrics.generation_tokens.inc(len(event.token_ids))
-        state.deliver(event)
-        if event.finished:
-            self.retire(state)
-            self.metrics.cached_tokens.inc(state.num_cached_tokens)
+    def _post(self, peer: str, msg: m.Message) -> None:
+        self._outbox.append((peer, msg))
+        self._outbox_ready.set()
 
-    # ------------------------------------------------------------------ control plane
+    def _rearm(self) -> None:
+        self._timers_changed.set()
 
-    async def _control_loop(self) -> None:
-        handlers = {
-            m.Register: self._on_register, m.Heartbeat: self._on_heartbeat, m.TokenBatch: self._on_tokens,
-            m.RequestFailed: self._on_request_failed, m.Goodbye: self._on_goodbye,
-            m.Reserved: self._on_reserved, m.FirstToken: self.disagg.on_first_token,
-            m.PrefillDone: self.disagg.on_prefill_done,
-            m.PrefillFailed: self.disagg.on_prefill_failed,
-        }
+    async def _send_loop(self) -> None:
+        """Deliver in order; a peer that is not connected is a lost worker."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                peer, msg = self._outbox.popleft()
+                try:
+                    delivered = await self.chan.send(peer, msg)
+                except Exception:
+                    log.exception("router: cannot send %s to %s", msg.TYPE, peer)
+                    continue
+                if not delivered and peer in self.registry.workers:
+                    self.control.worker_lost(peer, f"unreachable (sending {msg.TYPE})")
+
+    async def _flush(self, timeout_s: float = 2.0) -> None:
+        """Let the send loop deliver what is queued (bounded: a stuck peer must not stop a shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _recv_loop(self) -> None:
         while True:
             peer, msg = await self.chan.recv()
-            handler = handlers.get(type(msg))
-            if handler is None:
-                log.warning("router: ignoring %s from %s", msg.TYPE, peer)
-                continue
-            if getattr(msg, "worker_id", peer) != peer:
-                log.warning("router: %s from %s claims to be %s; dropped", msg.TYPE, peer, msg.worker_id)
-                continue
             try:
-                await handler(peer, msg)
+                self.control.handle(peer, msg)
             except Exception:
                 log.exception("router: error handling %s from %s", msg.TYPE, peer)
 
-    async def _on_register(self, peer: str, msg: m.Register) -> None:
-        error = self.registry.register(msg)
-        if error:
-            log.error("refused worker %s: %s", peer, error)
-        else:
-            log.info("worker %s registered (%s on %s, %d blocks)", peer, msg.role, msg.device, msg.num_blocks)
-        await self.chan.send(peer, m.RegisterReply(ok=error is None, error=error or "",
-                                                   heartbeat_interval_s=self.cfg.router.heartbeat_interval_s))
-
-    async def _on_heartbeat(self, peer: str, msg: m.Heartbeat) -> None:
-        if not self.registry.heartbeat(msg):
-            await self.chan.send(peer, m.ReRegister())
-            return
-        self.metrics.observe_heartbeat(msg)
-
-    async def _on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
-        self.registry.touch(peer)
-        unknown = []
-        for item in msg.items:
-            try:
-                rid, token_ids, finished, reason, logprobs, cached = item
-            except (TypeError, ValueError):
-                log.warning("router: malformed token item from %s: %r", peer, item)
-                continue
-            state = self.requests.get(rid)
-            if state is None or state.worker_id != peer:
-                if state is None:
-                    unknown.append(rid)
-                continue
-            self.deliver(state, TokenEvent(token_ids, finished, reason, logprobs, cached))
-        if unknown:
-            # Tokens for requests we do not hold (aborted, or from before a router
-            # restart): tell the worker to drop them and free their blocks.
-            await self.chan.send(peer, m.Abort(unknown))
-
-    async def _on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
-        state = self.requests.get(msg.request_id)
-        if state is None or state.worker_id != peer:
-            return
-        log.warning("worker %s failed request %s: %s", peer, msg.request_id, msg.error)
-        # Retriable failures (lease expired, no room) are not the worker's fault:
-        # it may be picked again.
-        if msg.retriable and await self._migrate(state, exclude=set()):
-            return
-        state.fail(msg.error)
-        self.retire(state)
-
-    async def _on_reserved(self, peer: str, msg: m.Reserved) -> None:
-        if not self.disagg.on_reserved(peer, msg) and msg.ok:
-            await self.chan.send(peer, m.Abort([msg.request_id]))  # nobody wants it any more
-
-    async def _on_goodbye(self, peer: str, msg: m.Goodbye) -> None:
-        await self._on_worker_lost(peer, "said goodbye")
-
-    async def _liveness_loop(self) -> None:
+    async def _timer_loop(self) -> None:
+        """Request timers and worker liveness, one loop."""
         interval = self.cfg.router.heartbeat_interval_s
+        next_liveness = time.monotonic() + interval
         while True:
-            await asyncio.sleep(interval)
-            for wid in self.registry.expired():
-                await self._on_worker_lost(wid, "missed heartbeats")
-
-    async def _on_worker_lost(self, worker_id: str, why: str) -> None:
-        lost = self.registry.remove(worker_id)
-        if lost is None:
-            return
-        if lost.role == "prefill":
-            log.warning("prefill worker %s lost (%s)", worker_id, why)
-            await self.disagg.on_prefill_worker_lost(worker_id)
-            return
-        orphans = [s for s in self.requests.values() if s.worker_id == worker_id]
-        log.warning("worker %s lost (%s); %d request(s) to move", worker_id, why, len(orphans))
-        for state in orphans:
-            if not await self._migrate(state, exclude={worker_id}):
-                state.fail(f"worker {worker_id} was lost ({why}) and no other worker can take the request")
-                self.retire(state)
-
-    async def _migrate(self, state: RequestState, exclude: set[str]) -> bool:
-        """Re-admit a request elsewhere with prompt + tokens streamed so far. The
-        same seed and positions make it continue exactly where it stopped."""
-        candidates = [w for w in self.registry.candidates(SERVING_ROLES) if w.worker_id not in exclude]
-        worker = pick_worker(candidates, state.block_hashes)
-        if worker is None:
-            return False
-        old = self.registry.workers.get(state.worker_id)
-        if old is not None:
-            old.inflight = max(0, old.inflight - 1)
-        await self.disagg.release_prefill(state)
-        state.mode = "colocated"
-        state.num_migrations += 1
-        self.metrics.migrations.inc()
-        log.info("request %s moves %s -> %s after %d tokens", state.request_id, state.worker_id,
-                 worker.worker_id, len(state.output_token_ids))
-        await self._admit(state, worker)
-        return True
+            due = self.control.next_deadline()
+            wake = min(next_liveness, due) if due is not None else next_liveness
+            self._timers_changed.clear()
+            try:
+                await asyncio.wait_for(self._timers_changed.wait(), max(0.0, wake - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+            try:
+                self.control.fire_timers()
+                if time.monotonic() >= next_liveness:
+                    next_liveness = time.monotonic() + interval
+                    self.control.expire_workers()
+            except Exception:
+                log.exception("router: error in the timer loop")
 
     # ------------------------------------------------------------------ admin view
 
     def status(self) -> dict:
         return {
             "model": self.registry.layout.model_id if self.registry.layout else None,
+            "mode": self.cfg.router.mode,
             "accepting": self.accepting, "ready": self.ready,
             "uptime_s": round(time.time() - self.started_at, 1),
             "requests_in_flight": len(self.requests),
+            "queued_requests": self.control.num_queued,
+            "max_queued_requests": self.cfg.router.max_queued_requests,
+            "overloaded": self.overloaded,
             "workers": [w.summary() for w in self.registry.workers.values()],
+            "breakers": self.breakers(),
         }
+
+    @property
+    def overloaded(self) -> bool:
+        limit = self.cfg.router.max_queued_requests
+        return bool(limit) and self.control.num_queued >= limit
+
+    def breakers(self) -> list[dict]:
+        """`pdd admin breaker`: every pair's state, failures in the window, time to the next trial."""
+        return self.control.breakers.snapshot(time.monotonic())
+
+    def set_breaker(self, state: str, prefill: str = "all", decode: str | None = None) -> list[dict]:
+        """`pdd admin breaker open|close|auto [PREFILL DECODE | all]`: force until set back to auto."""
+        forced = {"open": "open", "close": "closed", "closed": "closed", "auto": None}
+        if state not in forced:
+            raise ValueError(f"breaker: expected open, close or auto, got {state!r}")
+        if prefill == "all":
+            keys = [PATH, *self.control.breakers.breakers]
+        elif decode is None:
+            raise ValueError("breaker: name a PREFILL and a DECODE worker, or all")
+        else:
+            keys = [(prefill, decode)]
+        self.control.breakers.force(forced[state], keys)
+        return self.breakers()
 
     def set_draining(self, worker_id: str, draining: bool) -> dict:
         worker = self.registry.workers.get(worker_id)

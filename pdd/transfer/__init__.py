@@ -29,28 +29,31 @@ def offered_backends(configured: str, device: torch.device) -> list[str]:
     return [configured]
 
 
-def make_sender(backend: str, layout: KVLayout, **kw) -> KVSender:
-    """A sender for `backend`; `kw` go to its constructor (e.g. timeout_s)."""
+def make_sender(backend: str, layout: KVLayout, security=None, **kw) -> KVSender:
+    """A sender for `backend`; `kw` go to its constructor (e.g. timeout_s).
+    `security` (pdd.security.data_security) for the backends with sockets."""
     if backend == "tcp":
         from pdd.transfer.tcp import TcpSender
-        return TcpSender(layout, **kw)
+        return TcpSender(layout, security=security, **kw)
     if backend == "local":
         from pdd.transfer.local import LocalSender
         return LocalSender(layout, **kw)
     if backend == "cuda_ipc":
         from pdd.transfer.cuda_ipc import CudaIpcSender
-        return CudaIpcSender(layout, **kw)
+        return CudaIpcSender(layout, security=security, **kw)
     raise _unknown(backend)
 
 
 def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                  addr: str | None = None) -> KVReceiver:
+                  addr: str | None = None, security=None) -> KVReceiver:
     """A receiver for `backend`, not yet started; `addr` defaults to a free
     loopback port (tcp) or a fresh name (local). The tcp receiver's socket also
-    answers cuda_ipc senders (the pages of those never pass through it)."""
+    answers cuda_ipc senders (the pages of those never pass through it).
+    `security` (pdd.security.data_security; None: plaintext) applies to its
+    socket; the local backend has none to protect."""
     if backend in ("tcp", "cuda_ipc"):
         from pdd.transfer.tcp import TcpReceiver
-        return TcpReceiver(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0")
+        return TcpReceiver(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security)
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")

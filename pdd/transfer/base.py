@@ -11,6 +11,10 @@ with the same KV layout. Backends:
     cuda_ipc  same host, peer GPU memory written by a copy kernel (GPU path)
 
 A transfer never hangs: it completes, fails with a reason, or times out.
+
+With keys (pdd.security.data_security) every data socket runs CURVE: a
+receiver lets in only authorized worker keys, and a sender talks only to the
+holder of the key the decode worker registered (TransferTarget.dst_public_key).
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ class TransferTarget:
     dst_block_ids: tuple[int, ...] # the decode worker's blocks; index i <-> the request's i-th block
     skip_blocks: int = 0           # leading blocks the decode worker already caches: never sent
     backend: str = "tcp"           # the data plane the router chose for this pair
+    # The decode worker's data-socket CURVE key (z85), as it registered; the
+    # sender dials with it, so only that worker can answer. "" when insecure.
+    dst_public_key: str = ""
 
 
 @dataclass

@@ -60,11 +60,14 @@ _GRANT_WAIT_S = 5.0
 
 class CudaIpcSender(SenderBase):
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
-                 layer_group: int = 0, copy_ctas: int | None = None):
+                 layer_group: int = 0, copy_ctas: int | None = None, security=None):
         super().__init__(layout)
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc KV transfer backend needs a GPU")
         self.timeout_s = timeout_s
+        # pdd.security.Curve (data): each decode worker's socket is dialed with
+        # the key it registered; None: plaintext.
+        self.security = security
         # When pages are copied. N >= 1: one launch per N layers, as the forward
         # writes them (layer-wise streaming; N = all layers: one launch at the
         # last layer). 0: one launch per step, at its end, after the step's
@@ -263,12 +266,14 @@ class CudaIpcSender(SenderBase):
             # (abort/fail before the begin was answered: _on_begin settles it)
         return True
 
-    def _dest(self, addr: str) -> IpcDest:
+    def _dest(self, addr: str, server_key: str = "") -> IpcDest:
         dest = self._dests.get(addr)
         if dest is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection
+            if self.security is not None:
+                self.security.dial(sock, server_key)
             dest = self._dests[addr] = IpcDest(sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(addr)
             self._poller.register(sock, zmq.POLLIN)
@@ -289,7 +294,10 @@ class CudaIpcSender(SenderBase):
 
     def _begin(self, w: IpcWrite) -> None:
         addr = w.target.dst_addr
-        dest = self._dest(addr)
+        if self.security is not None and not w.target.dst_public_key:
+            self._settle(w, False, "the decode worker registered no data-socket key (it runs without keys?)")
+            return
+        dest = self._dest(addr, w.target.dst_public_key)
         if dest.pool is not None:
             self._ask(dest, "ipc_begin", w.target.request_id, request_id=w.target.request_id,
                       lease_id=w.target.lease_id, pool_id=dest.pool_id)
@@ -299,8 +307,13 @@ class CudaIpcSender(SenderBase):
             return
         dest.waiting.append(w.target.request_id)
         if not dest.opening:
-            dest.opening, dest.error = True, ""
-            self._ask(dest, "ipc_open", addr, layout=self.layout_dict)
+            self._open(dest, addr, w)
+
+    def _open(self, dest: IpcDest, addr: str, w: IpcWrite) -> None:
+        """Ask for the pool; the decode worker exports it only to the holder of a live lease (w's)."""
+        dest.opening, dest.error, dest.opening_for = True, "", w.target.request_id
+        self._ask(dest, "ipc_open", addr, layout=self.layout_dict, request_id=w.target.request_id,
+                  lease_id=w.target.lease_id)
 
     def _commit(self, w: IpcWrite) -> None:
         self._wait_copies(w)
@@ -379,6 +392,17 @@ class CudaIpcSender(SenderBase):
     def _on_open(self, addr: str, ok: bool, error: str, data: dict) -> None:
         dest = self._dests[addr]
         dest.opening = False
+        if not ok and data.get("lease_refused"):
+            # That request's lease is gone (aborted, expired): it fails alone, and
+            # the next waiting request asks under its own lease.
+            asker = self._writes.get(dest.opening_for)
+            dest.waiting = [rid for rid in dest.waiting if rid != dest.opening_for]
+            if asker is not None:
+                self._settle(asker, False, f"refused by the decode worker: {error}")
+            following = next((self._writes[rid] for rid in dest.waiting if rid in self._writes), None)
+            if following is not None:
+                self._open(dest, addr, following)
+            return
         if ok:
             try:
                 pool = open_pool(data["pool"], self.device)

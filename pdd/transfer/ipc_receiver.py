@@ -5,6 +5,7 @@ stores them straight into our pool. What passes is the bookkeeping that keeps
 those one-sided writes safe (pdd.transfer.leases):
 
     ipc_open    -> the pool's CUDA IPC export, if the sender's KV layout equals ours
+                   and it names a live lease of ours (request_id, lease_id)
     ipc_begin   -> the lease is live: the sender may write for the seconds returned
     ipc_commit  -> the writer is done and the lease still live: the KV may be used
     ipc_end     -> the writer is done (aborted or failed): held blocks may be reused
@@ -12,10 +13,16 @@ those one-sided writes safe (pdd.transfer.leases):
 Every message names the pool incarnation (`pool_id`) it was opened from: a
 sender that opened the pool of a decode worker since restarted on the same
 address is refused before it writes anything.
+
+The export maps our whole KV pool into the opener's address space, so it goes
+only to a peer that got through the data socket's CURVE handshake (an
+authorized worker, pdd.security) and holds a live lease here: a lease id comes
+only from the router, to the prefill worker it chose.
 """
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import torch
@@ -51,6 +58,11 @@ class IpcControl:
             return encode_reply(token, False, f"receiver error: {type(e).__name__}: {e}")
 
     def _ipc_open(self, token: int, msg: dict) -> bytes:
+        refusal = self._no_live_lease(msg)
+        if refusal:
+            # A refusal of this request, not of the sender: it may open under another lease.
+            log.info("kv receiver: refused an ipc_open: %s", refusal)
+            return encode_reply(token, False, refusal, lease_refused=True)
         try:
             theirs = KVLayout.from_dict(msg["layout"])
         except (TypeError, ValueError) as e:
@@ -63,6 +75,20 @@ class IpcControl:
         except PoolOpenError as e:
             return encode_reply(token, False, str(e))
         return encode_reply(token, True, pool=pool, pool_id=self.pool_id)
+
+    def _no_live_lease(self, msg: dict) -> str | None:
+        """Why `msg` does not name a live lease of ours, or None (the lease table's words)."""
+        rid, lease_id = msg.get("request_id"), msg.get("lease_id")
+        if not isinstance(rid, str) or not isinstance(lease_id, str):
+            return "ipc_open must name a live lease (request_id, lease_id)"
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return "unknown or revoked lease"
+        if time.monotonic() >= lease.deadline:
+            return "lease expired"
+        if lease.request_id != rid:
+            return "lease belongs to another request"
+        return None
 
     def _stale(self, token: int, msg: dict) -> bytes | None:
         if msg["pool_id"] != self.pool_id:

@@ -74,6 +74,7 @@ class IpcDest:
     pool: torch.Tensor | None = None
     pool_id: str = ""
     opening: bool = False
+    opening_for: str = ""          # the request whose lease the pending ipc_open names
     waiting: list[str] = field(default_factory=list)  # requests to begin once the pool is open
     error: str = ""
     failed_at: float = 0.0

@@ -6,6 +6,10 @@ one DEALER per destination, messages [header, payload] sent zero-copy, one ack
 per message. Receiver (pdd.transfer.tcp_receiver, re-exported here): one
 thread with a bound ROUTER that checks and writes each message
 (pdd.transfer.accept) and acks it.
+
+With `security`, each DEALER is a CURVE client of the key the decode worker
+registered: a handshake that fails (wrong or unauthorized key) fails that
+destination's requests at once, with the reason, instead of by a timeout.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from pdd.transfer.base import TransferTarget
 from pdd.transfer.common import Mailbox, Progress, SenderBase, Staged, Tombstones, dst_blocks_for, stage_pages
 from pdd.transfer.tcp_receiver import TcpReceiver
 from pdd.transfer.wire import WireError, decode_ack, encode_pages_header, tensor_bytes
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 __all__ = ["TcpReceiver", "TcpSender"]
 
@@ -51,7 +58,7 @@ class _Msg:
 @dataclass
 class _Req:
     progress: Progress
-    addr: str
+    dest: tuple[str, str]     # (address, server key): its _Dest
     next_seq: int = 0
     outstanding: dict[int, _Msg] = field(default_factory=dict)  # seq order = send order
     finished: bool = False
@@ -61,29 +68,51 @@ class _Req:
 class _Dest:
     """One DEALER to one receiver, and what it could not take yet."""
 
-    def __init__(self, ctx: zmq.Context, addr: str):
+    def __init__(self, ctx: zmq.Context, addr: str, security=None, server_key: str = ""):
+        self.addr = addr
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # Queue only onto a live connection: with no receiver, sends fail with
         # Again and the pages stay in `pending`, where a timeout can drop them.
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.SNDHWM, 0)   # bounded by what we hold anyway
+        self.monitor = None
+        if security is not None:
+            security.dial(self.sock, server_key)
+            self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         self.sock.connect(addr)
         self.pending: deque[_Msg] = deque()
+
+    def handshake_failed(self) -> bool:
+        """Drain the monitor; True if a handshake failed since the last look."""
+        failed = False
+        while True:
+            try:
+                self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return failed
+            failed = True
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 class TcpSender(SenderBase):
     """Prefill side of the tcp backend; a message unacknowledged after
     `timeout_s` fails its request."""
 
-    def __init__(self, layout: KVLayout, timeout_s: float = 30.0):
+    def __init__(self, layout: KVLayout, timeout_s: float = 30.0, security=None):
         super().__init__(layout)
         self.timeout_s = timeout_s
+        self.security = security   # pdd.security.Curve (data), None: plaintext
         self._mail = Mailbox()
         # I/O-thread state from here on.
         self._ctx = zmq.Context()
         self._reqs: dict[str, _Req] = {}
-        self._dests: dict[str, _Dest] = {}
+        self._dests: dict[tuple[str, str], _Dest] = {}
         self._failed = Tombstones()
         self._thread = threading.Thread(target=self._run, name="kv-tcp-sender", daemon=True)
         self._thread.start()
@@ -126,7 +155,11 @@ class TcpSender(SenderBase):
                 self._mail.woken(self._mail.fd in events)
                 if not self._run_commands(poller):
                     break
-                for dest in self._dests.values():
+                for key, dest in list(self._dests.items()):
+                    if dest.monitor is not None and events.get(dest.monitor, 0) & zmq.POLLIN \
+                            and dest.handshake_failed():
+                        self._refused(key, dest, poller)
+                        continue
                     if events.get(dest.sock, 0) & zmq.POLLIN:
                         self._recv_acks(dest)
                     self._flush(dest, poller)
@@ -137,7 +170,7 @@ class TcpSender(SenderBase):
                 self._fail(rid, "kv sender I/O thread crashed")
         finally:
             for dest in self._dests.values():
-                dest.sock.close(linger=0)
+                dest.close()
             self._ctx.term()
 
     def _run_commands(self, poller: zmq.Poller) -> bool:
@@ -160,19 +193,25 @@ class TcpSender(SenderBase):
         rid = target.request_id
         if rid in self._failed:
             return
+        key = (target.dst_addr, target.dst_public_key if self.security is not None else "")
         req = self._reqs.get(rid)
         if req is None:
-            req = self._reqs[rid] = _Req(Progress(rid, t_first=t_enq), target.dst_addr)
+            req = self._reqs[rid] = _Req(Progress(rid, t_first=t_enq), key)
+            if self.security is not None and not target.dst_public_key:
+                self._fail(rid, "the decode worker registered no data-socket key (it runs without keys?)")
+                return
         header = encode_pages_header(request_id=rid, lease_id=target.lease_id, layer=layer, dst_block_ids=dst,
                                      dtype=staged.pages.dtype, shape=list(staged.pages.shape),
                                      layout=self.layout_dict, seq=req.next_seq)
         msg = _Msg(rid, req.next_seq, dst, header, staged, t_enq)
         req.next_seq += 1
         req.outstanding[msg.seq] = msg
-        dest = self._dests.get(target.dst_addr)
+        dest = self._dests.get(key)
         if dest is None:
-            dest = self._dests[target.dst_addr] = _Dest(self._ctx, target.dst_addr)
+            dest = self._dests[key] = _Dest(self._ctx, target.dst_addr, self.security, key[1])
             poller.register(dest.sock, zmq.POLLIN)
+            if dest.monitor is not None:
+                poller.register(dest.monitor, zmq.POLLIN)
         dest.pending.append(msg)
 
     def _flush(self, dest: _Dest, poller: zmq.Poller) -> None:
@@ -203,6 +242,18 @@ class TcpSender(SenderBase):
                 log.warning("kv sender: dropped a malformed ack: %s", e)
                 continue
             self._on_ack(ack)
+
+    def _refused(self, key: tuple[str, str], dest: _Dest, poller: zmq.Poller) -> None:
+        """The decode worker's socket refused our handshake: its requests fail now
+        rather than by a timeout, and the socket goes (a later request dials
+        afresh: the receiver may have authorized our key meanwhile)."""
+        for rid in [rid for rid, req in self._reqs.items() if req.dest == key]:
+            self._fail(rid, f"CURVE handshake with the decode worker at {dest.addr} failed: this worker's key "
+                            "is not authorized there, or the key it registered is not the one it serves with")
+        poller.unregister(dest.sock)
+        poller.unregister(dest.monitor)
+        dest.close()
+        del self._dests[key]
 
     def _on_ack(self, ack: dict) -> None:
         req = self._reqs.get(ack["request_id"])
@@ -243,7 +294,7 @@ class TcpSender(SenderBase):
         """Forget a request and release its pages not yet handed to zmq."""
         req = self._reqs.pop(rid, None)
         if req is not None and req.outstanding:
-            dest = self._dests.get(req.addr)
+            dest = self._dests.get(req.dest)
             if dest is not None and dest.pending:
                 dest.pending = deque(m for m in dest.pending if m.request_id != rid)
         return req

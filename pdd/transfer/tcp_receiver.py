@@ -5,6 +5,10 @@ pdd.transfer.accept.PageWriter and answered with one ack (ok, or the reason it
 was refused). One-frame control messages (cuda_ipc: pool export, one-sided
 write bookkeeping) go to pdd.transfer.ipc_receiver.IpcControl. Nothing a peer
 sends can stop the thread.
+
+With `security` (pdd.security.data_security) the socket is a CURVE server that
+lets in only authorized worker keys: a peer without one never gets a message
+through, so it can neither write pages nor ask for the pool.
 """
 from __future__ import annotations
 
@@ -32,8 +36,9 @@ class TcpReceiver(KVReceiver):
     a free port; `address` is the one to give senders)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                 addr: str = "tcp://127.0.0.1:0"):
+                 addr: str = "tcp://127.0.0.1:0", security=None):
         self._bind_addr = addr
+        self.security = security
         self._writer = PageWriter(kv_cache, layout, leases)
         self.ipc = IpcControl(kv_cache, layout, leases)
         self.stats = self._writer.stats
@@ -61,10 +66,14 @@ class TcpReceiver(KVReceiver):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        served = False
         try:
+            if self.security is not None:
+                self.security.serve(sock)   # before bind: no plaintext peer may slip in
+                served = True
             sock.bind(self._bind_addr)
             self.address = _public_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, RuntimeError) as e:
             self._start_error = e
         ready.set()
         try:
@@ -73,6 +82,8 @@ class TcpReceiver(KVReceiver):
                     self._drain(sock)
         finally:
             sock.close(linger=0)
+            if served:
+                self.security.release(sock)
             ctx.term()
 
     def _drain(self, sock: zmq.Socket) -> None:

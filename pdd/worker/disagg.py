@@ -1,48 +1,59 @@
-"""What a worker does in a disaggregated cluster, by role.
+"""What a worker does with the router's commands, by role.
 
-DecodeSide (decode and colocated workers): reserve blocks under a lease, run
-the KV receiver, start decoding on KVReady, fall back to a local prefill on
-PrefillLocally, and expire leases whose KV never came. A lease closed while a
-one-sided (cuda_ipc) writer may still store into its blocks keeps them held
-until the writer ends (pdd.transfer.leases).
+DecodeSide (decode and colocated workers): admit requests to run here whole
+(Admit); reserve blocks under a lease, run the KV receiver, start decoding on
+KVReady, fall back to a local prefill on PrefillLocally, and expire leases
+whose KV never came. A lease closed while a one-sided (cuda_ipc) writer may
+still store into its blocks keeps them held until the writer ends
+(pdd.transfer.leases).
 
 PrefillSide (prefill workers): run prompts as prefill-only requests, ship
 their KV layer by layer through the connector, and report PrefillDone with
 the first token once every page is acknowledged.
 
-Both are driven from the worker's engine loop between steps, so they touch
-the engine only while no step runs. Invariant on the decode side: a lease is
-revoked before its blocks are freed or start being used, so a late page can
+Both live on the worker's engine thread and are driven between steps, so
+they touch the engine only while no step runs. The engine knows each request
+by its placement's engine id (pdd.worker.placements); every reply carries the
+request id and epoch of that placement. Invariant on the decode side: a lease
+is revoked before its blocks are freed or start being used, so a late page can
 never land in blocks that belong to another request.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.config import WorkerConfig
+from pdd.engine.engine import EngineOutput, LLMEngine
+from pdd.engine.sampling_params import InvalidRequest
+from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
+from pdd.security import Curve
 from pdd.transfer import make_receiver, make_sender, offered_backends
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.multi import MultiSender
+from pdd.worker.placements import PlacementTable
 
 log = logging.getLogger(__name__)
 
 
 class DecodeSide:
-    def __init__(self, worker, layout):
-        self.worker = worker
-        self.engine = worker.engine
-        wc = worker.cfg.worker
+    def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
+                 placements: PlacementTable, security: Curve | None = None):
+        """security: the data socket's (pdd.security.data_security; None: plaintext)."""
+        self.engine = engine
+        self.worker_id = worker_id
+        self.placements = placements
         self.leases = LeaseTable()
         # One socket at data_addr takes tcp pages and cuda_ipc control messages;
         # the local backend (tests) has its own addresses.
         local = wc.transfer_backend == "local"
-        self.receiver = make_receiver("local" if local else "tcp", self.engine.runner.kv_cache, layout,
-                                      self.leases, None if local else wc.data_addr)
+        self.receiver = make_receiver("local" if local else "tcp", engine.runner.kv_cache, layout,
+                                      self.leases, None if local else wc.data_addr, security=security)
         self.receiver.start()
-        self.lease_of: dict[str, str] = {}
+        self.lease_of: dict[str, str] = {}     # engine id -> its live lease
         self.held: dict[str, list[int]] = {}   # closed leases whose writer may still store
 
     @property
@@ -50,50 +61,77 @@ class DecodeSide:
         return self.receiver.address
 
     def handle(self, msg: m.Message) -> list[m.Message]:
-        wid = self.worker.worker_id
+        if isinstance(msg, m.Admit):
+            return self._admit(msg)
         if isinstance(msg, m.Reserve):
             return [self._reserve(msg)]
         if isinstance(msg, m.KVReady):
-            if not self._release_lease(msg.request_id, msg.lease_id):
-                return [m.RequestFailed(wid, msg.request_id, "no reservation for this request (lease expired?)",
-                                        retriable=True)]
-            return self._ended(self.engine.kv_ready(msg.request_id, msg.first_token))
+            return self._resume(msg, lambda eid: self.engine.kv_ready(eid, msg.first_token))
         if isinstance(msg, m.PrefillLocally):
-            if not self._release_lease(msg.request_id, msg.lease_id):
-                return [m.RequestFailed(wid, msg.request_id, "no reservation to prefill locally", retriable=True)]
-            return self._ended(self.engine.prefill_locally(msg.request_id, msg.first_token))
+            return self._resume(msg, lambda eid: self.engine.prefill_locally(eid, msg.first_token))
+        raise TypeError(f"DecodeSide does not take {msg.TYPE} messages")
+
+    def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
+        """A step's tokens (or a request the first token ended): one TokenBatch.
+        A finished request's placement ends here."""
+        items = []
+        for o in outputs:
+            p = self.placements.remove(o.request_id) if o.finished else self.placements.get(o.request_id)
+            items.append(m.TokenItem(p.request_id, p.epoch, o.new_token_ids, o.finished, o.finish_reason,
+                                     o.logprobs or None, o.num_cached_tokens))
+        return [m.TokenBatch(self.worker_id, items)] if items else []
+
+    def _admit(self, msg: m.Admit) -> list[m.Message]:
+        try:
+            with self.placements.placing(msg.request_id, msg.epoch) as eid:
+                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
+                                        num_prior_output_tokens=msg.num_prior_output_tokens)
+        except InvalidRequest as e:
+            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
         return []
 
-    def _ended(self, out) -> list[m.Message]:
-        """The first token already ended the request: say so (no tokens to add)."""
-        if out is None:
-            return []
-        return [m.TokenBatch(self.worker.worker_id, [[out.request_id, [], True, out.finish_reason, None,
-                                                     out.num_cached_tokens]])]
-
     def _reserve(self, msg: m.Reserve) -> m.Reserved:
-        wid = self.worker.worker_id
+        wid = self.worker_id
         try:
-            reserved = self.engine.reserve(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
-        except (InvalidRequest, TypeError, ValueError) as e:
-            return m.Reserved(wid, msg.request_id, ok=False, error=str(e))
+            with self.placements.placing(msg.request_id, msg.epoch) as eid:
+                reserved = self.engine.reserve(eid, msg.prompt_token_ids, msg.sampling)
+        except InvalidRequest as e:
+            return m.Reserved(wid, msg.request_id, msg.epoch, ok=False, error=str(e))
         if reserved is None:
-            return m.Reserved(wid, msg.request_id, ok=False, error="no free KV blocks on this decode worker")
+            self.placements.remove(eid)
+            return m.Reserved(wid, msg.request_id, msg.epoch, ok=False, error="no free KV blocks on this decode worker")
         blocks, num_cached = reserved
         skip = num_cached // self.engine.cfg.block_size
         # Only the blocks the transfer may write are leased; cached prefix blocks
         # may be shared with other requests and must never be written.
-        lease = self.leases.grant(msg.request_id, blocks[skip:], msg.lease_ttl_s)
-        self.lease_of[msg.request_id] = lease
-        return m.Reserved(wid, msg.request_id, ok=True, lease_id=lease, block_ids=blocks,
+        self.lease_of[eid] = self.leases.grant(eid, blocks[skip:], msg.lease_ttl_s)
+        return m.Reserved(wid, msg.request_id, msg.epoch, ok=True, lease_id=self.lease_of[eid], block_ids=blocks,
                           num_cached_tokens=num_cached)
 
-    def _release_lease(self, request_id: str, lease_id: str) -> bool:
-        """Close the lease (no page may land after this) if it is the request's live one."""
-        if self.lease_of.get(request_id) != lease_id or request_id not in self.engine.scheduler.waiting_for_kv:
-            return False
-        self._close(self.lease_of.pop(request_id))
-        return True
+    def _resume(self, msg: m.KVReady | m.PrefillLocally,
+                resume: Callable[[str], EngineOutput | None]) -> list[m.Message]:
+        """KVReady / PrefillLocally: the reservation under msg.lease_id starts
+        running. The router may have re-placed it under a new epoch (a
+        fallback): replies carry the message's epoch from now on."""
+        eid = self._reservation(msg.request_id, msg.lease_id)
+        if eid is None:
+            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
+                                    "no reservation for this request (lease expired?)", retriable=True)]
+        # Revoked before the blocks are used (or freed): no page may land after this.
+        self._close(self.lease_of.pop(eid))
+        try:
+            self.placements.renew(eid, msg.epoch)
+            out = resume(eid)
+        except InvalidRequest as e:
+            self.engine.abort_request(eid)
+            self.placements.remove(eid)
+            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
+        return self.on_outputs([out]) if out is not None else []
+
+    def _reservation(self, request_id: str, lease_id: str) -> str | None:
+        """The engine id of the request's live reservation under `lease_id`."""
+        return next((eid for eid in self.placements.of_request(request_id)
+                     if self.lease_of.get(eid) == lease_id and eid in self.engine.scheduler.waiting_for_kv), None)
 
     def _close(self, lease_id: str) -> None:
         """Revoke a lease; if a one-sided writer may still store into its blocks,
@@ -104,8 +142,8 @@ class DecodeSide:
             self.engine.kv.hold(blocks)
             self.held[lease_id] = blocks
 
-    def abort(self, request_id: str) -> None:
-        lease = self.lease_of.pop(request_id, None)
+    def abort(self, eid: str) -> None:
+        lease = self.lease_of.pop(eid, None)
         if lease is not None:
             self._close(lease)
 
@@ -117,15 +155,20 @@ class DecodeSide:
             if blocks:
                 self.engine.kv.release(blocks)
         replies = []
-        for lease, rid in self.leases.expired():
+        for lease, eid in self.leases.expired():
             self._close(lease)
-            if self.lease_of.get(rid) == lease:
-                del self.lease_of[rid]
-                self.engine.abort_request(rid)
-                log.warning("KV lease of %s expired; its blocks are freed", rid)
-                replies.append(m.RequestFailed(self.worker.worker_id, rid, "KV lease expired before the KV arrived",
-                                               retriable=True))
+            if self.lease_of.get(eid) == lease:
+                del self.lease_of[eid]
+                self.engine.abort_request(eid)
+                p = self.placements.remove(eid)
+                log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch)
+                replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch,
+                                               "KV lease expired before the KV arrived", retriable=True))
         return replies
+
+    @property
+    def waiting_for_kv(self) -> bool:
+        return bool(self.lease_of)
 
     def stats(self) -> dict:
         st = self.receiver.stats
@@ -139,73 +182,96 @@ class DecodeSide:
 
 
 class PrefillSide:
-    def __init__(self, worker, layout):
-        self.worker = worker
-        self.engine = worker.engine
-        wc = worker.cfg.worker
-        device = self.engine.device
+    def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
+                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None):
+        """wakeup: called from the sender's threads when a transfer ends.
+        security: for dialing data sockets (pdd.security.data_security; None: plaintext)."""
+        self.engine = engine
+        self.worker_id = worker_id
+        self.placements = placements
+        device = engine.device
         ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
         self.sender = MultiSender({
-            b: make_sender(b, layout, timeout_s=wc.transfer_timeout_s, **(ipc if b == "cuda_ipc" else {}))
+            b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
+                           **(ipc if b == "cuda_ipc" else {}))
             for b in offered_backends(wc.transfer_backend, device)})
-        self.sender.set_wakeup(worker.wake_threadsafe)
-        self.connector = PrefillConnector(self.sender, self.engine.runner.kv_cache, self.engine.cfg.block_size)
-        self.engine.attach_connector(self.connector)
-        # Prompts computed, pages in flight: (first token, logprobs, own cache hits).
+        self.sender.set_wakeup(wakeup)
+        self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size)
+        engine.attach_connector(self.connector)
+        # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
         self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
 
     def handle(self, msg: m.Message) -> list[m.Message]:
         if not isinstance(msg, m.Prefill):
-            return []
-        wid = self.worker.worker_id
-        if msg.transfer_backend not in self.sender.senders:
-            return [m.PrefillFailed(wid, msg.request_id, f"KV transfer backend {msg.transfer_backend!r} is not "
-                                    f"offered by this worker ({', '.join(self.sender.senders)})")]
+            raise TypeError(f"PrefillSide does not take {msg.TYPE} messages")
         try:
-            sampling = SamplingParams(**msg.sampling)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, sampling, prefill_only=True)
-        except (InvalidRequest, TypeError, ValueError) as e:
-            return [m.PrefillFailed(wid, msg.request_id, str(e))]
-        self.connector.add(TransferTarget(msg.request_id, msg.lease_id, msg.dst_worker, msg.dst_addr,
-                                          tuple(msg.dst_block_ids), msg.skip_blocks, msg.transfer_backend))
+            self._check_target(msg)
+            with self.placements.placing(msg.request_id, msg.epoch) as eid:
+                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling, prefill_only=True)
+        except InvalidRequest as e:
+            return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
+        self.connector.add(TransferTarget(eid, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids),
+                                          msg.skip_blocks, backend=msg.transfer_backend,
+                                          dst_public_key=msg.dst_public_key))
         return []
 
-    def on_outputs(self, outputs) -> list[m.Message]:
+    def _check_target(self, msg: m.Prefill) -> None:
+        """Where the KV goes must hold the whole prompt: a short block list found
+        mid-forward would fail every request of the batch."""
+        if msg.transfer_backend not in self.sender.senders:
+            raise InvalidRequest(f"transfer_backend: {msg.transfer_backend!r} is not offered by this worker "
+                                 f"({', '.join(self.sender.senders)})")
+        num_blocks = -(-len(msg.prompt_token_ids) // self.engine.cfg.block_size)
+        if len(msg.dst_block_ids) < num_blocks:
+            raise InvalidRequest(f"dst_block_ids: {len(msg.dst_block_ids)} blocks for a prompt of "
+                                 f"{len(msg.prompt_token_ids)} tokens, which needs {num_blocks}")
+        if not 0 <= msg.skip_blocks <= num_blocks:
+            raise InvalidRequest(f"skip_blocks: must be in [0, {num_blocks}], got {msg.skip_blocks}")
+
+    def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
         """The step sampled first tokens: those prompts are done, their pages all
         handed over. The tokens go to the router now, ahead of the pages."""
-        wid = self.worker.worker_id
         replies = []
         for o in outputs:
             first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             self.connector.finish(o.request_id)
-            replies.append(m.FirstToken(wid, o.request_id, *first))
+            p = self.placements.get(o.request_id)
+            replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, *first))
         return replies
 
     def poll(self) -> list[m.Message]:
+        """Transfers that ended: PrefillDone, or PrefillFailed (the decode worker
+        then prefills the request itself)."""
         replies = []
-        wid = self.worker.worker_id
+        wid = self.worker_id
         for r in self.sender.poll():
-            first = self.first_tokens.pop(r.request_id, None)
+            eid = r.request_id
+            first = self.first_tokens.pop(eid, None)
             if first is None:
-                if not r.ok and self.engine.abort_request(r.request_id):
-                    # Failed while the prompt still computes: stop computing it,
-                    # the decode worker prefills it instead.
-                    self.connector.abort(r.request_id)
-                    log.warning("KV transfer of %s failed mid-prefill: %s", r.request_id, r.error)
-                    replies.append(m.PrefillFailed(wid, r.request_id, f"KV transfer failed: {r.error}"))
+                if not r.ok and self.engine.abort_request(eid):
+                    # Failed while the prompt still computes: stop computing it.
+                    self.connector.abort(eid)
+                    p = self.placements.remove(eid)
+                    log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
+                    replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
                 continue  # else: aborted meanwhile
+            p = self.placements.remove(eid)
             if r.ok:
                 stats = {"bytes": r.bytes, "seconds": r.seconds, "blocks_sent": r.blocks_sent,
                          "blocks_skipped": r.blocks_skipped}
-                replies.append(m.PrefillDone(wid, r.request_id, first[0], first[1], first[2], stats))
+                replies.append(m.PrefillDone(wid, p.request_id, p.epoch, first[0], first[1], first[2], stats))
             else:
-                log.warning("KV transfer of %s failed: %s", r.request_id, r.error)
-                replies.append(m.PrefillFailed(wid, r.request_id, f"KV transfer failed: {r.error}"))
+                log.warning("KV transfer of %s failed: %s", p.request_id, r.error)
+                replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
         return replies
 
-    def abort(self, request_id: str) -> None:
-        self.connector.abort(request_id)
-        self.first_tokens.pop(request_id, None)
+    def abort(self, eid: str) -> None:
+        self.connector.abort(eid)
+        self.first_tokens.pop(eid, None)
+
+    @property
+    def transfers_pending(self) -> bool:
+        return bool(self.first_tokens)
 
     def close(self) -> None:
         self.sender.close()

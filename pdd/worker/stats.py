@@ -1,33 +1,130 @@
-"""Per-step samples a worker reports to the router in its heartbeats."""
+"""What a worker reports in its heartbeats: produced on the engine thread, read
+on the event loop, with no lock and nothing lost between the two.
+
+The engine thread publishes immutable `EngineSnapshot`s; publishing is one
+attribute assignment, so a reader sees the old snapshot or the new one, never
+a mix. Per-step samples and published block
+hashes go into `Journal`s: bounded logs that count every entry ever appended.
+A snapshot carries each journal's newest entries with that count, and the
+heartbeat (`HeartbeatReader`) remembers how far it has read, so it sends each
+entry once. The reader never clears what the writer appends: a take-and-clear
+across threads loses whatever is appended between the take and the clear.
+"""
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdd.engine.engine import StepStats
+from pdd.protocol import messages as m
 
-_MAX_SAMPLES = 2048  # per heartbeat; older samples are dropped, not queued forever
-
-
-@dataclass
-class StepSamples:
-    step_latencies: list[float] = field(default_factory=list)
-    prefill_chunks: list[int] = field(default_factory=list)
-    decode_batches: list[int] = field(default_factory=list)
+# Entries a journal keeps: more than a heartbeat interval produces at any
+# realistic step rate. Past that the oldest are dropped, not queued forever.
+_MAX_SAMPLES = 2048
+_MAX_HASHES = 4096
 
 
-class StepStatsBuffer:
+@dataclass(frozen=True)
+class JournalView:
+    end: int = 0                 # entries ever appended
+    items: tuple = ()            # the newest of them, oldest first
+
+
+class Journal:
+    """Append-only for its one writer (the engine thread); see JournalView."""
+
+    def __init__(self, maxlen: int):
+        self._items: deque = deque(maxlen=maxlen)
+        self._end = 0
+
+    def extend(self, items: Sequence) -> None:
+        self._items.extend(items)
+        self._end += len(items)
+
+    def view(self) -> JournalView:
+        return JournalView(self._end, tuple(self._items))
+
+
+class JournalCursor:
+    """A reader's position in a journal."""
+
     def __init__(self):
-        self.samples = StepSamples()
+        self.position = 0
+
+    def take(self, view: JournalView) -> list:
+        """The entries of `view` not taken yet (those the journal still keeps)."""
+        new = min(view.end - self.position, len(view.items))
+        if new <= 0:
+            return []   # nothing new, or an older view than one already read
+        self.position = view.end
+        return list(view.items[len(view.items) - new:])
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    prefix_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    steps_completed: int = 0
+    step_latencies: JournalView = JournalView()
+    prefill_chunks: JournalView = JournalView()
+    decode_batches: JournalView = JournalView()
+    recent_hashes: JournalView = JournalView()
+    transfer: dict = field(default_factory=dict)
+
+
+class EngineStats:
+    """The engine thread's side: records each step, builds snapshots."""
+
+    def __init__(self):
+        self.steps_completed = 0
+        self.step_latencies = Journal(_MAX_SAMPLES)
+        self.prefill_chunks = Journal(_MAX_SAMPLES)
+        self.decode_batches = Journal(_MAX_SAMPLES)
+        self.recent_hashes = Journal(_MAX_HASHES)
 
     def record(self, step: StepStats) -> None:
-        s = self.samples
-        if step.num_tokens == 0 or len(s.step_latencies) >= _MAX_SAMPLES:
-            return
-        s.step_latencies.append(step.latency_s)
-        s.prefill_chunks.extend(step.prefill_chunks)
+        self.steps_completed += 1
+        if step.num_tokens == 0:
+            return  # it only took the results of the step before
+        self.step_latencies.extend((step.latency_s,))
+        self.prefill_chunks.extend(step.prefill_chunks)
         if step.num_decodes:
-            s.decode_batches.append(step.num_decodes)
+            self.decode_batches.extend((step.num_decodes,))
 
-    def drain(self) -> StepSamples:
-        out, self.samples = self.samples, StepSamples()
-        return out
+    def snapshot(self, engine, transfer: dict) -> EngineSnapshot:
+        """Called on the engine's thread, which is also the one to take the
+        hashes the prefix cache published (by steps, or by a KVReady)."""
+        sched, kv = engine.scheduler, engine.kv
+        self.recent_hashes.extend(kv.take_recent_hashes())
+        return EngineSnapshot(
+            running=len(sched.running), waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
+            total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
+            num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
+            step_latencies=self.step_latencies.view(), prefill_chunks=self.prefill_chunks.view(),
+            decode_batches=self.decode_batches.view(), recent_hashes=self.recent_hashes.view(),
+            transfer=transfer)
+
+
+class HeartbeatReader:
+    """The event loop's side: a heartbeat from the latest snapshot, with the
+    journal entries that no earlier heartbeat carried."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self._latencies, self._chunks, self._batches, self._hashes = (JournalCursor() for _ in range(4))
+
+    def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool) -> m.Heartbeat:
+        return m.Heartbeat(
+            worker_id=self.worker_id, running=snap.running, waiting=snap.waiting,
+            free_blocks=snap.free_blocks, total_blocks=snap.total_blocks,
+            prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
+            step_latencies=self._latencies.take(snap.step_latencies),
+            prefill_chunks=self._chunks.take(snap.prefill_chunks),
+            decode_batches=self._batches.take(snap.decode_batches),
+            recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
+            draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s)

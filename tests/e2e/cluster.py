@@ -10,9 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-from pdd.admin.client import call
+import zmq
+
+from pdd.admin.client import call_with_config
 from pdd.config import load_cluster_config
 from pdd.launcher import free_port
+from pdd.security import control_security
 
 
 class UpCluster:
@@ -56,7 +59,21 @@ class UpCluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.run_dir.glob("*.log")))
 
     def admin(self, cmd: str, *args):
-        return call(self.cfg.router.admin_addr, self.cfg.router.admin_token, cmd, *args)
+        """An admin command, with the cluster's admin key and token (from its cluster.toml)."""
+        return call_with_config(self.cfg, cmd, *args)
+
+    def control_socket(self, identity: bytes) -> zmq.Socket:
+        """A DEALER on the control bus with the cluster's worker key: an
+        authenticated peer, free to send anything (tests of what the router drops)."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        keys = control_security(self.cfg, "worker")
+        if keys is not None:
+            keys.dial(sock)
+        sock.connect(self.cfg.router.control_addr)
+        return sock
 
     def workers(self) -> dict[str, dict]:
         return {w["worker_id"]: w for w in self.admin("workers")}

@@ -24,10 +24,15 @@ def _send(req: urllib.request.Request) -> Reply:
         return Reply(e.code, e.read())
 
 
-def post(url: str, body) -> Reply:
+def _auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def post(url: str, body, api_key: str | None = None) -> Reply:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return _send(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}))
+    return _send(urllib.request.Request(url, data=data,
+                                        headers={"Content-Type": "application/json", **_auth(api_key)}))
 
 
-def get(url: str) -> Reply:
-    return _send(urllib.request.Request(url))
+def get(url: str, api_key: str | None = None) -> Reply:
+    return _send(urllib.request.Request(url, headers=_auth(api_key)))

@@ -72,17 +72,20 @@ def assert_all_free(cluster):
 def test_abort_while_queued_at_prefill(slow):
     # A first long prompt occupies the prefill worker; the second waits behind it.
     async def main():
+        loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
             body = {"model": slow.model_name, "prompt": LONG_PROMPT, "max_tokens": 4, "ignore_eos": True}
             first = asyncio.create_task(session.post(slow.url + "/v1/completions", json=body))
-            await asyncio.sleep(0.3)
+
+            def computing():
+                return slow.workers()["prefill-0"]["running"] == 1
+            await loop.run_in_executor(None, _wait_for, computing, 20.0, "the first prompt at the prefill worker")
             body2 = {**body, "prompt": long_prompt(1), "stream": True}
             second = await session.post(slow.url + "/v1/completions", json=body2)
 
             def queued():
-                p = slow.workers()["prefill-0"]
-                return p["waiting"] >= 1
-            await asyncio.get_running_loop().run_in_executor(None, _wait_for, queued, 20.0, "queued")
+                return slow.workers()["prefill-0"]["waiting"] >= 1
+            await loop.run_in_executor(None, _wait_for, queued, 20.0, "queued")
             second.close()
             await (await first).read()
     asyncio.run(main())
@@ -96,9 +99,15 @@ def test_abort_while_prefilling(slow):
 
 def test_abort_while_transferring_and_waiting_for_kv(slow):
     # Computed at the prefill worker (nothing running there) but pages still in flight.
-    abort_when(slow, long_prompt(3), 8,
-               lambda r, w: r["phase"] == "prefilling" and w["prefill-0"]["running"] == 0
-               and w["prefill-0"]["waiting"] == 0)
+    # Seen running first, so the idle report that follows is newer than the request.
+    seen_running = []
+
+    def transferring(r, w):
+        p = w["prefill-0"]
+        if r["phase"] == "prefilling" and p["running"] == 1:
+            seen_running.append(True)
+        return bool(seen_running) and r["phase"] == "prefilling" and p["running"] == 0 and p["waiting"] == 0
+    abort_when(slow, long_prompt(3), 8, transferring)
     assert_all_free(slow)
 
 

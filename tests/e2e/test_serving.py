@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import aiohttp
 import msgpack
 import openai
 import pytest
-import zmq
 
 from pdd import SamplingParams
 from tests.engine.helpers import random_prompts
@@ -158,14 +156,11 @@ def test_client_disconnect_aborts_and_frees_blocks(cluster):
             await resp.content.readline()
             assert len(cluster.admin("requests")) == 1
             resp.close()  # drop the connection mid-stream
-        t0 = time.monotonic()
-        workers = cluster.wait_idle(timeout_s=1.0)
-        return time.monotonic() - t0, workers
+        return cluster.wait_idle(timeout_s=30.0)
 
-    elapsed, workers = asyncio.run(main())
+    workers = asyncio.run(main())
     assert cluster.admin("requests") == []
     assert all(w["running"] == 0 and w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
-    assert elapsed < 1.0
 
 
 def test_admin_status_and_drain(cluster):
@@ -204,24 +199,32 @@ def test_admin_status_and_drain(cluster):
 
 def test_admin_refuses_a_wrong_token(cluster):
     from pdd.admin.client import AdminError, call
+    from pdd.security import admin_client_security
+    keys = admin_client_security(cluster.cfg.security.keys_dir)   # an operator's key, a wrong token
     with pytest.raises(AdminError, match="bad admin token"):
-        call(cluster.cfg.router.admin_addr, "wrong", "status")
+        call(cluster.cfg.router.admin_addr, "wrong", "status", security=keys)
 
 
-def test_malformed_control_messages_are_dropped(cluster):
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"intruder")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.cfg.router.control_addr)
-    for payload in (b"garbage", msgpack.packb({"t": "tokens", "v": 1, "worker_id": "intruder", "items": 5}),
-                    msgpack.packb({"t": "nope", "v": 1}), msgpack.packb({"t": "register", "v": 99})):
+def test_malformed_control_messages_are_dropped(cluster, offline):
+    from pdd.protocol.messages import PROTOCOL_VERSION
+    sock = cluster.control_socket(b"intruder")
+    v = PROTOCOL_VERSION
+    for payload in (b"garbage", msgpack.packb({"t": "tokens", "v": v, "worker_id": "intruder", "items": 5}),
+                    msgpack.packb({"t": "tokens", "v": v, "worker_id": "intruder", "items": [{"epoch": "x"}]}),
+                    msgpack.packb({"t": "nope", "v": v}), msgpack.packb({"t": "register", "v": 99})):
         sock.send(payload)
     sock.send_multipart([b"a", b"b", b"c"])
-    time.sleep(0.3)
+    # One well-formed message last: the router answers an unknown worker's heartbeat
+    # with ReRegister, so once that arrives everything before it was handled.
+    sock.send(msgpack.packb({"t": "heartbeat", "v": v, "worker_id": "intruder", "running": 0, "waiting": 0,
+                             "free_blocks": 0, "total_blocks": 0}))
+    assert msgpack.unpackb(sock.recv())["t"] == "reregister"
     sock.close()
-    r = client(cluster).completions.create(model=cluster.model_name, prompt="still alive?", max_tokens=3)
-    assert r.choices[0].text is not None
+    assert sorted(cluster.workers()) == ["colocated-0", "colocated-1"]
+    expected = offline.generate(["still alive?"], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    r = client(cluster).completions.create(model=cluster.model_name, prompt="still alive?", max_tokens=3,
+                                           temperature=0)
+    assert r.choices[0].text == expected.text
 
 
 def test_metrics_and_health(cluster):

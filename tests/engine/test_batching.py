@@ -1,6 +1,7 @@
 """Continuous batching: many requests at once give each request's solo result."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -35,15 +36,32 @@ def test_64_concurrent_mixed_requests_equal_solo_runs(llm):
     assert_all_blocks_free(llm)
 
 
-def test_eos_stops_and_ignore_eos_continues(llm):
-    eos = llm.engine.model_config.eos_token_ids[0]
+def test_eos_stops_and_ignore_eos_continues(llm, monkeypatch):
     prompt = random_prompts([12], seed=9)[0]
     free_run = llm.generate([prompt], greedy(10, ignore_eos=True))[0].token_ids
-    # Declare the third generated token a stop token: generation ends there, inclusive.
-    stopped = llm.generate([prompt], greedy(10, stop_token_ids=[free_run[2]]))[0]
-    assert stopped.token_ids == free_run[:free_run.index(free_run[2]) + 1]
+    # The random model rarely samples its real EOS: make the third generated token the EOS.
+    eos = free_run[2]
+    cut = free_run.index(eos) + 1
+    monkeypatch.setattr(llm.engine, "model_config",
+                        dataclasses.replace(llm.engine.model_config, eos_token_ids=(eos,)))
+    stopped = llm.generate([prompt], greedy(10))[0]
+    assert stopped.token_ids == free_run[:cut] and stopped.finish_reason == "stop"
+    ignored = llm.generate([prompt], greedy(10, ignore_eos=True))[0]
+    assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+    # min_tokens holds the stop back: generation goes on to the next EOS or to max_tokens.
+    held = llm.generate([prompt], greedy(10, min_tokens=cut + 1))[0]
+    after = [i for i, t in enumerate(free_run) if t == eos and i >= cut]
+    assert held.token_ids == free_run[:after[0] + 1 if after else 10]
+    assert_all_blocks_free(llm)
+
+
+def test_stop_token_ids_stop_even_when_eos_is_ignored(llm):
+    prompt = random_prompts([12], seed=9)[0]
+    free_run = llm.generate([prompt], greedy(10, ignore_eos=True))[0].token_ids
+    stop = free_run[4]
+    stopped = llm.generate([prompt], greedy(10, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert stopped.token_ids == free_run[:free_run.index(stop) + 1]
     assert stopped.finish_reason == "stop"
-    assert eos in llm.engine.model_config.eos_token_ids
     assert_all_blocks_free(llm)
 
 

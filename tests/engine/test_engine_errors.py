@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
 
 from pdd import LLM, SamplingParams
 from pdd.config import ConfigError, EngineConfig, build
+from pdd.engine import model_runner
 from pdd.engine.sampling_params import InvalidRequest
 from pdd.model.config import CheckpointError
 from tests.engine.helpers import assert_all_blocks_free
@@ -18,18 +20,83 @@ def llm(tiny_model):
     return LLM(str(tiny_model), max_model_len=256)
 
 
+# Poison values: each must be refused naming its field, before it reaches the sampler.
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens=2**64), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=1e308), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(temperature="hot"), "temperature"),
     (dict(top_p=0.0), "top_p"),
+    (dict(top_p=math.nan), "top_p"),
     (dict(top_k=-5), "top_k"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(top_k=1.5), "top_k"),
     (dict(min_p=2.0), "min_p"),
+    (dict(min_p=math.nan), "min_p"),
     (dict(seed="x"), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),
+    (dict(min_tokens=17), "min_tokens"),            # > max_tokens (16)
+    (dict(min_tokens=-1), "min_tokens"),
     (dict(logprobs=99), "logprobs"),
+    (dict(logprobs=10**18), "logprobs"),
+    (dict(stop=["x"] * 5000), "stop"),
+    (dict(stop=["x" * 100_000]), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop="\n"), "stop"),
+    (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[10**6]), "stop_token_ids"),  # beyond the vocabulary
+    (dict(ignore_eos="yes"), "ignore_eos"),
 ])
 def test_bad_sampling_params(llm, kwargs, match):
-    with pytest.raises(InvalidRequest, match=match):
+    with pytest.raises(InvalidRequest, match=f"^{match}:"):
         llm.engine.add_request("bad", [1, 2, 3], SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished()
+
+
+def test_bad_request_fields(llm):
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        llm.engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=2**31))
+    with pytest.raises(InvalidRequest, match="num_prior_output_tokens"):
+        llm.engine.add_request("prior", [1, 2, 3], SamplingParams(), num_prior_output_tokens=3)
+    with pytest.raises(InvalidRequest, match="num_prior_output_tokens"):
+        llm.engine.add_request("prior", [1, 2, 3], SamplingParams(), num_prior_output_tokens=-1)
+    with pytest.raises(InvalidRequest, match="prompt"):
+        llm.engine.add_request("bool", [1, True], SamplingParams())
+    assert not llm.engine.has_unfinished()
+
+
+def _tokens(llm, **kw) -> list[int]:
+    prompt = [5, 17, 99, 3, 250, 8]
+    return llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **kw))[0].token_ids
+
+
+def test_extreme_values_that_have_a_correct_answer(llm):
+    greedy = _tokens(llm, temperature=0.0)
+    # A temperature this small is greedy (dividing by it would overflow to garbage).
+    assert _tokens(llm, temperature=1e-45, seed=1) == greedy
+    # A vanishing top_p keeps only the likeliest token.
+    assert _tokens(llm, temperature=1.0, top_p=1e-300, seed=1) == greedy
+    vocab = llm.engine.model_config.vocab_size
+    # top_k beyond the vocabulary keeps every token: the same as no top_k.
+    assert _tokens(llm, temperature=1.0, top_k=vocab + 1000, seed=2) == _tokens(llm, temperature=1.0, seed=2)
+    assert _tokens(llm, temperature=1.0, top_k=2**63 - 1, seed=2) == _tokens(llm, temperature=1.0, seed=2)
+    # Seeds are taken modulo 2**63: any 64-bit seed is accepted, consistently.
+    assert _tokens(llm, temperature=1.0, seed=2**64 - 1) == _tokens(llm, temperature=1.0, seed=2**63 - 1)
+    assert _tokens(llm, temperature=1.0, seed=-1) == _tokens(llm, temperature=1.0, seed=2**63 - 1)
+    assert_all_blocks_free(llm)
+
+
+def test_validate_normalises_a_copy(llm):
+    shared = SamplingParams(temperature=1e-9)
+    req = llm.engine.make_request("c", [1, 2, 3], shared)
+    assert req.sampling.temperature == 0.0 and req.sampling.seed is not None
+    assert shared.temperature == 1e-9 and shared.seed is None   # the caller's object is untouched
 
 
 def test_bad_prompts(llm):
@@ -90,3 +157,48 @@ def test_dummy_load_format_needs_no_weights(tiny_model, tmp_path):
         shutil.copy(tiny_model / name, d / name)
     llm = LLM(str(d), load_format="dummy")
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+POISON_SEED = 424242
+
+
+def test_a_failed_step_aborts_its_batch_and_the_engine_serves_on(llm, monkeypatch):
+    engine = llm.engine
+    expected = _tokens(llm, temperature=0.0)
+    real_sample = model_runner.sample
+
+    def sample(logits, batch):  # a forced fault: a sampler bug that one request's values hit
+        if bool((batch.seeds == POISON_SEED).any()):
+            raise RuntimeError("forced fault")
+        return real_sample(logits, batch)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    engine.add_request("innocent", [5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0.0))
+    engine.step()
+    engine.step()   # decoding now, one step in flight
+    engine.add_request("poison", [1, 2, 3], SamplingParams(max_tokens=5, seed=POISON_SEED))
+    with pytest.raises(RuntimeError, match="forced fault"):
+        engine.step()
+    # Both were in the failed step's batch: their KV and tokens are unknown.
+    assert sorted(engine.abort_failed_step()) == ["innocent", "poison"]
+    assert_all_blocks_free(llm)
+    assert _tokens(llm, temperature=0.0) == expected
+
+
+def test_a_failed_schedule_aborts_the_running_requests_only(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("running", [5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0.0))
+    engine.step()
+    engine.add_request("waiting", [9, 10], SamplingParams(max_tokens=3, temperature=0.0))
+
+    def schedule():  # a forced fault: a scheduler bug
+        raise RuntimeError("forced fault")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.abort_failed_step() == ["running"]
+    assert engine.scheduler.waiting[0].request_id == "waiting"   # never touched: still queued
+    assert engine.abort_request("waiting")
+    assert_all_blocks_free(llm)

@@ -1,6 +1,7 @@
 """OpenAI request parsing/validation and response builders (pdd.http.schemas)."""
 from __future__ import annotations
 
+import json
 import math
 
 import orjson
@@ -320,6 +321,65 @@ def test_chat_fields():
     assert req.request_id.startswith("chatcmpl-")
     assert parse_chat(logprobs=True).logprobs == 0
     assert parse_chat(logprobs=False).logprobs is None
+
+
+# ---------------------------------------------------------------- poison values
+# Values that once reached the sampler (or the wire) and broke it: each is a 400
+# naming its field, or gets a correct answer.
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 1, "top_k": 9223372036854775808}, "top_k"),      # beyond int64
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),            # JSON parses it as a float
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+    ({"temperature": 1e308}, "temperature"),
+    ({"stop": ["x"] * 5000}, "stop"),
+    ({"stop": ["x" * 100_000]}, "stop"),
+    ({"stop_token_ids": list(range(5000))}, "stop_token_ids"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+])
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+def test_poison_values_are_refused_naming_the_field(endpoint, fields, param):
+    base = {"prompt": "Hello"} if endpoint == "completion" else {"messages": MSGS}
+    parse = parse_completion_request if endpoint == "completion" else parse_chat_request
+    # The stdlib encoder: orjson cannot even write integers beyond 64 bits.
+    assert_refused(parse, json.dumps({"model": "tiny", **base, **fields}).encode(), param)
+
+
+def test_poison_logprobs_are_refused():
+    assert_refused(parse_completion_request, cmpl(logprobs=10**9), "logprobs")
+    assert_refused(parse_chat_request, chat(logprobs=True, top_logprobs=10**9), "top_logprobs")
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": 1e999}',
+                                  b'{"prompt": "hi", "temperature": Infinity}'])
+def test_non_finite_numbers_are_not_json(body):
+    assert_refused(parse_completion_request, body, None, "not valid JSON")
+
+
+def test_extreme_values_with_a_correct_answer():
+    s = parse_cmpl(temperature=1e-45).sampling
+    assert s.temperature == 0.0 and s.greedy        # as vLLM: below 1e-5 is greedy
+    assert parse_cmpl(top_p=1e-300).sampling.top_p == 1e-300   # the sampler keeps the likeliest token
+    assert parse_cmpl(top_k=2**62).sampling.top_k == 2**62     # beyond the vocabulary: the engine turns it off
+    assert parse_cmpl(seed=2**64 - 1).sampling.seed == 2**63 - 1   # seeds are taken modulo 2**63
+    # Not refused here: the router's context-length check answers it with a 400.
+    assert parse_cmpl(max_tokens=2**31).sampling.max_tokens == 2**31
+
+
+def test_token_ids_are_checked_against_the_vocabulary_when_known():
+    body = cmpl(stop_token_ids=[5, 1000])
+    assert parse_completion_request(body, MODELS).sampling.stop_token_ids == [5, 1000]
+    with pytest.raises(APIError) as info:
+        parse_completion_request(body, MODELS, vocab_size=1000)
+    assert info.value.param == "stop_token_ids" and "vocabulary [0, 1000)" in info.value.message
+    with pytest.raises(APIError) as info:
+        parse_chat_request(chat(stop_token_ids=[1000]), MODELS, vocab_size=1000)
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(APIError) as info:
+        parse_completion_request(orjson.dumps({"model": "tiny", "prompt": [5, 1000]}), MODELS, vocab_size=1000)
+    assert info.value.param == "prompt" and "index 1" in info.value.message
 
 
 # ---------------------------------------------------------------- responses

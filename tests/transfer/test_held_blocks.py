@@ -5,8 +5,6 @@ real engine, real data socket; the "writer" is a DEALER speaking the control
 protocol (no GPU is needed for the bookkeeping)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import zmq
 
@@ -17,6 +15,7 @@ from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.transfer.wire import decode_reply, encode_control
 from pdd.worker.disagg import DecodeSide
+from pdd.worker.placements import PlacementTable, engine_id
 from tests.engine.helpers import random_prompts
 
 
@@ -26,8 +25,7 @@ def decode(tiny_model):
     mc = engine.model_config
     layout = KVLayout("tiny", "w", str(engine.dtype).removeprefix("torch."), engine.cfg.block_size,
                       mc.num_layers, mc.num_kv_heads, mc.head_dim)
-    worker = SimpleNamespace(engine=engine, worker_id="decode-0", cfg=SimpleNamespace(worker=WorkerConfig(role="decode")))
-    side = DecodeSide(worker, layout)
+    side = DecodeSide(engine, "decode-0", WorkerConfig(role="decode"), layout, PlacementTable())
     yield side
     side.close()
 
@@ -52,16 +50,17 @@ def writer(decode):
 def test_aborted_reservation_is_held_until_the_writer_ends(decode, writer):
     kv = decode.engine.kv
     total = kv.pool.num_usable_blocks
-    reply = decode.handle(m.Reserve("r", random_prompts([50], seed=1)[0], vars(SamplingParams()), 30.0))[0]
+    reply = decode.handle(m.Reserve("r", 1, random_prompts([50], seed=1)[0], SamplingParams(), 30.0))[0]
     assert reply.ok and kv.num_free_blocks == total - len(reply.block_ids)
-    assert writer("ipc_begin", request_id="r", lease_id=reply.lease_id)["ok"]
+    eid = engine_id("r", 1)   # what the prefill worker of this placement sends under
+    assert writer("ipc_begin", request_id=eid, lease_id=reply.lease_id)["ok"]
     # The router aborts the request while the prefill worker's copies may still run.
-    decode.abort("r")
-    decode.engine.abort_request("r")
+    decode.abort(eid)
+    decode.engine.abort_request(eid)
     assert kv.num_free_blocks == total - len(reply.block_ids)     # held, not reusable
     assert decode.expire() == [] and decode.stats()["held_leases"] == 1 and decode.stats()["ipc_writers"] == 1
     assert kv.num_free_blocks == total - len(reply.block_ids)
-    assert writer("ipc_end", request_id="r", lease_id=reply.lease_id)["ok"]
+    assert writer("ipc_end", request_id=eid, lease_id=reply.lease_id)["ok"]
     decode.expire()                                                # the engine loop's next pass
     assert kv.num_free_blocks == total and decode.stats()["held_leases"] == 0
 
@@ -69,9 +68,10 @@ def test_aborted_reservation_is_held_until_the_writer_ends(decode, writer):
 def test_committed_transfer_frees_normally(decode, writer):
     kv = decode.engine.kv
     total = kv.pool.num_usable_blocks
-    reply = decode.handle(m.Reserve("q", random_prompts([40], seed=2)[0], vars(SamplingParams()), 30.0))[0]
-    assert writer("ipc_begin", request_id="q", lease_id=reply.lease_id)["ok"]
-    assert writer("ipc_commit", request_id="q", lease_id=reply.lease_id)["ok"]
-    decode.abort("q")
-    decode.engine.abort_request("q")
+    reply = decode.handle(m.Reserve("q", 1, random_prompts([40], seed=2)[0], SamplingParams(), 30.0))[0]
+    eid = engine_id("q", 1)
+    assert writer("ipc_begin", request_id=eid, lease_id=reply.lease_id)["ok"]
+    assert writer("ipc_commit", request_id=eid, lease_id=reply.lease_id)["ok"]
+    decode.abort(eid)
+    decode.engine.abort_request(eid)
     assert kv.num_free_blocks == total and decode.stats()["held_leases"] == 0

@@ -90,3 +90,36 @@ def test_a_dropped_connection_fails_the_write_and_unmaps_the_pool(cpu_ipc_sender
     assert len(results) == 1 and not results[0].ok and "disconnected" in results[0].error
     assert time.monotonic() - t0 < 2                          # seen at once, not by a timeout
     assert dest.pool is None and dest.pool_id == "" and write.pool is None
+
+
+def test_the_pool_is_opened_only_under_a_live_lease(cpu_ipc_sender, monkeypatch):
+    """ipc_open names the request's lease: a sender without a live one gets no
+    export (the pool would map the decode worker's whole KV cache)."""
+    import pdd.transfer.cuda_ipc as cuda_ipc
+    import pdd.transfer.ipc_receiver as ipc_receiver
+
+    layout = make_layout()
+    leases = LeaseTable()
+    pool = make_pool(layout, seed=4)
+    exported = []
+    monkeypatch.setattr(ipc_receiver, "export_pool", lambda kv: exported.append(kv) or {"fake": "export"})
+    monkeypatch.setattr(cuda_ipc, "open_pool", lambda desc, device: pool)
+    receiver = make_receiver("tcp", pool, layout, leases)
+    receiver.start()
+    try:
+        target = TransferTarget("r", "not-a-lease", "d", receiver.address, (1, 2), backend="cuda_ipc")
+        cpu_ipc_sender.prepare(target)
+        deadline, results = time.monotonic() + 5, []
+        while not results and time.monotonic() < deadline:
+            results = cpu_ipc_sender.poll()
+            time.sleep(0.01)
+        assert len(results) == 1 and not results[0].ok and "unknown or revoked lease" in results[0].error
+        assert exported == []
+        # One request's dead lease is not the decode worker's fault: the next request opens the pool.
+        assert not cpu_ipc_sender.cannot_reach(receiver.address)
+        lease = leases.grant("r2", [3], 30)
+        cpu_ipc_sender.prepare(TransferTarget("r2", lease, "d", receiver.address, (3,), backend="cuda_ipc"))
+        write = cpu_ipc_sender._writes["r2"]
+        assert write.granted.wait(5) and write.begun and write.pool is pool and len(exported) == 1
+    finally:
+        receiver.close()

@@ -58,7 +58,7 @@ def test_revoke_waits_for_a_write_in_progress():
 
     th = threading.Thread(target=writer)
     th.start()
-    inside.wait(2)
+    assert inside.wait(30)
     assert t.close(lid) == "free"
     events.append("revoked")
     th.join()

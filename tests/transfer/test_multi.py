@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdd.router.disagg import transfer_backend
+from pdd.router.placement import transfer_backend
 from pdd.transfer.multi import MultiSender
 
 

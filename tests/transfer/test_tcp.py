@@ -98,11 +98,19 @@ def test_control_messages_on_the_data_socket(pair, dealer):
     assert "unknown control message kind 'nope'" in ask(msgpack.packb({"v": 1, "kind": "nope", "token": 3}))["error"]
     r = ask(encode_control("ipc_begin", 4, request_id="r", lease_id="l"))
     assert r["token"] == 4 and "missing field 'pool_id'" in r["error"]
-    r = ask(encode_control("ipc_open", 5, layout={**make_layout().to_dict(), "block_size": 32}))
-    assert not r["ok"] and "KV layout mismatch on block_size" in r["error"]
-    r = ask(encode_control("ipc_open", 6, layout=make_layout().to_dict()))
-    assert not r["ok"] and "not a GPU" in r["error"]
+    # The pool is exported only to the holder of a live lease of this receiver.
+    r = ask(encode_control("ipc_open", 5, layout=make_layout().to_dict()))
+    assert not r["ok"] and "must name a live lease" in r["error"]
+    r = ask(encode_control("ipc_open", 5, layout=make_layout().to_dict(), request_id="r", lease_id="guess"))
+    assert not r["ok"] and r["error"] == "unknown or revoked lease" and r["data"] == {"lease_refused": True}
     lease = pair.leases.grant("r", [1], ttl_s=30)
+    r = ask(encode_control("ipc_open", 5, layout=make_layout().to_dict(), request_id="other", lease_id=lease))
+    assert not r["ok"] and r["error"] == "lease belongs to another request"
+    held = dict(request_id="r", lease_id=lease)
+    r = ask(encode_control("ipc_open", 5, layout={**make_layout().to_dict(), "block_size": 32}, **held))
+    assert not r["ok"] and "KV layout mismatch on block_size" in r["error"]
+    r = ask(encode_control("ipc_open", 6, layout=make_layout().to_dict(), **held))
+    assert not r["ok"] and "not a GPU" in r["error"]
     r = ask(encode_control("ipc_begin", 7, request_id="r", lease_id=lease, pool_id="old"))
     assert not r["ok"] and "stale pool" in r["error"]
     r = ask(encode_control("ipc_begin", 8, request_id="r", lease_id=lease, pool_id=ipc.pool_id))

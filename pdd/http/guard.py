@@ -1,0 +1,161 @@
+"""HTTP connection guard: a connection limit and timeouts aiohttp does not have.
+
+aiohttp waits forever for the first request of a connection and for headers
+that trickle in (slowloris), so each connection is wrapped in a protocol that
+sits between the transport and aiohttp's own and keeps one timer:
+
+    idle     no request in progress and no byte of the next one: closed quietly
+    headers  bytes of a request arrived but its handler has not started:
+             answered 408 (OpenAI error shape) and closed
+
+The app's middleware says when a request's handler starts and ends (the
+headers are complete once it starts). The body has its own timeout, in the
+handler that reads it (pdd.http.app), where a 408 can still be answered
+normally. Past the connection limit a new connection gets a 503 and is closed
+before aiohttp sees it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from aiohttp import web
+
+from pdd import security
+
+log = logging.getLogger(__name__)
+
+
+def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response, for when aiohttp is not (or no longer) in charge."""
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": code}})
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class Guards:
+    """The live connections of one server, found by their transport."""
+
+    def __init__(self, max_connections: int, header_timeout_s: float, idle_timeout_s: float):
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.live: dict[asyncio.BaseTransport, "Guard"] = {}
+
+    def factory(self, inner_factory):
+        return lambda: Guard(inner_factory(), self)
+
+    def get(self, transport) -> "Guard | None":
+        return self.live.get(transport)
+
+
+class Guard(asyncio.Protocol):
+    """Wraps aiohttp's protocol for one connection (every call passed through)."""
+
+    def __init__(self, inner: asyncio.Protocol, guards: Guards):
+        self.inner = inner
+        self.guards = guards
+        self.transport: asyncio.Transport | None = None
+        self.forwarded = False
+        self.busy = False            # a handler is running
+        self.receiving = False       # bytes of a request whose handler has not started
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- transport -> aiohttp ------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if len(self.guards.live) >= self.guards.max_connections:
+            security.count("http.connection_limit")
+            transport.write(raw_error(503, "Service Unavailable", "too many connections; retry later",
+                                      "too_many_connections"))
+            transport.close()
+            return
+        self.guards.live[transport] = self
+        self.forwarded = True
+        self._arm(self.guards.idle_timeout_s, self._idle_expired)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.forwarded:
+            return
+        if not self.busy and not self.receiving:
+            self.receiving = True
+            self._arm(self.guards.header_timeout_s, self._headers_expired)
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.forwarded else None
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        if self.forwarded:
+            self.guards.live.pop(self.transport, None)
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.forwarded:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.forwarded:
+            self.inner.resume_writing()
+
+    # -- from the app's middleware --------------------------------------------
+
+    def request_started(self) -> None:
+        self.busy, self.receiving = True, False
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self.busy = False
+        self._arm(self.guards.idle_timeout_s, self._idle_expired)
+
+    # -- timers --------------------------------------------------------------
+
+    def _arm(self, delay: float, fn) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, fn)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle_expired(self) -> None:
+        if not self.busy and not self.receiving and self.transport is not None:
+            security.count("http.idle_timeout")
+            self.transport.close()
+
+    def _headers_expired(self) -> None:
+        if not self.busy and self.transport is not None:
+            security.count("http.header_timeout")
+            self.transport.write(raw_error(408, "Request Timeout", f"the request headers did not arrive "
+                                           f"within {self.guards.header_timeout_s:g}s", "request_timeout"))
+            self.transport.close()
+
+
+class GuardedServer:
+    """aiohttp's runner behind guarded connections; cleanup() stops both."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer):
+        self.runner = runner
+        self.server = server
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1]
+
+    async def cleanup(self) -> None:
+        self.server.close()   # no new connections; aiohttp's shutdown drains the rest
+        await self.runner.cleanup()
+
+
+async def serve_guarded(runner: web.AppRunner, guards: Guards, host: str, port: int) -> GuardedServer:
+    """Listen on host:port with every connection wrapped (runner already set up)."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(guards.factory(runner.server), host, port)
+    return GuardedServer(runner, server)

@@ -1,0 +1,150 @@
+"""Circuit breakers on the disaggregated path: one per prefill -> decode pair,
+one for the path as a whole.
+
+    closed ──(N failures in a row, or >= rate of >= M transfers in the window)──▶ open
+    open ──(cool-down elapsed)──▶ half-open: one trial request at a time
+    half-open ──(K successes)──▶ closed
+    half-open ──(a failure)──▶ open, with the cool-down doubled (up to a cap)
+
+A pair whose breaker is open gets no new disaggregated request: placement
+(pdd.router.placement) picks another pair, or prefills where it decodes. The
+path breaker opens when failures are everywhere (a broken data plane, a bad
+deploy) so no pair is even tried until its cool-down passes. An operator may
+force any breaker open or closed until it is set back to auto.
+
+Pure bookkeeping with an injected clock: the router's control plane records
+outcomes and asks before it places; nothing here runs on its own.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdd.config import BreakerConfig
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}   # pdd_breaker_state
+PATH = ("*", "*")                                 # the key of the whole-path breaker
+
+
+@dataclass
+class Breaker:
+    settings: BreakerConfig
+    state: str = CLOSED
+    forced: str | None = None          # open | closed: set by an operator, until "auto"
+    outcomes: deque = field(default_factory=deque)   # (time, ok) within the window
+    consecutive: int = 0
+    opened_at: float = 0.0
+    cooldown_s: float = 0.0
+    trial_in_flight: bool = False
+    trial_successes: int = 0
+
+    def effective(self, now: float) -> str:
+        """The state placement should act on now (an open breaker past its cool-down reads half-open)."""
+        if self.forced is not None:
+            return self.forced
+        if self.state == OPEN and now >= self.opened_at + self.cooldown_s:
+            return HALF_OPEN
+        return self.state
+
+    def allows(self, now: float) -> bool:
+        state = self.effective(now)
+        return state == CLOSED or (state == HALF_OPEN and not self.trial_in_flight)
+
+    def failures_in_window(self, now: float) -> int:
+        self._trim(now)
+        return sum(1 for _, ok in self.outcomes if not ok)
+
+    def _trim(self, now: float) -> None:
+        while self.outcomes and self.outcomes[0][0] < now - self.settings.window_s:
+            self.outcomes.popleft()
+
+
+class Breakers:
+    """Every pair's breaker plus the path's. `on_transition(key, old, new)` sees each change."""
+
+    def __init__(self, settings: BreakerConfig, on_transition: Callable[[tuple, str, str], None] = None):
+        self.settings = settings
+        self.breakers: dict[tuple[str, str], Breaker] = {}
+        self.on_transition = on_transition or (lambda key, old, new: None)
+
+    def get(self, key: tuple[str, str]) -> Breaker:
+        b = self.breakers.get(key)
+        if b is None:
+            b = self.breakers[key] = Breaker(self.settings)
+        return b
+
+    # ---------------------------------------------------------------- asked by placement
+
+    def allows(self, prefill: str, decode: str, now: float) -> bool:
+        return self.get(PATH).allows(now) and self.get((prefill, decode)).allows(now)
+
+    def placed(self, prefill: str, decode: str, now: float) -> None:
+        """A request was placed on this pair: in half-open it is the trial."""
+        for key in (PATH, (prefill, decode)):
+            b = self.get(key)
+            if b.forced is None and b.effective(now) == HALF_OPEN:
+                self._move(key, b, HALF_OPEN)
+                b.trial_in_flight = True
+
+    # ---------------------------------------------------------------- outcomes
+
+    def record(self, prefill: str, decode: str, ok: bool, now: float) -> None:
+        for key in (PATH, (prefill, decode)):
+            self._record(key, self.get(key), ok, now)
+
+    def _record(self, key, b: Breaker, ok: bool, now: float) -> None:
+        s = self.settings
+        b.outcomes.append((now, ok))
+        b._trim(now)
+        b.consecutive = 0 if ok else b.consecutive + 1
+        if b.forced is not None:
+            return   # counted, but an operator decides the state
+        if b.state != CLOSED:
+            if not b.trial_in_flight:
+                return   # a request placed before the breaker opened: not a trial
+            b.trial_in_flight = False
+            if not ok:
+                self._open(key, b, now, min(s.max_cooldown_s, 2 * b.cooldown_s))
+                return
+            b.trial_successes += 1
+            if b.trial_successes >= s.successes_to_close:
+                b.outcomes.clear()
+                b.consecutive = 0
+                self._move(key, b, CLOSED)
+            return
+        n = len(b.outcomes)
+        failed = sum(1 for _, x in b.outcomes if not x)
+        if not ok and (b.consecutive >= s.consecutive_failures
+                       or (n >= s.window_min_transfers and failed / n >= s.failure_rate)):
+            self._open(key, b, now, s.cooldown_s)
+
+    def _open(self, key, b: Breaker, now: float, cooldown_s: float) -> None:
+        b.opened_at, b.cooldown_s, b.trial_successes, b.trial_in_flight = now, cooldown_s, 0, False
+        self._move(key, b, OPEN)
+
+    def _move(self, key, b: Breaker, new: str) -> None:
+        old, b.state = b.state, new
+        if old != new:
+            self.on_transition(key, old, new)
+
+    # ---------------------------------------------------------------- operator
+
+    def force(self, state: str | None, keys: list[tuple[str, str]]) -> None:
+        """state: open | closed | None (auto: the breaker's own state again)."""
+        if state not in (OPEN, CLOSED, None):
+            raise ValueError(f"breaker state must be open, closed or auto, got {state!r}")
+        for key in keys:
+            self.get(key).forced = state
+
+    def snapshot(self, now: float) -> list[dict]:
+        out = []
+        for (prefill, decode), b in sorted(self.breakers.items()):
+            state = b.effective(now)
+            next_trial = max(0.0, b.opened_at + b.cooldown_s - now) if b.state == OPEN else 0.0
+            out.append({"prefill": prefill, "decode": decode, "state": state,
+                        "forced": b.forced or "auto", "failures_in_window": b.failures_in_window(now),
+                        "consecutive_failures": b.consecutive,
+                        "next_trial_in_s": round(next_trial, 3), "cooldown_s": b.cooldown_s})
+        return out

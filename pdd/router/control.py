@@ -1,0 +1,501 @@
+"""Every request's state machine, and the worker events that drive it.
+
+All that can happen to a request in flight is in this file. Each method is
+one event — a submission, a client leaving, a worker's message, a timer, a
+worker lost — and runs to completion without awaiting: it changes state and
+queues messages through `send` (which never blocks; pdd.router.router
+delivers them in order and reports an unreachable peer back as a lost
+worker). Nothing here runs on its own: no task per request.
+
+Placement (pdd.router.placement.place) decides where a request goes. Each
+placement starts a new epoch: every message to a worker carries it, and a
+worker's message about an older epoch, or from a worker that does not own the
+phase it speaks of, is dropped. Before a request is placed again its old
+owners are sent an Abort, ahead of anything of the new epoch on the same
+socket, so a stale copy never outlives its placement.
+
+Disaggregated (DESIGN.md, "Request lifecycle"):
+
+    reserving   decode <- Reserve; timer reserve_timeout_s
+                   Reserved ok  -> prefill <- Prefill, prefilling
+                   refused / no answer -> placed again, prefilled where it decodes
+    prefilling  timer kv_lease_ttl_s (the decode worker's lease)
+                   FirstToken   -> streamed at once (the pages may still be in flight)
+                   PrefillDone  -> decode <- KVReady, decoding
+                   PrefillFailed, prefill worker lost -> decode <- PrefillLocally, decoding
+                   no answer    -> placed again
+    decoding    TokenBatch      -> streamed; the last one retires the request
+Any phase: its decode worker lost -> placed again with prompt + tokens so far
+(same seed: it continues exactly); a retriable RequestFailed -> placed again;
+otherwise -> failed.
+
+Counters are exact: `WorkerInfo.inflight` is the number of requests with a
+phase owned by that worker, changed only in `_own`.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable
+
+from pdd.config import RouterConfig
+from pdd.engine.sampling_params import SamplingParams
+from pdd.kv.hashing import block_hashes
+from pdd.metrics import RouterMetrics
+from pdd.protocol import messages as m
+from pdd.router.breaker import STATE_VALUE, Breakers
+from pdd.router.placement import PlaceRequest, Plan, pick_worker, place, transfer_backend
+from pdd.router.registry import WorkerRegistry
+from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """No worker can take the request now (HTTP 503)."""
+
+
+class Overloaded(Unavailable):
+    """Too many requests wait for their first token (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+Send = Callable[[str, m.Message], None]
+
+
+class ControlPlane:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, send: Send,
+                 clock: Callable[[], float] = time.monotonic, step_timeout_s: float = 60.0):
+        self.cfg = cfg
+        self.step_timeout_s = step_timeout_s
+        self.registry = registry
+        self.metrics = metrics
+        self.send = send
+        self.clock = clock
+        self.requests: dict[str, RequestState] = {}
+        self.breakers = Breakers(cfg.breaker, self._breaker_moved)
+        self._timers: list[tuple[float, int, str]] = []   # (deadline, timer seq, request id)
+        self._timer_seq = 0
+        self.num_queued = 0          # requests in flight without a token yet (admission control)
+        self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
+        self._handlers = {
+            m.Register: self.on_register, m.Heartbeat: self.on_heartbeat, m.Goodbye: self.on_goodbye,
+            m.TokenBatch: self.on_tokens, m.RequestFailed: self.on_request_failed,
+            m.Reserved: self.on_reserved, m.FirstToken: self.on_first_token,
+            m.PrefillDone: self.on_prefill_done, m.PrefillFailed: self.on_prefill_failed,
+        }
+
+    # ------------------------------------------------------------------ from HTTP
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
+               hashes: list[int] | None = None) -> RequestState:
+        """`hashes`: the prompt's block hashes if the caller computed them (off the event loop)."""
+        if request_id in self.requests:
+            raise Unavailable(f"request id {request_id!r} is already in flight")
+        limit = self.cfg.max_queued_requests
+        if limit and self.num_queued >= limit:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise Overloaded(f"the server is overloaded: {self.num_queued} requests wait for their first "
+                             f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
+        if hashes is None:
+            hashes = self.prompt_hashes(prompt_token_ids)
+        now = self.clock()
+        state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now)
+        plan = place(PlaceRequest(hashes), self.registry.workers.values(), self.cfg.mode,
+                     pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
+        if plan is None:
+            raise Unavailable("no worker is available" if self.cfg.mode != "disagg"
+                              else "no prefill + decode pair is available (router.mode = disagg)")
+        self.requests[request_id] = state
+        self.num_queued += 1
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self.metrics.inflight.inc()
+        if self.cfg.request_timeout_s:
+            state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, request_id)
+        if plan.note:
+            log.info("request %s prefills on its decode worker: %s", request_id, plan.note)
+            if plan.note == "breaker_open":
+                self.metrics.fallbacks.labels("breaker_open").inc()
+        self._start(state, plan)
+        return state
+
+    def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        layout = self.registry.layout
+        return block_hashes(prompt_token_ids, layout.block_size) if layout else []
+
+    def abort(self, state: RequestState) -> None:
+        """The client went away (or a stop string matched): stop the work, free its blocks."""
+        if self.requests.get(state.request_id) is not state:
+            return
+        if not state.finished:
+            state.finished, state.finish_reason = True, "abort"
+        self._abort_owners(state)
+        self._retire(state)
+
+    def fail_all(self, why: str) -> None:
+        for state in list(self.requests.values()):
+            self._fail(state, why)
+
+    # ------------------------------------------------------------------ from workers
+
+    def handle(self, peer: str, msg: m.Message) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("router: ignoring %s from %s", msg.TYPE, peer)
+            return
+        if getattr(msg, "worker_id", peer) != peer:
+            log.warning("router: %s from %s claims to be %s; dropped", msg.TYPE, peer, msg.worker_id)
+            return
+        if type(msg) not in (m.Register, m.Heartbeat) and peer not in self.registry.workers:
+            # Not registered (lost, or from before a router restart): whatever it
+            # holds is nobody's; it re-registers on its next heartbeat.
+            rid = getattr(msg, "request_id", None)
+            if rid is not None:
+                self.send(peer, m.Abort([rid]))
+            return
+        handler(peer, msg)
+
+    def on_register(self, peer: str, msg: m.Register) -> None:
+        replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
+        if replaced is not None:
+            self.registry.remove(peer)
+        error = self.registry.register(msg)
+        if error:
+            log.error("refused worker %s: %s", peer, error)
+        else:
+            log.info("worker %s registered (%s on %s, %d blocks)", peer, msg.role, msg.device, msg.num_blocks)
+        self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
+                                        heartbeat_interval_s=self.cfg.heartbeat_interval_s))
+        if replaced is not None:
+            # Its requests may move to the new process itself: it registered first.
+            self._orphaned(peer, "it restarted (a new process registered under its id)")
+
+    def on_heartbeat(self, peer: str, msg: m.Heartbeat) -> None:
+        worker = self.registry.workers.get(peer)
+        steps_before = worker.load.steps_completed if worker is not None and worker.load else None
+        if not self.registry.heartbeat(msg):
+            self.send(peer, m.ReRegister())
+            return
+        self.metrics.observe_heartbeat(msg)
+        if msg.step_running_s > self.step_timeout_s:
+            self._hung(worker, msg.step_running_s)
+        elif worker.hung and steps_before is not None and msg.steps_completed > steps_before:
+            worker.hung = False
+            log.warning("worker %s steps again (%d steps done); it takes new requests", peer,
+                        msg.steps_completed)
+
+    def _hung(self, worker, running_s: float) -> None:
+        """An engine step that never ends, while the worker's loop still answers:
+        its requests move as for a lost worker; it keeps its registration (and
+        gets them back as Aborts once it wakes) but no new work."""
+        if worker.hung:
+            return
+        worker.hung = True
+        held = [s for s in self.requests.values() if worker.worker_id in s.owners]
+        log.error("worker %s is hung: its engine step has run %.1fs (worker.step_timeout_s = %g); "
+                  "%d request(s) move", worker.worker_id, running_s, self.step_timeout_s, len(held))
+        for state in held:
+            if state.decode_worker == worker.worker_id:
+                self.metrics.migrations.inc()
+                self._place_again(state, None, f"worker {worker.worker_id} is hung",
+                                  exclude=frozenset([worker.worker_id]))
+            elif state.phase == PREFILLING:
+                self._prefill_locally(state, "prefill_worker_hung")
+            else:
+                self._own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
+
+    def on_goodbye(self, peer: str, msg: m.Goodbye) -> None:
+        self.worker_lost(peer, "said goodbye")
+
+    def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
+        self.registry.touch(peer)
+        for item in msg.items:
+            state = self._current(peer, item.request_id, item.epoch, DECODING, owner="decode")
+            if state is not None:
+                self._deliver(state, TokenEvent(item.token_ids, item.finished, item.finish_reason,
+                                                item.logprobs, item.num_cached_tokens))
+
+    def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
+        if state is None:
+            return
+        log.warning("worker %s failed request %s: %s", peer, msg.request_id, msg.error)
+        if msg.retriable:  # not the request's fault (lease expired, no room): another try
+            self._place_again(state, "worker_refused", f"{peer}: {msg.error}")
+        else:
+            self._fail(state, msg.error)
+
+    def on_reserved(self, peer: str, msg: m.Reserved) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, RESERVING, owner="decode")
+        if state is None:
+            return
+        if not msg.ok:
+            reason = "no_decode_room" if "KV blocks" in msg.error else "reserve_refused"
+            self._place_again(state, reason, f"{peer} refused the reservation: {msg.error}")
+            return
+        now = self.clock()
+        self.metrics.disagg_phase.labels("reserve").observe(now - state.phase_since)
+        state.lease_id, state.num_cached_tokens = msg.lease_id, msg.num_cached_tokens
+        prefill = self._prefill_for(state)
+        if prefill is None:
+            self._prefill_locally(state, "prefill_worker_lost")
+            return
+        decode = self.registry.workers[peer]
+        skip = msg.num_cached_tokens // self.registry.layout.block_size
+        self._enter(state, PREFILLING, self.cfg.kv_lease_ttl_s)
+        self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
+                                     peer, decode.data_addr, msg.block_ids, skip, msg.lease_id,
+                                     state.transfer_backend, decode.public_key))
+
+    def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
+        if state is None or state.output_token_ids:
+            return
+        self.metrics.disagg_phase.labels("first_token").observe(self.clock() - state.phase_since)
+        self._deliver(state, TokenEvent([msg.token], False, None, msg.logprobs, msg.num_cached_tokens))
+
+    def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
+        if state is None:
+            return
+        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.phase_since)
+        self.metrics.observe_transfer(msg.transfer)
+        self.breakers.record(peer, state.decode_worker, True, self.clock())
+        self.registry.workers[peer].note_hashes(state.block_hashes)
+        self._own(state, state.decode_worker, None)
+        self._enter(state, DECODING)
+        if not state.output_token_ids:  # no FirstToken came ahead of it
+            self._deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs, msg.num_cached_tokens))
+        self.send(state.decode_worker, m.KVReady(state.request_id, state.epoch, state.lease_id,
+                                                 state.output_token_ids[0]))
+
+    def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
+        if state is None:
+            return
+        log.warning("prefill of %s on %s failed (%s); its decode worker prefills it", msg.request_id, peer,
+                    msg.error)
+        self.metrics.transfer_failures.inc()
+        self.breakers.record(peer, state.decode_worker, False, self.clock())
+        self._prefill_locally(state, "transfer_failed")
+
+    # ------------------------------------------------------------------ workers lost
+
+    def expire_workers(self) -> None:
+        for wid in self.registry.expired():
+            self.worker_lost(wid, "missed heartbeats")
+
+    def worker_lost(self, worker_id: str, why: str) -> None:
+        if self.registry.remove(worker_id) is not None:
+            self._orphaned(worker_id, why)
+
+    def _orphaned(self, worker_id: str, why: str) -> None:
+        """The process registered as `worker_id` is gone (a new one may hold the
+        id already): each request it held a phase of continues elsewhere, or
+        fails, now. Its inflight count went with its registry entry."""
+        held = [s for s in self.requests.values() if worker_id in s.owners]
+        log.warning("worker %s lost (%s); %d request(s) to move", worker_id, why, len(held))
+        for state in held:
+            lost_decode = state.decode_worker == worker_id
+            if lost_decode:
+                state.decode_worker = None
+            if state.prefill_worker == worker_id:
+                state.prefill_worker = None
+            if lost_decode:
+                self.metrics.migrations.inc()
+                self._place_again(state, None, f"worker {worker_id} was lost ({why})")
+            elif state.phase == PREFILLING:
+                self._prefill_locally(state, "prefill_worker_lost")
+            # reserving: the prompt was not sent yet; a prefill worker is picked at Reserved
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
+    def fire_timers(self) -> None:
+        now = self.clock()
+        while self._timers and self._timers[0][0] <= now:
+            _, seq, rid = heapq.heappop(self._timers)
+            state = self.requests.get(rid)
+            if state is not None and state.deadline_seq == seq:
+                self.metrics.rejected.labels("deadline").inc()
+                self._fail(state, f"the request did not finish within router.request_timeout_s = "
+                                  f"{self.cfg.request_timeout_s:g}s")
+                continue
+            if state is None or state.timer_seq != seq:
+                continue  # its phase is over
+            state.timer_seq = 0
+            if state.prefill_worker is not None:   # the pair failed to get the KV across in time
+                self.breakers.record(state.prefill_worker, state.decode_worker, False, now)
+            if state.phase == RESERVING:
+                self._place_again(state, "reserve_timeout", f"no answer to Reserve from {state.decode_worker} "
+                                                            f"in {self.cfg.reserve_timeout_s:g}s",
+                                  exclude=frozenset([state.decode_worker]))
+            elif state.phase == PREFILLING:
+                self._place_again(state, "prefill_timeout", f"no PrefillDone from {state.prefill_worker} "
+                                                            f"in {self.cfg.kv_lease_ttl_s:g}s")
+
+    # ------------------------------------------------------------------ transitions
+
+    def _start(self, state: RequestState, plan: Plan) -> None:
+        """A new placement: a new epoch, its owners, its first message."""
+        state.epoch += 1
+        state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
+        self._own(state, plan.decode, plan.prefill)
+        if plan.disaggregated:
+            self.breakers.placed(plan.prefill, plan.decode, self.clock())
+            self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
+            self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
+                                             state.sampling, self.cfg.kv_lease_ttl_s))
+            return
+        self._enter(state, DECODING)
+        self.send(plan.decode, m.Admit(state.request_id, state.epoch,
+                                       state.prompt_token_ids + state.output_token_ids, state.sampling,
+                                       num_prior_output_tokens=len(state.output_token_ids)))
+
+    def _place_again(self, state: RequestState, reason: str | None, why: str,
+                     exclude: frozenset[str] = frozenset()) -> None:
+        """Its current placement cannot go on: stop it, then prefill (prompt +
+        tokens so far) and decode on one worker."""
+        if reason is not None:
+            self.metrics.fallbacks.labels(reason).inc()
+        self._abort_owners(state)
+        self._own(state, None, None)
+        plan = place(PlaceRequest(state.block_hashes, colocated_only=True), self.registry.workers.values(),
+                     self.cfg.mode, exclude)
+        if plan is None:
+            self._fail(state, f"{why}, and no other worker can take the request")
+            return
+        state.num_migrations += 1
+        log.info("request %s placed again on %s after %d tokens: %s", state.request_id, plan.decode,
+                 len(state.output_token_ids), why)
+        self._start(state, plan)
+
+    def _prefill_locally(self, state: RequestState, reason: str) -> None:
+        """The KV will not come: the decode worker computes the prompt in the
+        blocks it holds, after the first token if the client already has it."""
+        self.metrics.fallbacks.labels(reason).inc()
+        if state.prefill_worker in self.registry.workers:
+            self.send(state.prefill_worker, m.Abort([state.request_id]))
+        self._own(state, state.decode_worker, None)
+        self._enter(state, DECODING)
+        first = state.output_token_ids[0] if state.output_token_ids else None
+        self.send(state.decode_worker, m.PrefillLocally(state.request_id, state.epoch, state.lease_id, first))
+
+    def _prefill_for(self, state: RequestState) -> str | None:
+        """The prefill worker planned at placement, or another one if it left meanwhile."""
+        workers = self.registry.workers
+        planned = workers.get(state.prefill_worker) if state.prefill_worker else None
+        if planned is not None and planned.accepting:
+            return planned.worker_id
+        decode = workers[state.decode_worker]
+        now = self.clock()
+        choices = [w for w in workers.values() if w.role == "prefill" and w.accepting
+                   and transfer_backend(w, decode) is not None
+                   and self.breakers.allows(w.worker_id, decode.worker_id, now)]
+        chosen = pick_worker(choices, state.block_hashes)
+        self._own(state, state.decode_worker, chosen.worker_id if chosen else None)
+        if chosen is not None:
+            state.transfer_backend = transfer_backend(chosen, decode)
+            self.breakers.placed(chosen.worker_id, decode.worker_id, now)
+        return state.prefill_worker
+
+    def _deliver(self, state: RequestState, event: TokenEvent) -> None:
+        now = self.clock()
+        if state.last_token_at is not None:
+            self.metrics.itl.observe(now - state.last_token_at)
+        elif event.token_ids:
+            self.metrics.ttft.labels(state.mode).observe(now - state.arrival)
+        self.metrics.generation_tokens.inc(len(event.token_ids))
+        if event.token_ids and not state.output_token_ids:
+            self.num_queued -= 1
+        state.deliver(event)
+        if event.finished:
+            self.metrics.cached_tokens.inc(state.num_cached_tokens)
+            self._retire(state)
+
+    def _fail(self, state: RequestState, error: str) -> None:
+        log.warning("request %s failed: %s", state.request_id, error)
+        self._abort_owners(state)
+        state.fail(error)
+        self._retire(state)
+
+    def _retire(self, state: RequestState) -> None:
+        del self.requests[state.request_id]
+        if not state.output_token_ids:
+            self.num_queued -= 1
+        decode = self.registry.workers.get(state.decode_worker)
+        if decode is not None and state.output_token_ids and self.registry.layout is not None:
+            # That worker now caches this conversation: its next turn should go there.
+            decode.note_hashes(state.cached_block_hashes(self.registry.layout.block_size))
+        self._own(state, None, None)
+        state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
+        self.metrics.inflight.dec()
+        self.metrics.observe_finished(state)
+
+    def _abort_owners(self, state: RequestState) -> None:
+        for wid in state.owners:
+            if wid in self.registry.workers:
+                self.send(wid, m.Abort([state.request_id]))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _breaker_moved(self, key: tuple[str, str], old: str, new: str) -> None:
+        prefill, decode = key
+        (log.warning if new == "open" else log.info)("circuit breaker %s -> %s: %s -> %s", prefill, decode,
+                                                     old, new)
+        self.metrics.breaker_state.labels(prefill, decode).set(STATE_VALUE[new])
+        self.metrics.breaker_transitions.labels(prefill, decode, new).inc()
+
+    def _own(self, state: RequestState, decode: str | None, prefill: str | None) -> None:
+        """Set the phase owners; the only place per-worker inflight counts change."""
+        for wid, delta in ((state.decode_worker, -1), (state.prefill_worker, -1), (decode, 1), (prefill, 1)):
+            w = self.registry.workers.get(wid) if wid is not None else None
+            if w is not None:
+                w.inflight += delta
+        state.decode_worker, state.prefill_worker = decode, prefill
+
+    def _enter(self, state: RequestState, phase: str, timeout_s: float | None = None) -> None:
+        state.phase, state.phase_since, state.timer_seq = phase, self.clock(), 0
+        if timeout_s is not None:
+            state.timer_seq = self._add_timer(state.phase_since + timeout_s, state.request_id)
+
+    def _add_timer(self, deadline: float, request_id: str) -> int:
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (deadline, self._timer_seq, request_id))
+        self.on_timer_change()
+        return self._timer_seq
+
+    def _current(self, peer: str, request_id: str, epoch: int, phase: str | None, owner: str
+                 ) -> RequestState | None:
+        """The request a worker's message speaks of, if that message is current:
+        same epoch, the sender owns the phase. A worker that holds a request it
+        does not own (any more) is told to drop it."""
+        state = self.requests.get(request_id)
+        owns = state is not None and (
+            (owner in ("decode", "any") and state.decode_worker == peer)
+            or (owner in ("prefill", "any") and state.prefill_worker == peer))
+        if state is not None and owns and state.epoch == epoch and (phase is None or state.phase == phase):
+            return state
+        if state is None or peer not in state.owners:
+            # Unknown (finished, aborted, from before a restart) or placed elsewhere:
+            # its copy there is nobody's. (An owner of the current epoch with a
+            # stale message was sent an Abort before this epoch began.)
+            self.send(peer, m.Abort([request_id]))
+        return None
+
+    def check_invariants(self) -> None:
+        """Every count exact (tests call this after every event)."""
+        for w in self.registry.workers.values():
+            owned = sum(s.owners.count(w.worker_id) for s in self.requests.values())
+            assert w.inflight == owned, f"{w.worker_id}: inflight {w.inflight}, owns {owned}"
+        queued = sum(1 for s in self.requests.values() if not s.output_token_ids)
+        assert self.num_queued == queued, f"num_queued {self.num_queued}, without a token {queued}"
+        for s in self.requests.values():
+            assert not s.finished, f"{s.request_id} finished but still held"
+            assert all(w in self.registry.workers for w in s.owners), f"{s.request_id}: owner not registered"

@@ -1,0 +1,142 @@
+"""The control plane under faults, with real processes (`pdd up` on loopback):
+a decode worker frozen then killed while Reserves wait on it, a worker
+restarted under its own id, a storm of clients leaving before their first
+byte. Every stream must end with the text a fault-free run gives, or not at
+all for the clients that left; every count ends at zero."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
+
+from pdd import SamplingParams
+from tests.e2e.cluster import UpCluster
+from tests.e2e.test_disagg import metric
+from tests.e2e.test_disagg_faults import _wait_for, assert_all_free
+from tests.engine.helpers import random_prompts
+
+
+async def stream_text(session, cluster, prompt, sp: SamplingParams, started: asyncio.Event | None = None):
+    """(text, finish reason, error events) of one streamed completion."""
+    body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": sp.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text, reason, errors = [], None, []
+    async with session.post(cluster.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk["error"])
+                continue
+            text.append(chunk["choices"][0]["text"])
+            reason = chunk["choices"][0]["finish_reason"] or reason
+            if started is not None:
+                started.set()
+    return "".join(text), reason, errors
+
+
+def stream_all(cluster, prompts, params, while_running=None):
+    """Stream every prompt at once; `while_running()` runs (in a thread) once all have a token."""
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            started = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(stream_text(session, cluster, p, sp, ev))
+                     for p, sp, ev in zip(prompts, params, started)]
+            if while_running is not None:
+                await asyncio.gather(*(ev.wait() for ev in started))
+                await asyncio.get_running_loop().run_in_executor(None, while_running)
+            return await asyncio.gather(*tasks)
+    return asyncio.run(main())
+
+
+def test_decode_worker_frozen_then_killed_while_reserves_wait(tmp_path, tiny_model, offline):
+    """SIGSTOP a decode worker, send requests (some Reserves go to it and wait),
+    let it be declared lost (its requests move), SIGKILL it (pdd up restarts it):
+    every stream ends with its fault-free text, none placed twice."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "2",
+                  env={"PDD_ROUTER__RESERVE_TIMEOUT_S": "30"}).start()
+    try:
+        frozen = c.workers()["decode-0"]
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        prompts = random_prompts([5, 17, 40, 3, 33, 70, 12, 9], seed=21)
+        params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * len(prompts)
+        expected = [e.text for e in offline.generate(prompts, params)]
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                tasks = [asyncio.create_task(stream_text(session, c, p, sp)) for p, sp in zip(prompts, params)]
+                loop = asyncio.get_running_loop()
+                # Reserves are waiting on the frozen worker...
+                await loop.run_in_executor(None, _wait_for, lambda: any(
+                    r["worker_id"] == "decode-0" and r["phase"] == "reserving" for r in c.admin("requests")),
+                    60.0, "a Reserve waiting on the frozen decode worker")
+                # ...until it misses its heartbeats and its requests move.
+                await loop.run_in_executor(None, _wait_for, lambda: "decode-0" not in c.workers(), 60.0,
+                                           "the frozen worker declared lost")
+                os.kill(frozen["pid"], signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+        results = asyncio.run(main())
+        assert [(t, r, e) for t, r, e in results] == [(t, "length", []) for t in expected]
+        assert metric(c, "pdd_request_migrations_total") >= 1
+        _wait_for(lambda: c.workers().get("decode-0", {}).get("pid") not in (None, frozen["pid"]), 120.0,
+                  "decode-0 restarted")
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_worker_restarted_under_its_id_takes_its_old_requests(tmp_path, tiny_model, offline):
+    """kill -9 a colocated worker; `pdd up` restarts it under the same id long
+    before its old entry would expire (heartbeat timeout 60 s here): the new
+    process registering is the old one's loss, and its requests move onto it."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
+                  env={"PDD_ROUTER__HEARTBEAT_MISSES": "120"}).start()
+    try:
+        old_pid = c.workers()["colocated-0"]["pid"]
+        prompts = random_prompts([4, 30, 11], seed=5)
+        params = [SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)] * len(prompts)
+        expected = [e.text for e in offline.generate(prompts, params)]
+        results = stream_all(c, prompts, params, while_running=lambda: os.kill(old_pid, signal.SIGKILL))
+        assert [(t, r, e) for t, r, e in results] == [(t, "length", []) for t in expected]
+        assert c.workers()["colocated-0"]["pid"] != old_pid
+        assert metric(c, "pdd_request_migrations_total") == len(prompts)
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_clients_leaving_before_the_first_byte_leave_nothing_behind(tmp_path, tiny_model):
+    """200 streams whose clients hang up right after sending: each request is
+    retired exactly once, every worker's inflight count is back to zero, every
+    block free (the router once leaked an inflight count per early reset)."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "2").start()
+    try:
+        prompts = random_prompts([40] * 200, seed=9)
+
+        async def one(prompt):
+            body = json.dumps({"model": c.model_name, "prompt": prompt, "max_tokens": 50, "stream": True,
+                               "ignore_eos": True}).encode()
+            host, port = c.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.transport.abort()   # reset: gone before any answer
+
+        async def main():
+            await asyncio.gather(*(one(p) for p in prompts))
+        asyncio.run(main())
+        # Not vacuous: requests did reach the router before their clients vanished.
+        _wait_for(lambda: metric(c, "pdd_prompt_tokens_total") > 0, 60.0, "requests admitted")
+        # A leaked count never returns to zero: this would time out.
+        _wait_for(lambda: c.admin("requests") == [] and all(w["inflight"] == 0 for w in c.workers().values()),
+                  120.0, "no request in flight and every inflight count at zero")
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()

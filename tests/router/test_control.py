@@ -1,0 +1,281 @@
+"""The router's request state machine, driven event by event (no sockets: tests/router/sim.py)."""
+from __future__ import annotations
+
+import pytest
+
+from pdd.protocol import messages as m
+from pdd.router.control import Overloaded, Unavailable
+from tests.router.sim import SimCluster, token
+
+
+def run_to_end(c: SimCluster, limit: int = 10_000) -> None:
+    """Deliver every message and let every worker finish what it holds."""
+    for _ in range(limit):
+        c.check()
+        w = next((w for w in c.workers.values() if w.inbox), None)
+        if w is not None:
+            c.step_inbox(w)
+            continue
+        w = next((w for w in c.workers.values() if w.holds), None)
+        if w is None:
+            return
+        c.act(w, next(iter(w.holds)))
+    raise AssertionError("did not settle")
+
+
+def expected(rid: str, n: int) -> list[int]:
+    return [token(rid, i) for i in range(n)]
+
+
+def test_colocated_request_streams_every_token_once():
+    c = SimCluster()
+    c.add_worker("c0", "colocated")
+    s = c.submit(max_tokens=5)
+    assert s.mode == "colocated" and s.decode_worker == "c0" and s.epoch == 1
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 5))
+    assert c.quiescent() and c.registry.workers["c0"].inflight == 0
+
+
+def test_disaggregated_request_goes_reserve_prefill_decode():
+    c = SimCluster()
+    p, d = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=4)
+    assert (s.phase, s.decode_worker, s.prefill_worker, s.mode) == ("reserving", "d0", "p0", "disagg")
+    assert isinstance(d.inbox[0], m.Reserve) and not p.inbox
+    c.step_inbox(d)                         # Reserved -> Prefill goes out
+    assert s.phase == "prefilling" and isinstance(p.inbox[0], m.Prefill)
+    assert p.inbox[0].dst_block_ids == [0, 1, 2] and p.inbox[0].epoch == s.epoch
+    c.step_inbox(p)
+    c.act(p, (s.request_id, s.epoch), "first")   # the first token streams before the pages land
+    assert s.output_token_ids == [token(s.request_id, 0)] and s.phase == "prefilling"
+    c.act(p, (s.request_id, s.epoch))       # PrefillDone -> KVReady
+    assert s.phase == "decoding" and s.prefill_worker is None
+    assert isinstance(d.inbox[0], m.KVReady) and d.inbox[0].first_token == token(s.request_id, 0)
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 4))
+    assert c.quiescent()
+
+
+def test_decode_worker_lost_while_reserving_is_placed_once():
+    """The race of the issue: the decode worker dies while its Reserve waits; the
+    request moves; the reserve timer, firing later, must not place it again."""
+    c = SimCluster()
+    c.add_worker("p0", "prefill")
+    d0 = c.add_worker("d0", "decode")
+    c.add_worker("d1", "decode")   # equal load: ties go by id, d0 first
+    s = c.submit(max_tokens=3)
+    assert s.decode_worker == "d0"
+    c.step_inbox(d0, reserve="silent")
+    c.kill("d0")
+    assert s.epoch == 2 and s.decode_worker == "d1" and s.mode == "colocated"
+    c.advance(60)                            # every timer of the old placement fires
+    assert s.epoch == 2 and s.decode_worker == "d1"
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+    assert c.quiescent()
+
+
+def test_reserve_without_answer_times_out_and_goes_elsewhere():
+    c = SimCluster(reserve_timeout_s=5)
+    c.add_worker("p0", "prefill")
+    d0, d1 = c.add_worker("d0", "decode"), c.add_worker("d1", "decode", num_blocks=8)
+    s = c.submit(max_tokens=2)
+    c.step_inbox(d0, reserve="silent")
+    c.advance(5.1)
+    assert s.decode_worker == "d1" and s.epoch == 2
+    assert isinstance(d0.inbox[-1], m.Abort)      # the late reservation is released
+    run_to_end(c)
+    assert c.outcome(s.request_id)[0] == "done" and c.quiescent()
+
+
+def test_prefill_worker_lost_mid_prefill_decode_worker_prefills():
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    c.step_inbox(d0)
+    c.step_inbox(p0)
+    c.kill("p0")
+    assert s.phase == "decoding" and isinstance(d0.inbox[-1], m.PrefillLocally)
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+    assert c.quiescent()
+
+
+def test_prefill_failure_after_first_token_keeps_that_token():
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    c.step_inbox(d0)
+    c.step_inbox(p0)
+    c.act(p0, (s.request_id, s.epoch), "first")
+    c.act(p0, (s.request_id, s.epoch), "fail")
+    msg = d0.inbox[-1]
+    assert isinstance(msg, m.PrefillLocally) and msg.first_token == token(s.request_id, 0)
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+
+
+def test_decode_worker_lost_mid_stream_continues_elsewhere_without_gap():
+    c = SimCluster()
+    c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
+    s = c.submit(max_tokens=6)
+    c.step_inbox(c0)
+    for _ in range(3):
+        c.act(c0, (s.request_id, 1))
+    c.kill("c0")
+    admit = c1.inbox[0]
+    assert isinstance(admit, m.Admit) and admit.num_prior_output_tokens == 3 and admit.epoch == 2
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 6))
+
+
+def test_restart_under_the_same_id_moves_the_old_process_requests():
+    c = SimCluster()
+    c.add_worker("c0", "colocated")
+    s = c.submit(max_tokens=5)
+    c.step_inbox(c.workers["c0"])
+    c.act(c.workers["c0"], (s.request_id, 1))
+    new = c.restart("c0")                         # the old process's request must not hang
+    assert s.epoch == 2 and s.decode_worker == "c0"
+    assert isinstance(new.inbox[0], m.Admit) and new.inbox[0].num_prior_output_tokens == 1
+    assert c.registry.workers["c0"].inflight == 1
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 5))
+
+
+def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
+    c = SimCluster()
+    c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
+    s = c.submit(max_tokens=4)
+    c.step_inbox(c0)
+    c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "no room", retriable=True))
+    assert s.epoch == 2
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, [999])]))
+    assert 999 not in s.output_token_ids
+    c.check()
+
+
+def test_non_retriable_failure_ends_the_request_with_one_error():
+    c = SimCluster()
+    c0 = c.add_worker("c0", "colocated")
+    s = c.submit()
+    c.step_inbox(c0)
+    c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "top_k: out of range"))
+    assert c.outcome(s.request_id)[0] == "error"
+    assert isinstance(c0.inbox[-1], m.Abort)
+    run_to_end(c)
+    assert c.quiescent()
+
+
+def test_early_disconnects_leave_every_count_at_zero():
+    c = SimCluster()
+    c.add_worker("p0", "prefill")
+    c.add_worker("d0", "decode", num_blocks=10_000)
+    c.add_worker("d1", "decode", num_blocks=10_000)
+    for _ in range(200):
+        c.abort(c.submit().request_id)
+    c.check()
+    assert all(w.inflight == 0 for w in c.registry.workers.values())
+    run_to_end(c)
+    assert c.quiescent()
+
+
+def test_modes_decide_what_placement_may_do():
+    strict = SimCluster(mode="disagg")
+    strict.add_worker("d0", "decode")
+    with pytest.raises(Unavailable):
+        strict.submit()
+    off = SimCluster(mode="colocated")
+    off.add_worker("p0", "prefill")
+    off.add_worker("d0", "decode")
+    assert off.submit().mode == "colocated"
+
+
+def test_messages_from_unregistered_peers_change_nothing():
+    c = SimCluster()
+    c.add_worker("c0", "colocated")
+    s = c.submit()
+    c.control.handle("intruder", m.TokenBatch("intruder", [m.TokenItem(s.request_id, 1, [5])]))
+    c.control.handle("c0", m.TokenBatch("someone-else", [m.TokenItem(s.request_id, 1, [5])]))
+    assert s.output_token_ids == []
+    c.check()
+
+
+def test_failing_transfers_open_the_breaker_then_trials_close_it():
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode", num_blocks=10_000)
+
+    def one(outcome: str):
+        s = c.submit(max_tokens=2)
+        if s.mode == "disagg":
+            c.step_inbox(d0)
+            c.step_inbox(p0)
+            c.act(p0, (s.request_id, s.epoch), outcome)
+        run_to_end(c)
+        assert c.outcome(s.request_id) == ("done", expected(s.request_id, 2))
+        return s
+
+    for _ in range(5):
+        assert one("fail").num_migrations == 0          # each prefilled locally, still answered
+    assert c.control.breakers.snapshot(c.clock.now)[1]["state"] == "open"
+    s = one("ok")
+    assert s.mode == "colocated"   # no transfer attempted while open
+    c.advance(10.0)                                      # cool-down over: half-open, one trial
+    assert one("ok").mode == "disagg"
+    assert one("ok").mode == "disagg"
+    assert [b["state"] for b in c.control.breakers.snapshot(c.clock.now)] == ["closed", "closed"]
+
+
+def heartbeat(wid: str, steps: int, running_s: float) -> m.Heartbeat:
+    return m.Heartbeat(wid, 1, 0, 64, 64, steps_completed=steps, step_running_s=running_s)
+
+
+def test_a_hung_worker_loses_its_requests_and_gets_work_again_once_it_steps():
+    c = SimCluster()
+    c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
+    s = c.submit(max_tokens=4)
+    c.step_inbox(c0)
+    c.act(c0, (s.request_id, 1))
+    c.control.handle("c0", heartbeat("c0", 10, 1.0))
+    assert s.decode_worker == "c0"
+    c.control.handle("c0", heartbeat("c0", 10, 61.0))     # one step for 61 s: hung
+    assert c.registry.workers["c0"].hung and s.decode_worker == "c1" and s.epoch == 2
+    assert isinstance(c0.inbox[-1], m.Abort)
+    assert c.submit().decode_worker == "c1"               # no new work while hung
+    c.control.handle("c0", heartbeat("c0", 10, 70.0))
+    assert c.registry.workers["c0"].hung
+    c.control.handle("c0", heartbeat("c0", 11, 0.0))      # its steps advance again
+    assert not c.registry.workers["c0"].hung
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 4))
+    c.check()
+
+
+def test_admission_control_refuses_beyond_the_queue_limit():
+    c = SimCluster(max_queued_requests=3)
+    c0 = c.add_worker("c0", "colocated")
+    first = [c.submit() for _ in range(3)]
+    with pytest.raises(Overloaded) as e:
+        c.submit()
+    assert e.value.retry_after_s >= 1 and "max_queued_requests = 3" in str(e.value)
+    for _ in range(3):
+        c.step_inbox(c0)
+    c.act(c0, (first[0].request_id, 1))              # it has a token: no longer queued
+    assert c.submit().epoch == 1
+    c.check()
+
+
+def test_deadline_ends_a_request_with_one_error_wherever_it_is():
+    c = SimCluster(request_timeout_s=20.0)
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    c.step_inbox(d0)
+    c.step_inbox(p0)                                  # prefilling, and the prefill never ends
+    c.advance(19.0)
+    assert c.outcome(s.request_id)[0] == "open"
+    c.advance(1.5)
+    assert c.outcome(s.request_id)[0] == "error"
+    assert isinstance(p0.inbox[-1], m.Abort) and isinstance(d0.inbox[-1], m.Abort)
+    run_to_end(c)
+    assert c.quiescent()

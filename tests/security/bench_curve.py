@@ -1,0 +1,185 @@
+"""What CURVE costs: the control bus and the tcp KV data plane, with and without keys.
+
+    python -m tests.security.bench_curve [--messages 20000] [--pings 2000] [--rounds 5]
+                                         [--sizes 1,16,64] [--repeats 5] [--json FILE]
+
+Control bus: RouterChannel and DealerChannel on loopback, in one process (the
+encryption runs in libzmq's I/O threads either way): a worker streaming
+one-token TokenBatch messages as fast as it can (messages/s at the router), and
+request/reply round trips (Admit -> TokenBatch, median and p99 latency);
+--rounds alternate plaintext and CURVE, and the median round is reported (on
+a shared machine one round says little).
+Data plane: `pdd bench transfer` (pdd.bench.transfer) as is, once in plaintext
+and once with its sender and receiver given the keys of a throw-away cluster;
+plus the raw ZeroMQ ceiling of the same bytes as 32 acked messages, plaintext
+and CURVE (what the cipher alone costs on this machine).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from pdd.config import load_cluster_config
+from pdd.engine.sampling_params import SamplingParams
+from pdd.protocol import messages as m
+from pdd.protocol.bus import DealerChannel, RouterChannel
+from pdd.security import control_security, data_security, generate_keys
+
+
+def _configs():
+    keys = generate_keys(Path(tempfile.mkdtemp()) / "keys")
+    return {"plaintext": load_cluster_config(env={}, overrides={"security": {"insecure": True}}),
+            "curve": load_cluster_config(env={}, overrides={"security": {"keys_dir": str(keys)}})}
+
+
+async def _bus(cfg, messages: int, pings: int) -> dict:
+    ctx = zmq.asyncio.Context()
+    router = RouterChannel(ctx, "tcp://127.0.0.1:0", control_security(cfg, "router"))
+    worker = DealerChannel(ctx, router.addr, "w", control_security(cfg, "decode"))
+    batch = m.TokenBatch("w", [m.TokenItem("req-0123456789abcdef", 1, [42])])
+    await worker.send(batch)          # connected (handshake done) before timing
+    await router.recv()
+
+    async def drain(n: int) -> None:
+        for _ in range(n):
+            await router.recv()
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    receiving = asyncio.ensure_future(drain(messages))
+    for _ in range(messages):
+        await worker.send(batch)
+    await receiving
+    stream_s, stream_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+
+    admit = m.Admit("req-0123456789abcdef", 1, list(range(64)), SamplingParams())
+    rtts = []
+    for _ in range(pings):
+        t = time.perf_counter()
+        await router.send("w", admit)
+        got = await worker.recv()
+        await worker.send(m.TokenBatch("w", [m.TokenItem(got.request_id, got.epoch, [7])]))
+        await router.recv()
+        rtts.append(time.perf_counter() - t)
+    worker.close()
+    router.close()
+    ctx.term()
+    rtts.sort()
+    # CPU time of the whole process (event loop and libzmq's I/O threads, where
+    # CURVE encrypts) per message: steadier than wall time on a shared machine.
+    return {"messages_per_s": messages / stream_s, "cpu_us_per_message": 1e6 * stream_cpu / messages,
+            "rtt_p50_us": 1e6 * statistics.median(rtts),
+            "rtt_p99_us": 1e6 * rtts[int(0.99 * (len(rtts) - 1))]}
+
+
+def _zmq_ceiling(cfg, nbytes: int, messages: int, repeats: int) -> float:
+    """Median seconds for `nbytes` DEALER -> ROUTER as `messages` acked messages, all in flight."""
+    import numpy as np
+
+    sec = data_security(cfg)
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    if sec is not None:
+        sec.serve(router)
+        sec.dial(dealer, sec.public_key)
+    router.bind("tcp://127.0.0.1:0")
+
+    def serve() -> None:
+        while True:
+            ident, body = router.recv_multipart(copy=False)
+            router.send_multipart([ident, b"ok"])
+            if len(body) == 0:
+                return
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    bufs = [np.random.randint(0, 255, nbytes // messages, dtype=np.uint8) for _ in range(messages)]
+    times = []
+    for _ in range(repeats + 1):   # the first one warms the connection up
+        t0 = time.perf_counter()
+        for b in bufs:
+            dealer.send(b, copy=False)
+        for _ in bufs:
+            dealer.recv()
+        times.append(time.perf_counter() - t0)
+    dealer.send(b"")
+    dealer.recv()
+    th.join()
+    dealer.close(0)
+    router.close(0)
+    if sec is not None:
+        sec.release(router)
+    ctx.term()
+    return statistics.median(times[1:])
+
+
+def _transfer(cfg, sizes: str, repeats: int) -> dict:
+    """`pdd bench transfer`, its sockets given `cfg`'s data-plane keys."""
+    from pdd.bench import transfer
+    from pdd.transfer.base import TransferTarget
+    from pdd.transfer.tcp import TcpReceiver, TcpSender
+
+    sec = data_security(cfg)
+    saved = transfer.TcpSender, transfer.TcpReceiver, transfer.TransferTarget
+    if sec is not None:
+        transfer.TcpSender = functools.partial(TcpSender, security=sec)
+        transfer.TcpReceiver = functools.partial(TcpReceiver, security=sec)
+        transfer.TransferTarget = functools.partial(TransferTarget, dst_public_key=sec.public_key)
+    out = Path(tempfile.mkdtemp()) / "transfer.json"
+    args = argparse.Namespace(sizes=sizes, layers=32, block_size=16, kv_heads=4, head_dim=128, dtype="bfloat16",
+                              device="cpu", repeats=repeats, receiver_process=False, json=str(out))
+    try:
+        transfer.main(args)
+    finally:
+        transfer.TcpSender, transfer.TcpReceiver, transfer.TransferTarget = saved
+    out = {size: {k: r[k] for k in ("bytes", "seconds", "gb_s")}
+           for size, r in json.loads(out.read_text())["sizes"].items()}
+    for r in out.values():
+        r["zmq_x32_gb_s"] = r["bytes"] / _zmq_ceiling(cfg, r["bytes"], 32, repeats) / 1e9
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--messages", type=int, default=20000)
+    p.add_argument("--pings", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sizes", default="1,16,64")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results = {"date": time.strftime("%Y-%m-%d"), "bus": {}, "bus_rounds": {}, "transfer": {}}
+    configs = _configs()
+    for _ in range(args.rounds):
+        for name, cfg in configs.items():
+            results["bus_rounds"].setdefault(name, []).append(asyncio.run(_bus(cfg, args.messages, args.pings)))
+    for name, rounds in results["bus_rounds"].items():
+        results["bus"][name] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    for name, cfg in configs.items():
+        results["transfer"][name] = _transfer(cfg, args.sizes, args.repeats)
+    print(f"{'control bus':<12} {'msgs/s':>10} {'CPU us/msg':>11} {'RTT p50 us':>11} {'RTT p99 us':>11}")
+    for name, r in results["bus"].items():
+        print(f"{name:<12} {r['messages_per_s']:>10.0f} {r['cpu_us_per_message']:>11.1f} {r['rtt_p50_us']:>11.0f} "
+              f"{r['rtt_p99_us']:>11.0f}")
+    print(f"{'tcp pages':<12} {'MiB':>6} {'ms':>9} {'GB/s':>7} {'zmq x32 GB/s':>13}")
+    for name, sizes in results["transfer"].items():
+        for r in sizes.values():
+            print(f"{name:<12} {r['bytes'] / 2**20:>6.0f} {1e3 * r['seconds']:>9.2f} {r['gb_s']:>7.2f} "
+                  f"{r['zmq_x32_gb_s']:>13.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

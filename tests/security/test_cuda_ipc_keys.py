@@ -1,0 +1,108 @@
+"""cuda_ipc with keys, on a GPU: the decode worker's data socket runs CURVE, the
+cluster's sender opens its pool (under a live lease) and writes; a sender with
+keys of its own gets no pool and writes nothing. Runs only where CUDA is."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from pdd.transfer import make_sender
+from pdd.transfer.base import TransferTarget
+from tests.security.conftest import secure_config
+from tests.transfer.conftest import make_layout, make_pool
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "cuda:0"
+
+
+def serve_secure_pool(conn, keys_dir: str, device: str) -> None:
+    """The decode side in its own process (CUDA IPC cannot open a handle where it was exported)."""
+    from pdd.security import data_security
+    from pdd.transfer import make_receiver
+    from pdd.transfer.leases import LeaseTable
+
+    layout = make_layout()
+    pool = make_pool(layout, seed=2).to(device)
+    leases = LeaseTable()
+    sec = data_security(secure_config(keys_dir))
+    receiver = make_receiver("tcp", pool, layout, leases, security=sec)
+    receiver.start()
+    conn.send((receiver.address, sec.public_key))
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "grant":
+                conn.send(leases.grant(*args))
+            elif cmd == "pool":
+                torch.cuda.synchronize(device)
+                conn.send(pool.cpu())
+            else:
+                conn.send(None)
+                return
+    finally:
+        receiver.close()
+
+
+@pytest.fixture(scope="module")
+def peer(keys):
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=serve_secure_pool, args=(child, str(keys), PEER), daemon=True)
+    proc.start()
+    assert conn.poll(120), "peer did not start"
+    address, key = conn.recv()
+
+    def ask(*cmd):
+        conn.send(cmd)
+        assert conn.poll(30), f"peer did not answer {cmd[0]}"
+        return conn.recv()
+
+    ask.address, ask.key = address, key
+    yield ask
+    ask("stop")
+    proc.join(10)
+
+
+def transfer(sender, peer, rid: str, dst: list[int], src: torch.Tensor):
+    target = TransferTarget(rid, peer("grant", rid, dst, 30), "d", peer.address, tuple(dst), backend="cuda_ipc",
+                            dst_public_key=peer.key)
+    sender.prepare(target)
+    for layer in range(src.shape[0]):
+        sender.send_layer(target, layer, src[layer], [1, 6], [0, 1])
+    sender.step_done()
+    sender.finish(rid)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for r in sender.poll():
+            if r.request_id == rid:
+                return r
+        time.sleep(0.005)
+    raise AssertionError(f"no result for {rid}")
+
+
+@pytest.mark.parametrize("whose", ["cluster", "stranger"])
+def test_the_pool_opens_only_to_the_cluster(peer, keys, stranger_keys, whose):
+    from pdd.security import data_security
+
+    layout = make_layout()
+    sec = data_security(secure_config(keys if whose == "cluster" else stranger_keys))
+    sender = make_sender("cuda_ipc", layout, timeout_s=5, device="cuda:0", security=sec)
+    src = make_pool(layout, seed=1).cuda()
+    before = peer("pool")
+    try:
+        result = transfer(sender, peer, f"r-{whose}", [9, 3], src)
+    finally:
+        sender.close()
+    after = peer("pool")
+    if whose == "cluster":
+        assert result.ok, result.error
+        expected = before.clone()
+        expected[:, :, [9, 3]] = src[:, :, [1, 6]].cpu()
+        assert torch.equal(after, expected)
+    else:   # no handshake: the open is never answered, nothing is written
+        assert not result.ok and "no answer to ipc_open" in result.error
+        assert torch.equal(after, before)

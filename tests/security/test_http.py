@@ -1,0 +1,172 @@
+"""HTTP access: API keys (401 in OpenAI's shape), timeouts that cut idle and
+slow clients while normal requests are served, the connection limit, and
+large prompts tokenized off the event loop. A real server on a loopback port;
+the router core is a stand-in (no worker is needed for any of this)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+
+from pdd import security
+from pdd.http.app import build_app, serve_http
+from tests.security.conftest import StubRouter, secure_config
+
+KEYS = ["key-one-1234", "key-two-5678"]
+
+
+class StubTokenizer:
+    vocab_size = 1000
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return [1] * 100    # longer than the stand-in's context: the request ends in a 400
+
+
+async def start(cfg, tokenizer=None):
+    app = build_app(StubRouter(cfg), tokenizer or StubTokenizer(), "m")
+    server = await serve_http(app, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.port}"
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_api_keys(keys):
+    async def main():
+        server, url = await start(secure_config(keys, security={"api_keys": KEYS}))
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEYS[0]}"},
+                            {"Authorization": KEYS[0]}):
+                async with s.get(url + "/v1/models", headers=headers) as r:
+                    assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+                    body = await r.json()
+                    assert set(body["error"]) == {"message", "type", "param", "code"}
+                    assert body["error"]["code"] == "invalid_api_key" and KEYS[0] not in str(body)
+            async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 401
+            async with s.get(url + "/no/such/path") as r:
+                assert r.status == 401   # nothing is revealed without a key, not even which paths exist
+            for key in KEYS:
+                async with s.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200 and (await r.json())["data"][0]["id"] == "m"
+            for path in ("/health", "/metrics"):   # open by default
+                async with s.get(url + path) as r:
+                    assert r.status == 200
+        await server.cleanup()
+
+    run(main())
+
+
+def test_health_and_metrics_can_need_a_key_too(keys):
+    async def main():
+        server, url = await start(secure_config(keys, security={"api_keys": KEYS, "open_paths": []}))
+        async with aiohttp.ClientSession() as s:
+            for path in ("/health", "/metrics"):
+                async with s.get(url + path) as r:
+                    assert r.status == 401
+                async with s.get(url + path, headers={"Authorization": f"Bearer {KEYS[1]}"}) as r:
+                    assert r.status == 200
+        await server.cleanup()
+
+    run(main())
+
+
+def test_without_keys_the_api_is_open(keys):
+    async def main():
+        server, url = await start(secure_config(keys))
+        async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+            assert r.status == 200
+        await server.cleanup()
+
+    run(main())
+
+
+async def read_all(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while chunk := await reader.read(65536):
+        out += chunk
+    return out
+
+
+def test_idle_and_slow_clients_are_cut_while_a_normal_request_is_served(keys):
+    async def main():
+        cfg = secure_config(keys, security={"api_keys": KEYS, "http_header_timeout_s": 1.0,
+                                            "http_body_timeout_s": 1.0, "http_idle_timeout_s": 1.0})
+        server, url = await start(cfg)
+        port = server.port
+        before = security.counts()
+        idle = await asyncio.open_connection("127.0.0.1", port)
+        slowloris = await asyncio.open_connection("127.0.0.1", port)
+        slowloris[1].write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthoriz")
+        short = await asyncio.open_connection("127.0.0.1", port)
+        short[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        # A well-behaved client is served meanwhile, on its own connection.
+        async with aiohttp.ClientSession() as s, \
+                s.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}) as r:
+            assert r.status == 200
+        assert await read_all(idle[0]) == b""                 # closed quietly
+        cut = await read_all(slowloris[0])
+        assert cut.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in cut
+        answer = await read_all(short[0])
+        assert answer.startswith(b"HTTP/1.1 408") and b"request body did not arrive" in answer
+        after = security.counts()
+        for what in ("http.idle_timeout", "http.header_timeout", "http.body_timeout"):
+            assert after.get(what, 0) > before.get(what, 0), what
+        for _, w in (idle, slowloris, short):
+            w.close()
+        await server.cleanup()
+
+    run(main())
+
+
+def test_connection_limit(keys):
+    async def main():
+        server, url = await start(secure_config(keys, security={"http_max_connections": 2}))
+        port = server.port
+        held = []
+        for _ in range(2):   # two keep-alive connections, each known to be accepted (answered)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            held.append((r, w))
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        refused = await read_all(r)
+        assert refused.startswith(b"HTTP/1.1 503") and b"too many connections" in refused
+        w.close()
+        held.pop()[1].close()   # one leaves: new connections are taken again
+        async with aiohttp.ClientSession() as s:
+            while True:
+                try:
+                    async with s.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:   # refused while the server has not seen the close yet
+                    await asyncio.sleep(0.05)
+        for _, w in held:
+            w.close()
+        await server.cleanup()
+
+    run(main())
+
+
+def test_large_prompts_are_tokenized_off_the_event_loop(keys):
+    async def main():
+        tok = StubTokenizer()
+        server, url = await start(secure_config(keys), tok)
+        async with aiohttp.ClientSession() as s:
+            for prompt in ("short prompt", "x" * 20_000):
+                async with s.post(url + "/v1/completions", json={"model": "m", "prompt": prompt}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+        loop_thread = threading.current_thread().name
+        assert tok.threads[0] == loop_thread and tok.threads[1].startswith("tokenize")
+        await server.cleanup()
+
+    run(main())

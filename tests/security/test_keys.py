@@ -1,0 +1,126 @@
+"""Key files, the [security] table, and what a process needs before it starts."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from pdd.config import ConfigError, load_cluster_config
+from pdd.security import (KeyDir, admin_token_problem, check_start, control_security, data_security,
+                          generate_keys, worker_public_key, write_private)
+from tests.security.conftest import secure_config
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_generated_key_set_and_its_file_modes(keys):
+    assert mode(keys) == 0o700
+    for role in ("router", "worker", "admin"):
+        assert mode(keys / f"{role}.key_secret") == 0o600
+        assert "secret-key" in (keys / f"{role}.key_secret").read_text()
+        assert "secret-key" not in (keys / f"{role}.key").read_text()
+    assert (keys / "authorized_workers" / "worker.key").read_text() == (keys / "worker.key").read_text()
+    assert (keys / "authorized_admins" / "admin.key").read_text() == (keys / "admin.key").read_text()
+    assert not (keys / "authorized_workers" / "router.key").exists()
+
+
+def test_keys_are_never_overwritten(keys):
+    before = (keys / "router.key_secret").read_text()
+    with pytest.raises(ValueError, match="never overwritten"):
+        generate_keys(keys)
+    assert (keys / "router.key_secret").read_text() == before
+
+
+def test_pdd_keys_generate_one_more_worker(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pdd.cli", "keys", "generate", str(tmp_path / "host-b"),
+                        "--only", "worker"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "host-b").iterdir()) == \
+        ["authorized_workers", "worker.key", "worker.key_secret"]
+
+
+def test_without_keys_a_process_refuses_to_start_and_says_what_to_do():
+    cfg = load_cluster_config(env={})
+    for role in ("router", "decode"):
+        with pytest.raises(ConfigError, match=r"pdd keys generate DIR.*security\.insecure = true"):
+            control_security(cfg, role)
+
+
+def test_insecure_means_no_keys_anywhere():
+    cfg = load_cluster_config(env={}, overrides={"security": {"insecure": True}})
+    assert control_security(cfg, "router") is None and data_security(cfg) is None
+    assert worker_public_key(cfg) == ""
+
+
+def test_a_missing_key_file_is_named(tmp_path, keys):
+    partial = generate_keys(tmp_path / "k", roles=("worker",))   # a worker host that lacks router.key
+    with pytest.raises(ConfigError, match=r"router\.key"):
+        control_security(secure_config(partial), "decode")
+    with pytest.raises(ConfigError, match=r"router\.key_secret"):
+        control_security(secure_config(partial), "router")
+
+
+def test_roles_get_their_own_pairs(secure_cfg, keys):
+    router, worker = control_security(secure_cfg, "router"), control_security(secure_cfg, "prefill")
+    assert router.public_key != worker.public_key
+    assert worker.server_key == router.public
+    assert worker_public_key(secure_cfg) == (keys / "worker.key").read_text().split('"')[1]
+
+
+@pytest.mark.parametrize("token", ["", "change-me", "CHANGE-ME", "secret", "short-token"])
+def test_weak_admin_tokens(token):
+    assert admin_token_problem(token)
+
+
+def test_router_start_refuses_a_placeholder_token(keys):
+    with pytest.raises(ConfigError, match="placeholder 'change-me'.*PDD_ROUTER__ADMIN_TOKEN"):
+        check_start(secure_config(keys, router={"admin_token": "change-me"}), "router")
+    check_start(secure_config(keys, router={"admin_token": "0123456789abcdef0123"}), "router")
+
+
+def test_write_private_tightens_an_existing_file(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("old")
+    os.chmod(path, 0o644)
+    write_private(path, "admin_token = 'x'")
+    assert mode(path) == 0o600 and path.read_text() == "admin_token = 'x'"
+
+
+def test_authorized_directory_is_reread_when_it_changes(tmp_path, stranger_keys):
+    d = tmp_path / "authorized"
+    d.mkdir()
+    allowed = KeyDir(d)
+    stranger = (stranger_keys / "worker.key").read_text().split('"')[1].encode()
+    assert allowed.lookup(stranger) is None
+    (d / "host-c.key").write_text((stranger_keys / "worker.key").read_text())
+    os.utime(d, ns=(1, 1))   # a new mtime even within the filesystem's timestamp granularity
+    assert allowed.lookup(stranger) == "host-c"
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"open_paths": ["/v1/completions"]}, "security.open_paths"),
+    ({"http_body_timeout_s": 0}, "security.http_body_timeout_s"),
+    ({"http_max_connections": 0}, "security.http_max_connections"),
+    ({"api_keys": ["has space"]}, r"security.api_keys\[0\]"),
+    ({"keys": "x"}, "unknown key"),
+])
+def test_security_table_errors_name_the_key(table, message):
+    with pytest.raises(ConfigError, match=message):
+        load_cluster_config(env={}, overrides={"security": table})
+
+
+def test_api_keys_from_the_environment():
+    cfg = load_cluster_config(env={"PDD_SECURITY__API_KEYS": "k1-abc,k2-def"})
+    assert cfg.security.api_keys == ("k1-abc", "k2-def")
+
+
+def test_a_malformed_key_file_is_named(tmp_path):
+    d = generate_keys(tmp_path / "k")
+    (d / "router.key").write_text('public-key = "not a z85 key at all, not even forty"\n')
+    with pytest.raises(ConfigError, match=r"router\.key holds a malformed key"):
+        control_security(secure_config(d), "decode")

@@ -1,0 +1,66 @@
+"""Heartbeat journals: every entry the engine thread appends reaches exactly
+one heartbeat, however appends and reads interleave."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pdd.engine.engine import StepStats
+from pdd.worker.stats import EngineStats, HeartbeatReader, Journal, JournalCursor
+
+
+def test_a_cursor_takes_each_entry_once():
+    journal, cursor = Journal(maxlen=8), JournalCursor()
+    journal.extend([1, 2])
+    old = journal.view()
+    journal.extend([3])
+    assert cursor.take(journal.view()) == [1, 2, 3]
+    assert cursor.take(old) == []            # an older snapshot read late brings nothing twice
+    assert cursor.take(journal.view()) == []
+    journal.extend([4, 5])
+    assert cursor.take(journal.view()) == [4, 5]
+
+
+def test_a_reader_that_falls_behind_gets_the_newest_entries():
+    journal, cursor = Journal(maxlen=4), JournalCursor()
+    journal.extend(list(range(10)))
+    assert cursor.take(journal.view()) == [6, 7, 8, 9]   # bounded: the oldest were dropped
+    journal.extend([10])
+    assert cursor.take(journal.view()) == [10]
+
+
+def test_views_are_immutable_snapshots():
+    journal = Journal(maxlen=4)
+    journal.extend([1])
+    view = journal.view()
+    journal.extend([2, 3, 4, 5])
+    assert view.items == (1,) and view.end == 1
+
+
+def fake_engine(published: list[int]) -> SimpleNamespace:
+    """Just what EngineStats.snapshot reads; `published`: hashes the prefix cache publishes."""
+    def take_recent_hashes():
+        out = published[:]
+        published.clear()
+        return out
+    kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.0,
+                         take_recent_hashes=take_recent_hashes)
+    scheduler = SimpleNamespace(running=[], num_preemptions=0, num_waiting=lambda: 0)
+    return SimpleNamespace(kv=kv, scheduler=scheduler)
+
+
+def test_heartbeats_carry_samples_and_hashes_once():
+    published = [11, 12]
+    engine, stats, reader = fake_engine(published), EngineStats(), HeartbeatReader("w")
+    stats.record(StepStats(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38]))
+    first = reader.heartbeat(stats.snapshot(engine, {}), 0.0, False)
+    published.append(13)
+    stats.record(StepStats(latency_s=0.25, num_tokens=3, num_decodes=3))
+    stats.record(StepStats())                      # took results only: no sample
+    snap = stats.snapshot(engine, {})
+    second = reader.heartbeat(snap, 0.1, True)
+    again = reader.heartbeat(snap, 0.2, True)      # the loop heartbeats twice on one snapshot
+    assert (first.recent_hashes, first.step_latencies, first.prefill_chunks, first.decode_batches) == \
+        ([11, 12], [0.5], [38], [2])
+    assert (second.recent_hashes, second.step_latencies, second.decode_batches) == ([13], [0.25], [3])
+    assert second.steps_completed == 3 and second.step_running_s == 0.1 and second.draining
+    assert again.recent_hashes == again.step_latencies == [] and again.steps_completed == 3
