@@ -162,9 +162,11 @@ class Shutdown(Message):
 
 
 # ---------------------------------------------------------------- disaggregation
-# Lifecycle: router -> decode Reserve; decode -> router Reserved; router -> prefill
-# Prefill; prefill writes KV into the reserved blocks over the data plane, then
-# -> router PrefillDone; router -> decode KVReady; decode streams TokenBatch.
+# Lifecycle: router -> decode Reserve and router -> prefill Prefill, at once;
+# decode -> router Reserved; router -> prefill KVTarget; prefill -> router
+# FirstToken as soon as it is sampled; prefill writes KV into the reserved blocks
+# over the data plane, then -> router PrefillDone; router -> decode KVReady;
+# decode streams TokenBatch.
 
 @dataclass
 class Reserve(Message):
@@ -193,19 +195,29 @@ class Reserved(Message):
 
 @dataclass
 class Prefill(Message):
-    """Prefill side: compute the prompt, sample the first token, write the KV
-    of blocks [skip_blocks:] into dst_block_ids on dst_addr under lease_id."""
+    """Prefill side: compute the prompt and sample the first token. Sent while
+    the decode worker reserves (the reservation is off the time to first
+    token); where the KV goes follows in KVTarget."""
     TYPE: ClassVar[str] = "prefill"
     request_id: str
     epoch: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    transfer_backend: str = "tcp"
+
+
+@dataclass
+class KVTarget(Message):
+    """Prefill side: write the KV of blocks [skip_blocks:] into dst_block_ids on
+    dst_addr under lease_id (what the decode worker's Reserved said)."""
+    TYPE: ClassVar[str] = "kv_target"
+    request_id: str
+    epoch: int
     dst_worker: str
     dst_addr: str
     dst_block_ids: list[int]
     skip_blocks: int
     lease_id: str
-    transfer_backend: str = "tcp"
     dst_public_key: str = ""   # the decode worker's data-socket CURVE key, as it registered
 
 

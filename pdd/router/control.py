@@ -16,9 +16,11 @@ socket, so a stale copy never outlives its placement.
 
 Disaggregated (DESIGN.md, "Request lifecycle"):
 
-    reserving   decode <- Reserve; timer reserve_timeout_s
-                   Reserved ok  -> prefill <- Prefill, prefilling
-                   refused / no answer -> placed again, prefilled where it decodes
+    reserving   decode <- Reserve and prefill <- Prefill, at once (the prompt
+                computes while the decode worker reserves); timer reserve_timeout_s
+                   FirstToken   -> streamed at once
+                   Reserved ok  -> prefill <- KVTarget (block ids, lease), prefilling
+                   refused / no answer / PrefillFailed -> placed again, prefilled where it decodes
     prefilling  timer kv_lease_ttl_s (the decode worker's lease)
                    FirstToken   -> streamed at once (the pages may still be in flight)
                    PrefillDone  -> decode <- KVReady, decoding
@@ -237,32 +239,33 @@ class ControlPlane:
             reason = "no_decode_room" if "KV blocks" in msg.error else "reserve_refused"
             self._place_again(state, reason, f"{peer} refused the reservation: {msg.error}")
             return
-        now = self.clock()
-        self.metrics.disagg_phase.labels("reserve").observe(now - state.phase_since)
+        self.metrics.disagg_phase.labels("reserve").observe(self.clock() - state.placed_at)
         state.lease_id, state.num_cached_tokens = msg.lease_id, msg.num_cached_tokens
         prefill = self._prefill_for(state)
         if prefill is None:
             self._prefill_locally(state, "prefill_worker_lost")
             return
+        if state.prompt_at != prefill:   # the planned prefill worker left: another one computes it
+            self._send_prompt(state, prefill)
         decode = self.registry.workers[peer]
         skip = msg.num_cached_tokens // self.registry.layout.block_size
         self._enter(state, PREFILLING, self.cfg.kv_lease_ttl_s)
-        self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
-                                     peer, decode.data_addr, msg.block_ids, skip, msg.lease_id,
-                                     state.transfer_backend, decode.public_key))
+        self.send(prefill, m.KVTarget(state.request_id, state.epoch, peer, decode.data_addr, msg.block_ids, skip,
+                                      msg.lease_id, decode.public_key))
 
     def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
-        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
-        if state is None or state.output_token_ids:
+        # Often while the decode worker still reserves: the prompt went to both at once.
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        if state is None or state.output_token_ids or state.phase not in (RESERVING, PREFILLING):
             return
-        self.metrics.disagg_phase.labels("first_token").observe(self.clock() - state.phase_since)
+        self.metrics.disagg_phase.labels("first_token").observe(self.clock() - state.placed_at)
         self._deliver(state, TokenEvent([msg.token], False, None, msg.logprobs, msg.num_cached_tokens))
 
     def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
-        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.phase_since)
+        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.placed_at)
         self.metrics.observe_transfer(msg.transfer)
         self.breakers.record(peer, state.decode_worker, True, self.clock())
         self.registry.workers[peer].note_hashes(state.block_hashes)
@@ -274,8 +277,11 @@ class ControlPlane:
                                                  state.output_token_ids[0]))
 
     def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
-        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
-        if state is None:
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        if state is None or state.phase not in (RESERVING, PREFILLING):
+            return
+        if state.phase == RESERVING:   # before any reservation: nothing for the decode worker to fill
+            self._place_again(state, "prefill_failed", f"prefill on {peer} failed: {msg.error}")
             return
         log.warning("prefill of %s on %s failed (%s); its decode worker prefills it", msg.request_id, peer,
                     msg.error)
@@ -347,11 +353,15 @@ class ControlPlane:
         state.epoch += 1
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
         self._own(state, plan.decode, plan.prefill)
+        state.placed_at, state.prompt_at = self.clock(), None
         if plan.disaggregated:
-            self.breakers.placed(plan.prefill, plan.decode, self.clock())
+            # Both at once: the prompt computes while the decode worker reserves;
+            # the block ids follow in KVTarget, long before the first page is due.
+            self.breakers.placed(plan.prefill, plan.decode, state.placed_at)
             self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
             self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
                                              state.sampling, self.cfg.kv_lease_ttl_s))
+            self._send_prompt(state, plan.prefill)
             return
         self._enter(state, DECODING)
         self.send(plan.decode, m.Admit(state.request_id, state.epoch,
@@ -375,6 +385,11 @@ class ControlPlane:
         log.info("request %s placed again on %s after %d tokens: %s", state.request_id, plan.decode,
                  len(state.output_token_ids), why)
         self._start(state, plan)
+
+    def _send_prompt(self, state: RequestState, prefill: str) -> None:
+        state.prompt_at = prefill
+        self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
+                                     state.transfer_backend))
 
     def _prefill_locally(self, state: RequestState, reason: str) -> None:
         """The KV will not come: the decode worker computes the prompt in the

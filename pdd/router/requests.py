@@ -53,6 +53,8 @@ class RequestState:
     lease_id: str = ""
     transfer_backend: str = ""
     phase_since: float = 0.0            # when the current phase began (monotonic)
+    placed_at: float = 0.0              # when the current placement began
+    prompt_at: str | None = None        # the prefill worker that was sent the prompt in this epoch
     timer_seq: int = 0                  # the live phase timer; older ones are ignored when they fire
     deadline_seq: int = 0               # its request_timeout_s timer, if any
     output_token_ids: list[int] = field(default_factory=list)

@@ -196,35 +196,60 @@ class PrefillSide:
                            **(ipc if b == "cuda_ipc" else {}))
             for b in offered_backends(wc.transfer_backend, device)})
         self.sender.set_wakeup(wakeup)
-        self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size)
+        self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size, engine.kv)
         engine.attach_connector(self.connector)
+        # Prompts whose target has not come yet: the backend their Prefill named, their length.
+        self.backends: dict[str, str] = {}
+        self.prompt_lens: dict[str, int] = {}
         # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
         self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
 
     def handle(self, msg: m.Message) -> list[m.Message]:
+        if isinstance(msg, m.KVTarget):
+            return self._target(msg)
         if not isinstance(msg, m.Prefill):
             raise TypeError(f"PrefillSide does not take {msg.TYPE} messages")
         try:
-            self._check_target(msg)
+            if msg.transfer_backend not in self.sender.senders:
+                raise InvalidRequest(f"transfer_backend: {msg.transfer_backend!r} is not offered by this worker "
+                                     f"({', '.join(self.sender.senders)})")
             with self.placements.placing(msg.request_id, msg.epoch) as eid:
                 self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling, prefill_only=True)
         except InvalidRequest as e:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
-        self.connector.add(TransferTarget(eid, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids),
-                                          msg.skip_blocks, backend=msg.transfer_backend,
-                                          dst_public_key=msg.dst_public_key))
+        self.backends[eid] = msg.transfer_backend
+        self.prompt_lens[eid] = len(msg.prompt_token_ids)
+        self.connector.expect(eid)
         return []
 
-    def _check_target(self, msg: m.Prefill) -> None:
+    def _target(self, msg: m.KVTarget) -> list[m.Message]:
+        """Where an expected prompt's KV goes (the decode worker's reservation)."""
+        eid = self.placements.find(msg.request_id, msg.epoch)
+        if eid is None or eid not in self.backends:
+            return []   # aborted meanwhile, or failed already: nothing to send
+        try:
+            self._check_target(msg, self.prompt_lens[eid])
+        except InvalidRequest as e:
+            self._forget(eid)
+            return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
+        self.connector.set_target(TransferTarget(
+            eid, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids), msg.skip_blocks,
+            backend=self.backends.pop(eid), dst_public_key=msg.dst_public_key))
+        self.prompt_lens.pop(eid, None)
+        return []
+
+    def _forget(self, eid: str) -> None:
+        self.engine.abort_request(eid)
+        self.abort(eid)
+        self.placements.remove(eid)
+
+    def _check_target(self, msg: m.KVTarget, prompt_len: int) -> None:
         """Where the KV goes must hold the whole prompt: a short block list found
         mid-forward would fail every request of the batch."""
-        if msg.transfer_backend not in self.sender.senders:
-            raise InvalidRequest(f"transfer_backend: {msg.transfer_backend!r} is not offered by this worker "
-                                 f"({', '.join(self.sender.senders)})")
-        num_blocks = -(-len(msg.prompt_token_ids) // self.engine.cfg.block_size)
+        num_blocks = -(-prompt_len // self.engine.cfg.block_size)
         if len(msg.dst_block_ids) < num_blocks:
             raise InvalidRequest(f"dst_block_ids: {len(msg.dst_block_ids)} blocks for a prompt of "
-                                 f"{len(msg.prompt_token_ids)} tokens, which needs {num_blocks}")
+                                 f"{prompt_len} tokens, which needs {num_blocks}")
         if not 0 <= msg.skip_blocks <= num_blocks:
             raise InvalidRequest(f"skip_blocks: must be in [0, {num_blocks}], got {msg.skip_blocks}")
 
@@ -268,6 +293,8 @@ class PrefillSide:
     def abort(self, eid: str) -> None:
         self.connector.abort(eid)
         self.first_tokens.pop(eid, None)
+        self.backends.pop(eid, None)
+        self.prompt_lens.pop(eid, None)
 
     @property
     def transfers_pending(self) -> bool:

@@ -254,7 +254,7 @@ class EngineThread(threading.Thread):
                 for eid in self.placements.of_request(rid):
                     self._forget(eid)
             return []
-        side = self.prefill_side if isinstance(msg, m.Prefill) else self.decode_side
+        side = self.prefill_side if isinstance(msg, (m.Prefill, m.KVTarget)) else self.decode_side
         if side is None:
             log.warning("worker %s (%s) cannot handle %s", self.worker_id, self.role, msg.TYPE)
             return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,

@@ -47,6 +47,7 @@ class Hold:
     position: int = 0        # next output position (running)
     max_tokens: int = 0
     blocks: int = 0
+    target: bool = False     # prefilling: its KVTarget came (pages may be sent)
 
 
 @dataclass
@@ -154,6 +155,10 @@ class SimCluster:
                                 block_ids=[0, 1, 2]))
         elif isinstance(msg, m.Prefill):
             w.take(msg.request_id, msg.epoch, Hold(msg.epoch, "prefilling", blocks=3))
+        elif isinstance(msg, m.KVTarget):
+            hold = w.holds.get((msg.request_id, msg.epoch))
+            if hold is not None:       # else: aborted or failed meanwhile, nothing to send
+                hold.target = True
         elif isinstance(msg, (m.KVReady, m.PrefillLocally)):
             hold = w.holds.get((msg.request_id, msg.epoch))
             if hold is None or hold.kind != "reserved":
@@ -170,10 +175,12 @@ class SimCluster:
         hold = w.holds[key]
         send = lambda reply: self.control.handle(w.worker_id, reply)  # noqa: E731
         if hold.kind in ("prefilling", "first_sent"):
-            if outcome == "first" and hold.kind == "prefilling":
+            if hold.kind == "prefilling" and (outcome == "first" or (outcome == "ok" and not hold.target)):
                 hold.kind = "first_sent"
                 send(m.FirstToken(w.worker_id, rid, epoch, token(rid, 0)))
                 return
+            if outcome == "ok" and not hold.target:
+                return   # computed; its pages wait for the target
             del w.holds[key]
             if outcome == "fail":
                 send(m.PrefillFailed(w.worker_id, rid, epoch, "transfer failed (simulated)"))

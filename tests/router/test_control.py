@@ -16,10 +16,12 @@ def run_to_end(c: SimCluster, limit: int = 10_000) -> None:
         if w is not None:
             c.step_inbox(w)
             continue
-        w = next((w for w in c.workers.values() if w.holds), None)
-        if w is None:
+        # A reservation moves on by a message, anything else by the worker's own progress.
+        movable = [(w, k) for w in c.workers.values() for k, h in w.holds.items() if h.kind != "reserved"]
+        if not movable:
+            assert not any(w.holds for w in c.workers.values()), "reservations left waiting"
             return
-        c.act(w, next(iter(w.holds)))
+        c.act(*movable[0])
     raise AssertionError("did not settle")
 
 
@@ -37,24 +39,41 @@ def test_colocated_request_streams_every_token_once():
     assert c.quiescent() and c.registry.workers["c0"].inflight == 0
 
 
-def test_disaggregated_request_goes_reserve_prefill_decode():
+def test_disaggregated_request_reserves_while_the_prompt_computes():
     c = SimCluster()
     p, d = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
     s = c.submit(max_tokens=4)
     assert (s.phase, s.decode_worker, s.prefill_worker, s.mode) == ("reserving", "d0", "p0", "disagg")
-    assert isinstance(d.inbox[0], m.Reserve) and not p.inbox
-    c.step_inbox(d)                         # Reserved -> Prefill goes out
-    assert s.phase == "prefilling" and isinstance(p.inbox[0], m.Prefill)
-    assert p.inbox[0].dst_block_ids == [0, 1, 2] and p.inbox[0].epoch == s.epoch
+    # The prompt goes to the prefill worker at once, beside the Reserve: no serial hop before it computes.
+    assert isinstance(d.inbox[0], m.Reserve) and isinstance(p.inbox[0], m.Prefill)
     c.step_inbox(p)
-    c.act(p, (s.request_id, s.epoch), "first")   # the first token streams before the pages land
-    assert s.output_token_ids == [token(s.request_id, 0)] and s.phase == "prefilling"
-    c.act(p, (s.request_id, s.epoch))       # PrefillDone -> KVReady
+    c.act(p, (s.request_id, s.epoch), "first")   # sampled before the reservation came back: streamed
+    assert s.output_token_ids == [token(s.request_id, 0)] and s.phase == "reserving"
+    c.step_inbox(d)                               # Reserved -> the target follows
+    target = p.inbox[0]
+    assert s.phase == "prefilling" and isinstance(target, m.KVTarget)
+    assert target.dst_block_ids == [0, 1, 2] and target.epoch == s.epoch and target.lease_id == "L1"
+    c.step_inbox(p)
+    c.act(p, (s.request_id, s.epoch))             # PrefillDone -> KVReady
     assert s.phase == "decoding" and s.prefill_worker is None
     assert isinstance(d.inbox[0], m.KVReady) and d.inbox[0].first_token == token(s.request_id, 0)
     run_to_end(c)
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 4))
     assert c.quiescent()
+
+
+def test_a_prefill_worker_lost_before_the_reservation_is_replaced_at_it():
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    p1 = c.add_worker("p1", "prefill")
+    s = c.submit(max_tokens=3)
+    assert s.prefill_worker == "p0"
+    c.kill("p0")
+    assert s.phase == "reserving" and s.prefill_worker is None
+    c.step_inbox(d0)
+    assert s.prefill_worker == "p1" and [type(x) for x in p1.inbox] == [m.Prefill, m.KVTarget]
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
 
 
 def test_decode_worker_lost_while_reserving_is_placed_once():

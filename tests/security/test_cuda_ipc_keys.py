@@ -103,6 +103,6 @@ def test_the_pool_opens_only_to_the_cluster(peer, keys, stranger_keys, whose):
         expected = before.clone()
         expected[:, :, [9, 3]] = src[:, :, [1, 6]].cpu()
         assert torch.equal(after, expected)
-    else:   # no handshake: the open is never answered, nothing is written
-        assert not result.ok and "no answer to ipc_open" in result.error
+    else:   # no handshake: the open is never answered (whichever wait gives up first), nothing is written
+        assert not result.ok and "no answer to ipc_" in result.error
         assert torch.equal(after, before)
