@@ -145,7 +145,9 @@ def build_cluster(args) -> Cluster:
     if args.model:
         overrides["engine"]["model"] = args.model
     overrides["router"]["port"] = args.port
-    overrides["router"]["mode"] = args.mode
+    # A P+D layout runs the router in auto: disaggregated while it can be, a local
+    # prefill on the decode worker when it cannot (breaker open, no prefill worker).
+    overrides["router"]["mode"] = "colocated" if args.mode == "colocated" else "auto"
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.

@@ -51,6 +51,8 @@ class AdminServer:
             "undrain": lambda worker_id: router.set_draining(worker_id, False),
             "config": self._config,
             "security": security_report,
+            # breaker: every pair; breaker open|close|auto [PREFILL DECODE | all]: force until auto
+            "breaker": lambda *args: router.set_breaker(*args) if args else router.breakers(),
         }
         self._task: asyncio.Task | None = None
         self.sock: zmq.asyncio.Socket | None = None

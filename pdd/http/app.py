@@ -30,7 +30,7 @@ from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
-from pdd.router.router import Router, Unavailable
+from pdd.router.router import Overloaded, Router, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,16 @@ class OpenAIServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        req = s.parse_completion_request(body, [self.model_name], self.default_max_tokens)
+        req = s.parse_completion_request(body, [self.model_name], self.default_max_tokens,
+                                         vocab_size=self.tokenizer.vocab_size)
         ids = req.prompt_token_ids
         if ids is None:
             ids = await self._tokenize(len(body), self.tokenizer.encode, req.prompt)
-        else:
-            vocab = self.tokenizer.vocab_size
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
-                               param="prompt")
         return await self._generate(request, req, ids)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        req = s.parse_chat_request(body, [self.model_name])
+        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size)
         try:
             ids = await self._tokenize(len(body), self.tokenizer.encode_chat, req.messages)
         except Exception as e:  # template errors come from Jinja as any exception type
@@ -107,7 +102,9 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.router.ready and self.router.accepting:
-            return json_response({"status": "ok", "workers": len(self.router.registry.workers)})
+            # Overloaded is still alive and ready (a load balancer must not pull it): said, not failed.
+            return json_response({"status": "overloaded" if self.router.overloaded else "ok",
+                                  "workers": len(self.router.registry.workers)})
         reason = "shutting down" if not self.router.accepting else "no worker registered"
         return json_response({"status": "unavailable", "reason": reason}, status=503)
 
@@ -258,6 +255,11 @@ async def error_middleware(request: web.Request, handler):
         resp = json_response(e.body(), e.status)
         if e.status == 408:
             resp.force_close()  # the rest of the body may still come: this connection is done
+        return resp
+    except Overloaded as e:
+        request.app[ROUTER_KEY].metrics.http_errors.labels("429").inc()
+        resp = error_response(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
+        resp.headers["Retry-After"] = str(e.retry_after_s)
         return resp
     except Unavailable as e:
         request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()

@@ -15,44 +15,9 @@ import aiohttp
 from pdd import SamplingParams
 from tests.e2e.cluster import UpCluster
 from tests.e2e.test_disagg import metric
+from tests.e2e.streams import stream_all, stream_text
 from tests.e2e.test_disagg_faults import _wait_for, assert_all_free
 from tests.engine.helpers import random_prompts
-
-
-async def stream_text(session, cluster, prompt, sp: SamplingParams, started: asyncio.Event | None = None):
-    """(text, finish reason, error events) of one streamed completion."""
-    body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": sp.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    text, reason, errors = [], None, []
-    async with session.post(cluster.url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                errors.append(chunk["error"])
-                continue
-            text.append(chunk["choices"][0]["text"])
-            reason = chunk["choices"][0]["finish_reason"] or reason
-            if started is not None:
-                started.set()
-    return "".join(text), reason, errors
-
-
-def stream_all(cluster, prompts, params, while_running=None):
-    """Stream every prompt at once; `while_running()` runs (in a thread) once all have a token."""
-    async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            started = [asyncio.Event() for _ in prompts]
-            tasks = [asyncio.create_task(stream_text(session, cluster, p, sp, ev))
-                     for p, sp, ev in zip(prompts, params, started)]
-            if while_running is not None:
-                await asyncio.gather(*(ev.wait() for ev in started))
-                await asyncio.get_running_loop().run_in_executor(None, while_running)
-            return await asyncio.gather(*tasks)
-    return asyncio.run(main())
 
 
 def test_decode_worker_frozen_then_killed_while_reserves_wait(tmp_path, tiny_model, offline):
@@ -137,6 +102,62 @@ def test_clients_leaving_before_the_first_byte_leave_nothing_behind(tmp_path, ti
         # A leaked count never returns to zero: this would time out.
         _wait_for(lambda: c.admin("requests") == [] and all(w["inflight"] == 0 for w in c.workers().values()),
                   120.0, "no request in flight and every inflight count at zero")
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_overload_answers_429_with_retry_after_and_serves_the_rest(tmp_path, tiny_model, offline):
+    """Beyond router.max_queued_requests waiting for a first token, new requests get
+    429 + Retry-After in OpenAI's shape; no 5xx; those admitted complete exactly."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
+                  env={"PDD_ROUTER__MAX_QUEUED_REQUESTS": "4", "PDD_FAULTS": "colocated.step_delay_s=0.05"}).start()
+    try:
+        prompts = random_prompts([30] * 40, seed=13)
+        sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        expected = [e.text for e in offline.generate(prompts, [sp] * len(prompts))]
+
+        async def one(session, prompt):
+            body = {"model": c.model_name, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            async with session.post(c.url + "/v1/completions", json=body) as resp:
+                return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                return await asyncio.gather(*(one(session, p) for p in prompts))
+        results = asyncio.run(main())
+        statuses = [r[0] for r in results]
+        assert set(statuses) <= {200, 429} and statuses.count(429) > 0 and statuses.count(200) >= 4, statuses
+        for (status, retry_after, body), text in zip(results, expected):
+            if status == 429:
+                assert int(retry_after) >= 1 and body["error"]["type"] == "rate_limit_error", body
+            else:
+                assert body["choices"][0]["text"] == text
+        assert metric(c, "pdd_requests_rejected_total", '{reason="overloaded"}') == statuses.count(429)
+        (text, reason, errors), = stream_all(c, prompts[:1], [sp])
+        assert (text, reason, errors) == (expected[0], "length", [])
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_operator_forces_the_breaker_open_and_requests_go_colocated(tmp_path, tiny_model, offline):
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "1").start()
+    try:
+        prompts = random_prompts([20, 33, 7], seed=17)
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        expected = [(e.text, "length", []) for e in offline.generate(prompts, [sp] * 3)]
+
+        def served(mode: str) -> float:
+            return metric(c, "pdd_requests_total", f'{{finish_reason="length",mode="{mode}"}}')
+
+        assert stream_all(c, prompts[:1], [sp]) == expected[:1] and served("disagg") == 1
+        forced = c.admin("breaker", "open", "all")
+        assert forced and all(b["state"] == "open" and b["forced"] == "open" for b in forced), forced
+        assert stream_all(c, prompts[1:2], [sp]) == expected[1:2] and served("colocated") == 1
+        assert metric(c, "pdd_disagg_fallbacks_total", '{reason="breaker_open"}') == 1
+        assert all(b["forced"] == "auto" for b in c.admin("breaker", "auto", "all"))
+        assert stream_all(c, prompts[2:], [sp]) == expected[2:] and served("disagg") == 2
         assert_all_free(c)
     finally:
         assert c.stop() == 0, c.logs()

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from pdd import SamplingParams
+from tests.e2e.streams import stream_all
 from tests.engine.helpers import random_prompts
 
 
@@ -84,30 +85,9 @@ def test_200_concurrent_streams(cluster, offline):
     expected = offline.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
                                           for n in max_tokens])
 
-    async def one(session, prompt, n):
-        body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        text, reasons = [], []
-        async with session.post(cluster.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = __import__("json").loads(line[6:])
-                assert "error" not in chunk, chunk
-                text.append(chunk["choices"][0]["text"])
-                reasons.append(chunk["choices"][0]["finish_reason"])
-        return "".join(text), reasons[-1]
-
-    async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            return await asyncio.gather(*(one(session, p, n) for p, n in zip(prompts, max_tokens)))
-
-    results = asyncio.run(main())
-    for (text, reason), exp in zip(results, expected):
-        assert text == exp.text
-        assert reason == "length"
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    results = stream_all(cluster, prompts, params)
+    assert results == [(exp.text, "length", []) for exp in expected]
     workers = cluster.wait_idle()
     assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
 

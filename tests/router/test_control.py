@@ -64,8 +64,8 @@ def test_disaggregated_request_reserves_while_the_prompt_computes():
 
 def test_a_prefill_worker_lost_before_the_reservation_is_replaced_at_it():
     c = SimCluster()
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    p1 = c.add_worker("p1", "prefill")
+    c.add_worker("p0", "prefill")
+    d0, p1 = c.add_worker("d0", "decode"), c.add_worker("p1", "prefill")
     s = c.submit(max_tokens=3)
     assert s.prefill_worker == "p0"
     c.kill("p0")
@@ -98,7 +98,8 @@ def test_decode_worker_lost_while_reserving_is_placed_once():
 def test_reserve_without_answer_times_out_and_goes_elsewhere():
     c = SimCluster(reserve_timeout_s=5)
     c.add_worker("p0", "prefill")
-    d0, d1 = c.add_worker("d0", "decode"), c.add_worker("d1", "decode", num_blocks=8)
+    d0 = c.add_worker("d0", "decode")
+    c.add_worker("d1", "decode", num_blocks=8)
     s = c.submit(max_tokens=2)
     c.step_inbox(d0, reserve="silent")
     c.advance(5.1)
@@ -165,7 +166,8 @@ def test_restart_under_the_same_id_moves_the_old_process_requests():
 
 def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
     c = SimCluster()
-    c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
+    c0 = c.add_worker("c0", "colocated")
+    c.add_worker("c1", "colocated", num_blocks=8)
     s = c.submit(max_tokens=4)
     c.step_inbox(c0)
     c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "no room", retriable=True))
@@ -252,7 +254,8 @@ def heartbeat(wid: str, steps: int, running_s: float) -> m.Heartbeat:
 
 def test_a_hung_worker_loses_its_requests_and_gets_work_again_once_it_steps():
     c = SimCluster()
-    c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
+    c0 = c.add_worker("c0", "colocated")
+    c.add_worker("c1", "colocated", num_blocks=8)
     s = c.submit(max_tokens=4)
     c.step_inbox(c0)
     c.act(c0, (s.request_id, 1))
