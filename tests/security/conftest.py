@@ -79,6 +79,7 @@ class StubRouter:
         self.metrics = RouterMetrics(StubRegistry())   # no worker state to scrape
         self.accepting = True
         self.ready = True
+        self.overloaded = False
         self.started_at = time.time()
         self._max_model_len = max_model_len
 
