@@ -33,7 +33,11 @@ def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0, securit
         if security is not None:
             security.dial(sock)
         sock.connect(addr)
-        sock.send(msgpack.packb({"token": token, "cmd": cmd, "args": list(args)}, use_bin_type=True))
+        try:
+            sock.send(msgpack.packb({"token": token, "cmd": cmd, "args": list(args)}, use_bin_type=True),
+                      flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a refused handshake leaves nowhere to queue it: the monitor below says so
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

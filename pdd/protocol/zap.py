@@ -153,7 +153,7 @@ class ZapHandler:
         first = (domain, address) not in self._logged and len(self._logged) < 10_000
         self._logged.add((domain, address))
         log.log(logging.WARNING if first else logging.DEBUG,
-                "refused a %s handshake from %s: its key is not in the authorized directory", domain, address)
+                "%s socket: refused a handshake from %s: its key is not in the authorized directory", domain, address)
         return [version, request_id, b"400", b"not authorized", b"", b""]
 
 
