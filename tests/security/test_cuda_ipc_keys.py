@@ -4,7 +4,6 @@ keys of its own gets no pool and writes nothing. Runs only where CUDA is."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from tests.security.conftest import secure_config
 from tests.transfer.conftest import make_layout, make_pool
+from tests.transfer.ipc_peer import wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -75,13 +75,7 @@ def transfer(sender, peer, rid: str, dst: list[int], src: torch.Tensor):
         sender.send_layer(target, layer, src[layer], [1, 6], [0, 1])
     sender.step_done()
     sender.finish(rid)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for r in sender.poll():
-            if r.request_id == rid:
-                return r
-        time.sleep(0.005)
-    raise AssertionError(f"no result for {rid}")
+    return wait_result(sender, rid)
 
 
 @pytest.mark.parametrize("whose", ["cluster", "stranger"])

@@ -3,6 +3,8 @@ open a handle in the process that exported it): a pool on `device`, the data
 socket's receiver, and the lease table, driven over a multiprocessing pipe."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdd.kv.layout import KVLayout
@@ -35,3 +37,14 @@ def serve_pool(conn, layout: dict, device: str, seed: int) -> None:
                 return
     finally:
         receiver.close()
+
+
+def wait_result(sender, rid: str, timeout: float = 60.0):
+    """The sender's result for `rid` (a generous bound: only a broken transfer takes this long)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in sender.poll():
+            if r.request_id == rid:
+                return r
+        time.sleep(0.005)
+    raise AssertionError(f"no result for {rid}")

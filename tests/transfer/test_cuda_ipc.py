@@ -13,7 +13,7 @@ import torch
 from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from tests.transfer.conftest import make_layout, make_pool
-from tests.transfer.ipc_peer import serve_pool
+from tests.transfer.ipc_peer import serve_pool, wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -52,16 +52,6 @@ def sender(peer):
     s = make_sender("cuda_ipc", peer.layout, timeout_s=10, device="cuda:0")
     yield s
     s.close()
-
-
-def wait_result(sender, rid: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in sender.poll():
-            if r.request_id == rid:
-                return r
-        time.sleep(0.005)
-    raise AssertionError(f"no result for {rid}")
 
 
 def send(sender, target, src, src_blocks, layers=None):

@@ -32,7 +32,6 @@ def test_pages_land_exactly_in_leased_blocks(make_pair, dtype):
     assert r.ok, r.error
     assert r.bytes == LAYERS * len(src_blocks) * _page_bytes(pair)
     assert (r.blocks_sent, r.blocks_skipped) == (4, 1)
-    assert r.seconds > 0   # first page handed over -> last acknowledged: a real interval
     assert torch.equal(pair.dst, _expected(pair, before, src_blocks, dst_blocks))
     assert pair.receiver.stats.messages == LAYERS and pair.receiver.stats.rejected == 0
 
