@@ -43,6 +43,9 @@ class EngineOutput:
     logprobs: list = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Where new_token_ids[0] stands in the request's whole output, counting
+    # tokens produced before this engine saw it.
+    position: int = 0
 
 
 @dataclass
@@ -177,7 +180,7 @@ class LLMEngine:
         if not req.status.finished:
             return None
         return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, req.num_output_tokens)
 
     def attach_connector(self, connector) -> None:
         """Prefill role: a KV connector sees each step's batch and every layer as
@@ -268,5 +271,5 @@ class LLMEngine:
             lp = logprobs.get(req.request_id)
             outputs.append(EngineOutput(
                 req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,
-                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens))
+                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens - 1))
         return outputs

@@ -84,6 +84,10 @@ class TokenItem:
     """What one step produced for one request."""
     request_id: str
     epoch: int
+    # Where token_ids[0] stands in the request's output (0: the first token).
+    # Two workers may both send a token (the prefill worker's first token and
+    # the decode worker that started on the KV); the router keeps one copy.
+    position: int
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None

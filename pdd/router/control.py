@@ -24,9 +24,13 @@ Disaggregated (DESIGN.md, "Request lifecycle"):
     prefilling  timer kv_lease_ttl_s (the decode worker's lease)
                    FirstToken   -> streamed at once (the pages may still be in flight)
                    PrefillDone  -> decode <- KVReady, decoding
+                   TokenBatch from the decode worker (it started on the KV) -> decoding
                    PrefillFailed, prefill worker lost -> decode <- PrefillLocally, decoding
                    no answer    -> placed again
-    decoding    TokenBatch      -> streamed; the last one retires the request
+    decoding    TokenBatch      -> streamed; the last one retires the request. Each item
+                says where its tokens stand in the output: a token the client has
+                is dropped (the first token can come from both workers); a gap
+                places the request again from what the client has.
 Any phase: its decode worker lost -> placed again with prompt + tokens so far
 (same seed: it continues exactly); a retriable RequestFailed -> placed again;
 otherwise -> failed.
@@ -216,10 +220,31 @@ class ControlPlane:
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         self.registry.touch(peer)
         for item in msg.items:
-            state = self._current(peer, item.request_id, item.epoch, DECODING, owner="decode")
-            if state is not None:
-                self._deliver(state, TokenEvent(item.token_ids, item.finished, item.finish_reason,
-                                                item.logprobs, item.num_cached_tokens))
+            state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
+            if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
+                continue
+            if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
+                self._kv_landed(state)
+            event = self._unseen(state, item)
+            if event is not None:
+                self._deliver(state, event)
+
+    def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | None:
+        """The part of `item` the client has not had. The first token can come
+        twice (from the prefill worker, and from the decode worker that started
+        on the KV); a gap means a worker lost tokens: the request goes on
+        elsewhere from what the client has."""
+        seen = len(state.output_token_ids) - item.position
+        if seen < 0:
+            log.error("tokens of %s from %s start at %d, but the client has %d", state.request_id,
+                      state.decode_worker, item.position, len(state.output_token_ids))
+            self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
+            return None
+        tokens = item.token_ids[seen:]
+        if not tokens and not item.finished:
+            return None
+        return TokenEvent(tokens, item.finished, item.finish_reason,
+                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
 
     def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
@@ -262,19 +287,29 @@ class ControlPlane:
         self._deliver(state, TokenEvent([msg.token], False, None, msg.logprobs, msg.num_cached_tokens))
 
     def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
+        landed = self.requests.get(msg.request_id)
+        if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
+                and landed.prompt_at == peer and landed.prefill_worker is None):
+            # The decode worker started on the KV (and told us) before this came.
+            self.metrics.observe_transfer(msg.transfer)
+            return
         state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
-        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.placed_at)
         self.metrics.observe_transfer(msg.transfer)
-        self.breakers.record(peer, state.decode_worker, True, self.clock())
-        self.registry.workers[peer].note_hashes(state.block_hashes)
-        self._own(state, state.decode_worker, None)
-        self._enter(state, DECODING)
+        self._kv_landed(state)
         if not state.output_token_ids:  # no FirstToken came ahead of it
             self._deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs, msg.num_cached_tokens))
         self.send(state.decode_worker, m.KVReady(state.request_id, state.epoch, state.lease_id,
                                                  state.output_token_ids[0]))
+
+    def _kv_landed(self, state: RequestState) -> None:
+        """The prompt's KV is on the decode worker: the prefill phase is over."""
+        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.placed_at)
+        self.breakers.record(state.prefill_worker, state.decode_worker, True, self.clock())
+        self.registry.workers[state.prefill_worker].note_hashes(state.block_hashes)
+        self._own(state, state.decode_worker, None)
+        self._enter(state, DECODING)
 
     def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")

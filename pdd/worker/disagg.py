@@ -77,8 +77,8 @@ class DecodeSide:
         items = []
         for o in outputs:
             p = self.placements.remove(o.request_id) if o.finished else self.placements.get(o.request_id)
-            items.append(m.TokenItem(p.request_id, p.epoch, o.new_token_ids, o.finished, o.finish_reason,
-                                     o.logprobs or None, o.num_cached_tokens))
+            items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
+                                     o.finish_reason, o.logprobs or None, o.num_cached_tokens))
         return [m.TokenBatch(self.worker_id, items)] if items else []
 
     def _admit(self, msg: m.Admit) -> list[m.Message]:

@@ -43,11 +43,11 @@ class Clock:
 class Hold:
     """A request on a simulated worker."""
     epoch: int
-    kind: str                # reserved | running | prefilling | first_sent
+    kind: str                # reserved | running | prefilling | first_sent | landed (PrefillDone due)
     position: int = 0        # next output position (running)
     max_tokens: int = 0
     blocks: int = 0
-    target: bool = False     # prefilling: its KVTarget came (pages may be sent)
+    target: str | None = None   # prefilling: the decode worker its KVTarget named (pages may be sent)
 
 
 @dataclass
@@ -158,9 +158,11 @@ class SimCluster:
         elif isinstance(msg, m.KVTarget):
             hold = w.holds.get((msg.request_id, msg.epoch))
             if hold is not None:       # else: aborted or failed meanwhile, nothing to send
-                hold.target = True
+                hold.target = msg.dst_worker
         elif isinstance(msg, (m.KVReady, m.PrefillLocally)):
             hold = w.holds.get((msg.request_id, msg.epoch))
+            if hold is not None and hold.kind == "running" and isinstance(msg, m.KVReady):
+                return True            # it started when its KV landed (below, in act)
             if hold is None or hold.kind != "reserved":
                 send(m.RequestFailed(w.worker_id, msg.request_id, msg.epoch, "no reservation", retriable=True))
                 return True
@@ -184,8 +186,17 @@ class SimCluster:
             del w.holds[key]
             if outcome == "fail":
                 send(m.PrefillFailed(w.worker_id, rid, epoch, "transfer failed (simulated)"))
-            else:
-                send(m.PrefillDone(w.worker_id, rid, epoch, token(rid, 0)))
+                return
+            # The data plane tells the decode worker the KV landed: it starts on its
+            # own (its first item repeats the first token), ahead of PrefillDone.
+            dst = self.workers.get(hold.target)
+            reserved = dst.holds.get(key) if dst is not None else None
+            if reserved is not None and reserved.kind == "reserved":
+                reserved.kind, reserved.position = "running", 0
+            w.holds[key] = Hold(epoch, "landed")   # PrefillDone races the decode worker's tokens
+        elif hold.kind == "landed":
+            del w.holds[key]
+            send(m.PrefillDone(w.worker_id, rid, epoch, token(rid, 0)))
         elif hold.kind == "reserved":
             if outcome == "fail":   # the lease expired before the KV came
                 del w.holds[key]
@@ -197,7 +208,8 @@ class SimCluster:
             done = hold.position >= hold.max_tokens
             if done:
                 del w.holds[key]
-            send(m.TokenBatch(w.worker_id, [m.TokenItem(rid, epoch, tokens, done, "length" if done else None)]))
+            item = m.TokenItem(rid, epoch, hold.position - len(tokens), tokens, done, "length" if done else None)
+            send(m.TokenBatch(w.worker_id, [item]))
 
     # ---------------------------------------------------------------- checks
 

@@ -54,9 +54,15 @@ def test_disaggregated_request_reserves_while_the_prompt_computes():
     assert s.phase == "prefilling" and isinstance(target, m.KVTarget)
     assert target.dst_block_ids == [0, 1, 2] and target.epoch == s.epoch and target.lease_id == "L1"
     c.step_inbox(p)
-    c.act(p, (s.request_id, s.epoch))             # PrefillDone -> KVReady
+    c.act(p, (s.request_id, s.epoch))             # the pages land: the decode worker starts on its own
+    assert s.phase == "prefilling"
+    c.act(d, (s.request_id, s.epoch))             # its first item repeats the first token: one copy kept
     assert s.phase == "decoding" and s.prefill_worker is None
-    assert isinstance(d.inbox[0], m.KVReady) and d.inbox[0].first_token == token(s.request_id, 0)
+    assert s.output_token_ids == [token(s.request_id, 0)]
+    c.act(d, (s.request_id, s.epoch))
+    assert s.output_token_ids == expected(s.request_id, 2)
+    c.act(p, (s.request_id, s.epoch))             # PrefillDone, late: its figures only
+    assert s.phase == "decoding" and not p.holds and not p.inbox
     run_to_end(c)
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 4))
     assert c.quiescent()
@@ -172,8 +178,24 @@ def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
     c.step_inbox(c0)
     c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "no room", retriable=True))
     assert s.epoch == 2
-    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, [999])]))
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, 0, [999])]))
     assert 999 not in s.output_token_ids
+    c.check()
+
+
+def test_tokens_are_kept_once_by_position_and_a_gap_places_the_request_again():
+    c = SimCluster()
+    c0 = c.add_worker("c0", "colocated")
+    c.add_worker("c1", "colocated", num_blocks=8)
+    s = c.submit(max_tokens=6)
+    c.step_inbox(c0)
+    for position, tokens in ((0, [10, 11]), (1, [11, 12]), (3, [13])):   # an overlap, then in order
+        c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, position, tokens)]))
+    assert s.output_token_ids == [10, 11, 12, 13]
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, 6, [16])]))   # 4 and 5 lost
+    assert s.output_token_ids == [10, 11, 12, 13] and s.epoch == 2
+    admit = c.workers[s.decode_worker].inbox[-1]
+    assert isinstance(admit, m.Admit) and admit.epoch == 2 and admit.num_prior_output_tokens == 4
     c.check()
 
 
@@ -217,8 +239,8 @@ def test_messages_from_unregistered_peers_change_nothing():
     c = SimCluster()
     c.add_worker("c0", "colocated")
     s = c.submit()
-    c.control.handle("intruder", m.TokenBatch("intruder", [m.TokenItem(s.request_id, 1, [5])]))
-    c.control.handle("c0", m.TokenBatch("someone-else", [m.TokenItem(s.request_id, 1, [5])]))
+    c.control.handle("intruder", m.TokenBatch("intruder", [m.TokenItem(s.request_id, 1, 0, [5])]))
+    c.control.handle("c0", m.TokenBatch("someone-else", [m.TokenItem(s.request_id, 1, 0, [5])]))
     assert s.output_token_ids == []
     c.check()
 

@@ -46,7 +46,7 @@ async def _bus(cfg, messages: int, pings: int) -> dict:
     ctx = zmq.asyncio.Context()
     router = RouterChannel(ctx, "tcp://127.0.0.1:0", control_security(cfg, "router"))
     worker = DealerChannel(ctx, router.addr, "w", control_security(cfg, "decode"))
-    batch = m.TokenBatch("w", [m.TokenItem("req-0123456789abcdef", 1, [42])])
+    batch = m.TokenBatch("w", [m.TokenItem("req-0123456789abcdef", 1, 0, [42])])
     await worker.send(batch)          # connected (handshake done) before timing
     await router.recv()
 
@@ -67,7 +67,7 @@ async def _bus(cfg, messages: int, pings: int) -> dict:
         t = time.perf_counter()
         await router.send("w", admit)
         got = await worker.recv()
-        await worker.send(m.TokenBatch("w", [m.TokenItem(got.request_id, got.epoch, [7])]))
+        await worker.send(m.TokenBatch("w", [m.TokenItem(got.request_id, got.epoch, 0, [7])]))
         await router.recv()
         rtts.append(time.perf_counter() - t)
     worker.close()

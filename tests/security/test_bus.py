@@ -34,7 +34,7 @@ def test_strangers_cannot_reach_the_router(kind, secure_cfg, stranger_keys):
         watching = asyncio.ensure_future(failed_handshake(evil))
         await asyncio.sleep(0)   # the monitor is on before the connection starts
         evil.connect(router.addr)
-        for msg in (forged_register("evil"), m.TokenBatch("evil", [m.TokenItem("r1", 1, [666])])):
+        for msg in (forged_register("evil"), m.TokenBatch("evil", [m.TokenItem("r1", 1, 0, [666])])):
             await offer(evil, msg)
         await asyncio.wait_for(watching, 10)
         # The cluster's worker still gets through, and its message is the first the router sees.

@@ -190,7 +190,7 @@ class PlayedWorker:
                     if self.on_admit:
                         await self.on_admit(msg)
                     await self.chan.send(m.TokenBatch(self.worker_id, [m.TokenItem(
-                        msg.request_id, msg.epoch, list(self.ANSWER), finished=True, finish_reason="length")]))
+                        msg.request_id, msg.epoch, 0, list(self.ANSWER), finished=True, finish_reason="length")]))
         finally:
             beat.cancel()
 
@@ -230,7 +230,7 @@ def test_forged_workers_get_nothing_in_and_nothing_out(router, keys, stranger_ke
             # Worst case: the strangers even know the request id and epoch.
             for e in evils:
                 await offer(e, m.TokenBatch(e.getsockopt(zmq.IDENTITY).decode(), [m.TokenItem(
-                    admit.request_id, admit.epoch, [666], finished=True, finish_reason="stop")]))
+                    admit.request_id, admit.epoch, 0, [666], finished=True, finish_reason="stop")]))
 
         worker.on_admit = inject
         task = asyncio.ensure_future(worker.run())
