@@ -123,7 +123,7 @@ class ControlPlane:
         if self.cfg.request_timeout_s:
             state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, request_id)
         if plan.note:
-            log.info("request %s prefills on its decode worker: %s", request_id, plan.note)
+            log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode, plan.note)
             if plan.note == "breaker_open":
                 self.metrics.fallbacks.labels("breaker_open").inc()
         self._start(state, plan)

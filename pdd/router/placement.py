@@ -8,7 +8,9 @@ routing policy, and later the circuit breaker, adaptive disaggregation and
 admission control, are inputs here and it is tested on constructed states.
 
 Roles differ by capability:
-    prefill    computes prompts and ships their KV; never decodes (yet)
+    prefill    computes prompts and ships their KV; runs requests whole only
+               when no decode-capable worker is left (a request moved off a
+               dead decode worker continues there rather than fail)
     decode     decodes KV that prefill workers send; prefills locally only as
                a fallback (no prefill worker, transfer failed, migration)
     colocated  prefills and decodes its own requests; never receives KV
@@ -94,8 +96,9 @@ def place(request: PlaceRequest, workers: Iterable[WorkerInfo], mode: str,
         pair = _prefill_for(decode, prefills, request.block_hashes, pair_allowed)
         return pair if pair.disaggregated else None
     worker = pick_worker((w for w in pool if w.role in SERVING_ROLES), request.block_hashes)
-    if worker is None:
-        return None
+    if worker is None:   # the last resort: a prefill worker runs the same engine and can decode
+        last = pick_worker(prefills, request.block_hashes)
+        return Plan(last.worker_id, note="no decode worker") if last is not None else None
     if worker.role == "colocated" or mode == "colocated" or request.colocated_only:
         return Plan(worker.worker_id)
     return _prefill_for(worker, prefills, request.block_hashes, pair_allowed)

@@ -1,7 +1,10 @@
 """What a worker does with the router's commands, by role.
 
-DecodeSide (decode and colocated workers): admit requests to run here whole
-(Admit); reserve blocks under a lease, run the KV receiver, start decoding on
+Every role can run a request whole (Admit: prefill and decode here): the
+router sends one to a prefill worker only when no decode-capable worker is
+left, so that no request is lost.
+
+DecodeSide (decode and colocated workers): reserve blocks under a lease, run the KV receiver, start decoding on
 KVReady, fall back to a local prefill on PrefillLocally, and expire leases
 whose KV never came. A lease closed while a one-sided (cuda_ipc) writer may
 still store into its blocks keeps them held until the writer ends
@@ -39,6 +42,28 @@ from pdd.worker.placements import PlacementTable
 log = logging.getLogger(__name__)
 
 
+def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.Admit) -> list[m.Message]:
+    """Run a request whole here: prompt (+ tokens streamed elsewhere before) and decode."""
+    try:
+        with placements.placing(msg.request_id, msg.epoch) as eid:
+            engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
+                               num_prior_output_tokens=msg.num_prior_output_tokens)
+    except InvalidRequest as e:
+        return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
+    return []
+
+
+def token_batch(worker_id: str, placements: PlacementTable, outputs: list[EngineOutput]) -> list[m.Message]:
+    """A step's tokens (or requests the first token ended): one TokenBatch.
+    A finished request's placement ends here."""
+    items = []
+    for o in outputs:
+        p = placements.remove(o.request_id) if o.finished else placements.get(o.request_id)
+        items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
+                                 o.finish_reason, o.logprobs or None, o.num_cached_tokens))
+    return [m.TokenBatch(worker_id, items)] if items else []
+
+
 class DecodeSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
                  placements: PlacementTable, security: Curve | None = None):
@@ -61,8 +86,6 @@ class DecodeSide:
         return self.receiver.address
 
     def handle(self, msg: m.Message) -> list[m.Message]:
-        if isinstance(msg, m.Admit):
-            return self._admit(msg)
         if isinstance(msg, m.Reserve):
             return [self._reserve(msg)]
         if isinstance(msg, m.KVReady):
@@ -72,23 +95,7 @@ class DecodeSide:
         raise TypeError(f"DecodeSide does not take {msg.TYPE} messages")
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
-        """A step's tokens (or a request the first token ended): one TokenBatch.
-        A finished request's placement ends here."""
-        items = []
-        for o in outputs:
-            p = self.placements.remove(o.request_id) if o.finished else self.placements.get(o.request_id)
-            items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
-                                     o.finish_reason, o.logprobs or None, o.num_cached_tokens))
-        return [m.TokenBatch(self.worker_id, items)] if items else []
-
-    def _admit(self, msg: m.Admit) -> list[m.Message]:
-        try:
-            with self.placements.placing(msg.request_id, msg.epoch) as eid:
-                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
-                                        num_prior_output_tokens=msg.num_prior_output_tokens)
-        except InvalidRequest as e:
-            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
-        return []
+        return token_batch(self.worker_id, self.placements, outputs)
 
     def _reserve(self, msg: m.Reserve) -> m.Reserved:
         wid = self.worker_id
@@ -203,6 +210,8 @@ class PrefillSide:
         self.prompt_lens: dict[str, int] = {}
         # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
         self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
+        # Prompts computing for a decode worker (other requests here run whole: Admit).
+        self.computing: set[str] = set()
 
     def handle(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.KVTarget):
@@ -219,6 +228,7 @@ class PrefillSide:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
         self.backends[eid] = msg.transfer_backend
         self.prompt_lens[eid] = len(msg.prompt_token_ids)
+        self.computing.add(eid)
         self.connector.expect(eid)
         return []
 
@@ -255,9 +265,14 @@ class PrefillSide:
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
         """The step sampled first tokens: those prompts are done, their pages all
-        handed over. The tokens go to the router now, ahead of the pages."""
-        replies = []
+        handed over. The tokens go to the router now, ahead of the pages.
+        Requests running whole here stream their tokens."""
+        replies = token_batch(self.worker_id, self.placements,
+                              [o for o in outputs if o.request_id not in self.computing])
         for o in outputs:
+            if o.request_id not in self.computing:
+                continue
+            self.computing.discard(o.request_id)
             first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             self.connector.finish(o.request_id)
             p = self.placements.get(o.request_id)
@@ -275,7 +290,7 @@ class PrefillSide:
             if first is None:
                 if not r.ok and self.engine.abort_request(eid):
                     # Failed while the prompt still computes: stop computing it.
-                    self.connector.abort(eid)
+                    self.abort(eid)
                     p = self.placements.remove(eid)
                     log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
                     replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
@@ -292,6 +307,7 @@ class PrefillSide:
 
     def abort(self, eid: str) -> None:
         self.connector.abort(eid)
+        self.computing.discard(eid)
         self.first_tokens.pop(eid, None)
         self.backends.pop(eid, None)
         self.prompt_lens.pop(eid, None)

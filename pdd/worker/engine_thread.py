@@ -41,7 +41,7 @@ from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer import offered_backends
-from pdd.worker.disagg import DecodeSide, PrefillSide
+from pdd.worker.disagg import DecodeSide, PrefillSide, admit
 from pdd.worker.placements import Placement, PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
 
@@ -254,6 +254,8 @@ class EngineThread(threading.Thread):
                 for eid in self.placements.of_request(rid):
                     self._forget(eid)
             return []
+        if isinstance(msg, m.Admit):   # every role can run a request whole
+            return admit(self.engine, self.worker_id, self.placements, msg)
         side = self.prefill_side if isinstance(msg, (m.Prefill, m.KVTarget)) else self.decode_side
         if side is None:
             log.warning("worker %s (%s) cannot handle %s", self.worker_id, self.role, msg.TYPE)

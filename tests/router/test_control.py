@@ -235,6 +235,29 @@ def test_modes_decide_what_placement_may_do():
     assert off.submit().mode == "colocated"
 
 
+def test_the_only_decode_worker_lost_its_requests_continue_on_the_prefill_worker():
+    c = SimCluster()
+    p, d = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=6)
+    for _ in range(4):      # through reserving and prefilling to a few decoded tokens
+        c.step_inbox(p)
+        c.step_inbox(d)
+        for w in (p, d):
+            for key in list(w.holds):
+                c.act(w, key)
+    assert s.phase == "decoding" and len(s.output_token_ids) >= 2
+    c.kill("d0")
+    admit = p.inbox[-1]     # the last resort: it runs the same engine and can decode
+    assert s.decode_worker == "p0" and s.mode == "colocated" and isinstance(admit, m.Admit)
+    assert admit.num_prior_output_tokens == len(s.output_token_ids)
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 6))
+    late = c.submit(max_tokens=2)   # new work too, until a decode worker is back
+    assert late.decode_worker == "p0"
+    c.add_worker("d1", "decode")
+    assert c.submit().decode_worker == "d1"
+
+
 def test_messages_from_unregistered_peers_change_nothing():
     c = SimCluster()
     c.add_worker("c0", "colocated")

@@ -363,6 +363,28 @@ def test_a_disaggregated_request_through_a_prefill_and_a_decode_worker(tiny_mode
     assert codes == [0, 0]
 
 
+def test_a_prefill_worker_runs_a_request_whole_beside_the_prompts_it_ships(tiny_model, offline):
+    """The router's last resort when no decode worker is left: Admit on a
+    prefill worker streams tokens like a colocated worker, while a prompt for
+    a decode worker computes in the same batches."""
+    whole, shipped = random_prompts([30, 40], seed=11)
+
+    async def scenario(router):
+        await router.send(m.Admit("w", 2, whole, greedy(10, ignore_eos=True), num_prior_output_tokens=0))
+        await router.send(m.Prefill("p", 1, shipped, greedy(8, ignore_eos=True)))
+        first = await router.next(m.FirstToken)
+        tokens = await router.tokens("w", 2)
+        await router.send(m.Abort(["p"]))   # its target never comes: the held blocks go back
+        await router.next(m.Heartbeat, lambda h: h.free_blocks == h.total_blocks and h.running == 0)
+        return first, tokens, router.items("w", 2)
+
+    (first, tokens, items), code = run_worker(worker_config(tiny_model, role="prefill"), scenario)
+    assert tokens == expected(offline, whole, 10)
+    assert [i.position for i in items] == list(range(10))
+    assert (first.request_id, first.token) == ("p", expected(offline, shipped, 1)[0])
+    assert code == 0
+
+
 def test_told_to_register_again_it_drops_every_request_first(tiny_model):
     """ReRegister: the router restarted, or took this worker for lost and moved
     its requests elsewhere. Nothing held here is anyone's any more."""
