@@ -102,10 +102,12 @@ class LLMEngine:
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams | None = None, **kwargs) -> Request:
+                     sampling: SamplingParams | None = None, block_hashes: list[int] | None = None,
+                     **kwargs) -> Request:
         """A checked Request, or InvalidRequest naming the field. Everything is
         checked here, whoever sent it: one bad value must fail its own request,
-        never a whole batch on the device."""
+        never a whole batch on the device. `block_hashes`: the prompt's, if the
+        caller has them (the router computes them once for every worker)."""
         # A copy: validate() normalises in place, and the caller's object may be shared.
         sampling = dataclasses.replace(sampling or SamplingParams()).validate()
         if not prompt_token_ids:
@@ -129,8 +131,16 @@ class LLMEngine:
                 f"prompt: this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} were requested; "
                 "shorten the prompt or lower max_tokens")
-        return Request(request_id, list(prompt_token_ids), sampling,
-                       eos_token_ids=self.model_config.eos_token_ids, **kwargs)
+        req = Request(request_id, list(prompt_token_ids), sampling,
+                      eos_token_ids=self.model_config.eos_token_ids, **kwargs)
+        if block_hashes:
+            full = len(prompt_token_ids) // self.cfg.block_size
+            if len(block_hashes) != full:
+                raise InvalidRequest(f"block_hashes: {len(block_hashes)} hashes for a prompt of "
+                                     f"{len(prompt_token_ids)} tokens, which has {full} full blocks of "
+                                     f"{self.cfg.block_size}")
+            req.block_hashes = list(block_hashes)
+        return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None, **kwargs) -> Request:
@@ -140,11 +150,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ disaggregation
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int],
-                sampling: SamplingParams | None = None) -> tuple[list[int], int] | None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
+                block_hashes: list[int] | None = None) -> tuple[list[int], int] | None:
         """Decode role: hold blocks for a prompt computed elsewhere. Returns
         (block ids, tokens already cached here) or None when out of blocks."""
-        req = self.make_request(request_id, prompt_token_ids, sampling)
+        req = self.make_request(request_id, prompt_token_ids, sampling, block_hashes)
         blocks = self.scheduler.reserve(req)
         if blocks is None:
             return None

@@ -150,6 +150,9 @@ class Admit(Message):
     # Tokens already streamed to the client before this worker took over (they
     # are the tail of prompt_token_ids); they count towards max_tokens.
     num_prior_output_tokens: int = 0
+    # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
+    # the router: the worker need not hash the prompt again.
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -181,6 +184,9 @@ class Reserve(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lease_ttl_s: float
+    # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
+    # the router: the worker need not hash the prompt again.
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +214,9 @@ class Prefill(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     transfer_backend: str = "tcp"
+    # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
+    # the router: the worker need not hash the prompt again.
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass

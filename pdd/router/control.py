@@ -395,13 +395,14 @@ class ControlPlane:
             self.breakers.placed(plan.prefill, plan.decode, state.placed_at)
             self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
             self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
-                                             state.sampling, self.cfg.kv_lease_ttl_s))
+                                             state.sampling, self.cfg.kv_lease_ttl_s, state.block_hashes))
             self._send_prompt(state, plan.prefill)
             return
         self._enter(state, DECODING)
-        self.send(plan.decode, m.Admit(state.request_id, state.epoch,
-                                       state.prompt_token_ids + state.output_token_ids, state.sampling,
-                                       num_prior_output_tokens=len(state.output_token_ids)))
+        tokens = state.prompt_token_ids + state.output_token_ids
+        hashes = state.hashes_of(tokens, self.registry.layout.block_size) if self.registry.layout else []
+        self.send(plan.decode, m.Admit(state.request_id, state.epoch, tokens, state.sampling,
+                                       len(state.output_token_ids), hashes))
 
     def _place_again(self, state: RequestState, reason: str | None, why: str,
                      exclude: frozenset[str] = frozenset()) -> None:
@@ -424,7 +425,7 @@ class ControlPlane:
     def _send_prompt(self, state: RequestState, prefill: str) -> None:
         state.prompt_at = prefill
         self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
-                                     state.transfer_backend))
+                                     state.transfer_backend, state.block_hashes))
 
     def _prefill_locally(self, state: RequestState, reason: str) -> None:
         """The KV will not come: the decode worker computes the prompt in the

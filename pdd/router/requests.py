@@ -98,9 +98,13 @@ class RequestState:
 
     def cached_block_hashes(self, block_size: int) -> list[int]:
         """Blocks whose KV the decoding worker holds at the end: the prompt and
-        every output token but the last (never fed back). Only the output part
-        is hashed here; the prompt's hashes were computed once, at submission."""
-        tokens = self.prompt_token_ids + self.output_token_ids[:-1]
+        every output token but the last (never fed back)."""
+        return self.hashes_of(self.prompt_token_ids + self.output_token_ids[:-1], block_size)
+
+    def hashes_of(self, tokens: list[int], block_size: int) -> list[int]:
+        """The block hashes of `tokens`, the prompt followed by output tokens.
+        Only the output part is hashed here; the prompt's hashes were computed
+        once, at submission."""
         done = len(self.block_hashes)
         parent = self.block_hashes[-1] if done else ROOT_HASH
         return self.block_hashes + block_hashes(tokens, block_size, parent, start=done * block_size)

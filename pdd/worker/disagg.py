@@ -47,7 +47,7 @@ def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.
     try:
         with placements.placing(msg.request_id, msg.epoch) as eid:
             engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
-                               num_prior_output_tokens=msg.num_prior_output_tokens)
+                               num_prior_output_tokens=msg.num_prior_output_tokens, block_hashes=msg.block_hashes)
     except InvalidRequest as e:
         return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
     return []
@@ -101,7 +101,7 @@ class DecodeSide:
         wid = self.worker_id
         try:
             with self.placements.placing(msg.request_id, msg.epoch) as eid:
-                reserved = self.engine.reserve(eid, msg.prompt_token_ids, msg.sampling)
+                reserved = self.engine.reserve(eid, msg.prompt_token_ids, msg.sampling, msg.block_hashes)
         except InvalidRequest as e:
             return m.Reserved(wid, msg.request_id, msg.epoch, ok=False, error=str(e))
         if reserved is None:
@@ -223,7 +223,8 @@ class PrefillSide:
                 raise InvalidRequest(f"transfer_backend: {msg.transfer_backend!r} is not offered by this worker "
                                      f"({', '.join(self.sender.senders)})")
             with self.placements.placing(msg.request_id, msg.epoch) as eid:
-                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling, prefill_only=True)
+                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling, prefill_only=True,
+                                        block_hashes=msg.block_hashes)
         except InvalidRequest as e:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
         self.backends[eid] = msg.transfer_backend

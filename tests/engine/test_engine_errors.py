@@ -11,6 +11,7 @@ from pdd import LLM, SamplingParams
 from pdd.config import ConfigError, EngineConfig, build
 from pdd.engine import model_runner
 from pdd.engine.sampling_params import InvalidRequest
+from pdd.kv.hashing import block_hashes
 from pdd.model.config import CheckpointError
 from tests.engine.helpers import assert_all_blocks_free
 
@@ -68,7 +69,17 @@ def test_bad_request_fields(llm):
         llm.engine.add_request("prior", [1, 2, 3], SamplingParams(), num_prior_output_tokens=-1)
     with pytest.raises(InvalidRequest, match="prompt"):
         llm.engine.add_request("bool", [1, True], SamplingParams())
+    with pytest.raises(InvalidRequest, match="^block_hashes: 1 hashes for a prompt of 3 tokens"):
+        llm.engine.add_request("hashes", [1, 2, 3], SamplingParams(), block_hashes=[42])
     assert not llm.engine.has_unfinished()
+
+
+def test_block_hashes_given_by_the_router_are_the_ones_the_engine_computes(llm):
+    bs = llm.engine.cfg.block_size
+    prompt = list(range(1, 2 * bs + 5))
+    req = llm.engine.make_request("given", prompt, SamplingParams(), block_hashes=block_hashes(prompt, bs))
+    own = llm.engine.make_request("own", prompt, SamplingParams())
+    assert llm.engine.kv.update_hashes(req) == llm.engine.kv.update_hashes(own) == block_hashes(prompt, bs)
 
 
 def _tokens(llm, **kw) -> list[int]:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
 from pdd.router.control import Overloaded, Unavailable
-from tests.router.sim import SimCluster, token
+from tests.router.sim import LAYOUT, SimCluster, token
 
 
 def run_to_end(c: SimCluster, limit: int = 10_000) -> None:
@@ -46,6 +47,8 @@ def test_disaggregated_request_reserves_while_the_prompt_computes():
     assert (s.phase, s.decode_worker, s.prefill_worker, s.mode) == ("reserving", "d0", "p0", "disagg")
     # The prompt goes to the prefill worker at once, beside the Reserve: no serial hop before it computes.
     assert isinstance(d.inbox[0], m.Reserve) and isinstance(p.inbox[0], m.Prefill)
+    # Hashed once, here: both workers get the prompt's block hashes.
+    assert d.inbox[0].block_hashes == p.inbox[0].block_hashes == block_hashes(s.prompt_token_ids, LAYOUT.block_size)
     c.step_inbox(p)
     c.act(p, (s.request_id, s.epoch), "first")   # sampled before the reservation came back: streamed
     assert s.output_token_ids == [token(s.request_id, 0)] and s.phase == "reserving"
@@ -151,6 +154,7 @@ def test_decode_worker_lost_mid_stream_continues_elsewhere_without_gap():
         c.act(c0, (s.request_id, 1))
     c.kill("c0")
     admit = c1.inbox[0]
+    assert admit.block_hashes == block_hashes(admit.prompt_token_ids, LAYOUT.block_size)
     assert isinstance(admit, m.Admit) and admit.num_prior_output_tokens == 3 and admit.epoch == 2
     run_to_end(c)
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 6))
