@@ -31,7 +31,7 @@ def install_event_loop() -> None:
         pass
 
 
-async def run_router(cfg: ClusterConfig, ready_file: str | None = None) -> int:
+async def run_router(cfg: ClusterConfig) -> int:
     from pdd.admin.server import AdminServer
     from pdd.model.make_model import resolve_model_dir
     from pdd.http.app import build_app, serve_http

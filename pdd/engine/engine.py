@@ -54,7 +54,6 @@ class StepStats:
     num_tokens: int = 0
     num_decodes: int = 0
     prefill_chunks: list[int] = field(default_factory=list)
-    num_preempted: int = 0
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -241,7 +240,7 @@ class LLMEngine:
         self.last_step = StepStats(
             latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
             num_decodes=sum(1 for _, n in out.scheduled if n == 1),
-            prefill_chunks=[n for _, n in out.scheduled if n > 1], num_preempted=len(out.preempted))
+            prefill_chunks=[n for _, n in out.scheduled if n > 1])
         return outputs
 
     def abort_failed_step(self) -> list[str]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from pdd.engine.sampling_params import SamplingParams
@@ -35,7 +34,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.monotonic)
     # Tokens produced before this engine saw the request (a resumed or migrated
     # request): they count towards max_tokens and sampling positions.
     num_prior_output_tokens: int = 0
@@ -44,7 +42,6 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)
     # Tokens whose KV is written, or being written by a launched step (the
     # scheduler advances it when it schedules, so the next step can be
     # scheduled before this one's results are back).
@@ -55,7 +52,6 @@ class Request:
     num_in_flight: int = 0
     num_cached_tokens: int = 0          # prompt tokens found in the prefix cache
     num_preemptions: int = 0
-    stop_reason: int | str | None = None
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -98,7 +94,6 @@ class Request:
         if self.num_output_tokens >= sp.min_tokens:
             if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
                 return True
         if self.num_output_tokens >= sp.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

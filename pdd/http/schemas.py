@@ -46,7 +46,6 @@ class GenerateRequest:
     stream: bool
     include_usage: bool                  # stream_options.include_usage
     logprobs: int | None                 # top-N per token (0: only the sampled one); None: off
-    echo: bool
     request_id: str                      # "cmpl-<hex>" / "chatcmpl-<hex>"
     created: int                         # unix seconds
     # Chat without max_tokens means "up to the context limit", which depends on
@@ -79,7 +78,7 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     return GenerateRequest(
         kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
-        logprobs=logprobs, echo=False, request_id=f"cmpl-{uuid.uuid4().hex}",
+        logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()))
 
 
@@ -104,7 +103,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     return GenerateRequest(
         kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
-        echo=False, request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
         max_tokens_unset=unset)
 
 

@@ -88,9 +88,6 @@ class Fields:
     def param(self, name: str) -> str:
         return self.prefix + name
 
-    def present(self, name: str) -> bool:
-        return self.obj.get(name) is not None
-
     def integer(self, name: str, default: int | None = None, *, lo: int | None = None,
                 hi: int | None = None) -> int | None:
         value = self.obj.get(name)

@@ -38,10 +38,6 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    @property
-    def bytes_per_layer_block(self) -> int:
-        return self.bytes_per_block // self.num_layers
-
     def num_blocks_for(self, cfg: EngineConfig, device: torch.device) -> int:
         if cfg.num_blocks is not None:
             return cfg.num_blocks

@@ -19,7 +19,6 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    tp: int = 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -27,7 +26,7 @@ class KVLayout:
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d) - {"tp"}
+        missing = names - set(d)
         if missing:
             raise ValueError(f"KV layout lacks field(s) {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})

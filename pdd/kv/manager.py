@@ -64,9 +64,6 @@ class KVCacheManager:
         self.num_hit_tokens += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
-    def can_allocate(self, req, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        return self._num_new_blocks(req, num_new_tokens, computed_blocks) <= self._available(computed_blocks)
-
     def allocate_slots(self, req, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` beyond req.num_computed_tokens (plus the
         computed prefix blocks when the request starts). None if out of blocks;

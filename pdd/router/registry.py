@@ -35,7 +35,6 @@ class WorkerInfo:
     host_id: str = ""
     incarnation: str = ""           # this process's start; another one under the same id is a new worker
     public_key: str = ""            # its data socket's CURVE key, handed to prefill workers that write to it
-    registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
     heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one

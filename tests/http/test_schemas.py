@@ -282,7 +282,7 @@ def test_completion_sampling_params():
     assert isinstance(s.temperature, float) and s.greedy
     assert s.stop == ["\n\n"] and s.stop_token_ids == [2, 3] and s.ignore_eos and s.min_tokens == 4
     assert s.logprobs == 3 and req.logprobs == 3
-    assert req.stream and req.include_usage and not req.echo and not req.max_tokens_unset
+    assert req.stream and req.include_usage and not req.max_tokens_unset
     assert req.request_id.startswith("cmpl-") and len(req.request_id) == 5 + 32
     assert req.created > 1_600_000_000
 
