@@ -24,6 +24,7 @@ from typing import Callable
 
 from pdd.bench.layouts import Layout, UpProcess, parse_layouts
 from pdd.bench.serve import ServeConfig, ServeResult, command_line, config_from_args, run, save, summary
+from pdd.model.tokenizer import servable_copy
 
 PASS_FRACTION = 0.99    # a rate is met when at least this share of its requests meet every SLO
 
@@ -127,9 +128,12 @@ def main(args) -> int:
     if args.until_fail and not base.slos_ms:
         raise ValueError("--until-fail needs SLOs: --goodput ttft:MS tpot:MS")
     out = Path(args.result_dir)
+    # A config-only checkpoint (a model shape with dummy weights) gets a stand-in
+    # tokenizer, which the router needs to start.
+    checkpoint = args.checkpoint and str(servable_copy(args.checkpoint, out / "model"))
     points: list[SweepPoint] = []
     for layout in layouts:
-        with UpProcess(layout, out / layout.slug, args.checkpoint, args.api_key, args.ready_timeout) as url:
+        with UpProcess(layout, out / layout.slug, checkpoint, args.api_key, args.ready_timeout) as url:
             points += _sweep_layout(layout, url, base, args, out)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(), "config": base.to_json(),
               "layouts": [{"name": lo.name, "up_args": list(lo.up_args), "env": lo.env} for lo in layouts],
