@@ -203,6 +203,9 @@ class PrefillSide:
         self.prompt_lens: dict[str, int] = {}
         # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
         self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
+        # Prompts computing here (engine ids): on a colocated worker that prefills
+        # for others, the engine's other requests are its own.
+        self.computing: set[str] = set()
 
     def handle(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.KVTarget):
@@ -219,6 +222,7 @@ class PrefillSide:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
         self.backends[eid] = msg.transfer_backend
         self.prompt_lens[eid] = len(msg.prompt_token_ids)
+        self.computing.add(eid)
         self.connector.expect(eid)
         return []
 
@@ -258,6 +262,7 @@ class PrefillSide:
         handed over. The tokens go to the router now, ahead of the pages."""
         replies = []
         for o in outputs:
+            self.computing.discard(o.request_id)
             first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             self.connector.finish(o.request_id)
             p = self.placements.get(o.request_id)
@@ -276,6 +281,7 @@ class PrefillSide:
                 if not r.ok and self.engine.abort_request(eid):
                     # Failed while the prompt still computes: stop computing it.
                     self.connector.abort(eid)
+                    self.computing.discard(eid)
                     p = self.placements.remove(eid)
                     log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
                     replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
@@ -290,8 +296,12 @@ class PrefillSide:
                 replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
         return replies
 
+    def computes(self, eid: str) -> bool:
+        return eid in self.computing
+
     def abort(self, eid: str) -> None:
         self.connector.abort(eid)
+        self.computing.discard(eid)
         self.first_tokens.pop(eid, None)
         self.backends.pop(eid, None)
         self.prompt_lens.pop(eid, None)
