@@ -27,7 +27,7 @@ from pdd.router.registry import WorkerInfo
 # within a few heartbeats of work).
 PRIOR_BASE_S = 0.01
 PRIOR_TOKEN_S = 5e-5
-PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups, at 1 and PRIOR_AT tokens
+PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _LineFit)
 PRIOR_AT = 512
 # Consecutive steps fitted as one sample: with async scheduling a step's
 # latency is mostly the wait for the step before, so one step's pair of
@@ -91,8 +91,10 @@ class Estimates:
 
 
 class _LineFit:
-    """Weighted least squares of y = a + b·x with exponential forgetting,
-    pulled toward the prior line by PRIOR_WEIGHT pseudo-samples."""
+    """Weighted least squares of y = a + b·x with exponential forgetting, held
+    toward the prior (a0, b0) by a ridge worth PRIOR_WEIGHT samples: a at x = 0,
+    b at x = PRIOR_AT. Steps of one size only (a worker that just decodes) fit
+    a and leave b at the prior instead of inventing a slope from noise."""
 
     def __init__(self):
         self.s = [0.0] * 5      # Σw, Σwx, Σwx², Σwy, Σwxy
@@ -106,16 +108,14 @@ class _LineFit:
 
     def solve(self) -> tuple[float, float]:
         w, sx, sxx, sy, sxy = self.s
-        for x in (1.0, float(PRIOR_AT)):
-            y = PRIOR_BASE_S + PRIOR_TOKEN_S * x
-            w, sx, sxx, sy, sxy = (w + PRIOR_WEIGHT, sx + PRIOR_WEIGHT * x, sxx + PRIOR_WEIGHT * x * x,
-                                   sy + PRIOR_WEIGHT * y, sxy + PRIOR_WEIGHT * x * y)
-        det = w * sxx - sx * sx
-        b = (w * sxy - sx * sy) / det
-        a = (sy - b * sx) / w
+        ra, rb = PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_AT ** 2
+        # [w + ra, sx; sx, sxx + rb] [a, b] = [sy + ra·a0, sxy + rb·b0]
+        m00, m01, m11 = w + ra, sx, sxx + rb
+        r0, r1 = sy + ra * PRIOR_BASE_S, sxy + rb * PRIOR_TOKEN_S
+        det = m00 * m11 - m01 * m01
+        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
         # Noise must not make a token free, or a step cost less than nothing.
-        b = max(b, PRIOR_TOKEN_S * 1e-3)
-        return max(a, 0.0), b
+        return max(a, 0.0), max(b, PRIOR_TOKEN_S * 1e-3)
 
 
 @dataclass

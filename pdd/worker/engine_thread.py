@@ -308,9 +308,11 @@ class EngineThread(threading.Thread):
             return
         # A colocated worker that prefills for others: its prompts' first tokens
         # go out as FirstToken, everything else it streams as its own.
-        mine = self.prefill_side.computes
-        self._replies += self.prefill_side.on_outputs([o for o in outputs if mine(o.request_id)])
-        self._replies += self.decode_side.on_outputs([o for o in outputs if not mine(o.request_id)])
+        theirs, own = [], []
+        for o in outputs:
+            (theirs if self.prefill_side.computes(o.request_id) else own).append(o)
+        self._replies += self.prefill_side.on_outputs(theirs)
+        self._replies += self.decode_side.on_outputs(own)
 
     def _step_failed(self, e: Exception) -> list[m.Message]:
         self._consecutive_failures += 1

@@ -7,7 +7,7 @@ from pdd.config import AdaptiveConfig
 from pdd.kv.hashing import block_hashes
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
-from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, Estimates, Estimator, WorkerEstimate
+from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, PRIOR_TOKEN_S, Estimates, Estimator, WorkerEstimate
 from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, place
 from pdd.router.registry import WorkerInfo
 from tests.router.sim import SimCluster
@@ -205,3 +205,14 @@ def test_adaptive_decisions_are_counted_and_requests_complete():
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
     counted = c.control.metrics.placements.labels("local_prefill", "short_prompt")._value.get()
     assert counted == 1
+
+
+def test_a_worker_that_only_decodes_keeps_the_prior_cost_per_token():
+    """Steps of one size say what a step costs, not what a token adds: the
+    slope stays at the prior instead of being invented from noise."""
+    e, w = Estimator(SLO), worker("d0", "decode")
+    for i in range(50):
+        e.observe(heartbeat("d0", [(1, 0.3 + 0.01 * ((i + j) % 3)) for j in range(8)]))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["d0"]
+    assert fitted.step_base_s == pytest.approx(0.31, rel=0.05)
+    assert fitted.step_token_s == pytest.approx(PRIOR_TOKEN_S, rel=0.05)
