@@ -180,7 +180,7 @@ class LLMEngine:
                             req.num_cached_tokens)
 
     def attach_connector(self, connector) -> None:
-        """Prefill role: a KV connector sees each step's batch and every layer as
+        """Prefill side: a KV connector sees each step's batch and every layer as
         it is written (layer-wise transfer while the forward continues)."""
         self.connector = connector
 
