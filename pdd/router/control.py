@@ -129,7 +129,8 @@ class ControlPlane:
 
     def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
         workers, layout = self.registry.workers.values(), self.registry.layout
-        estimates = self.estimator.snapshot(workers, layout, self.clock()) if self.cfg.mode == "adaptive" else None
+        adaptive = self.cfg.mode == "adaptive" and not request.colocated_only
+        estimates = self.estimator.snapshot(workers, layout, self.clock()) if adaptive else None
         return place(request, workers, self.cfg.mode, exclude, estimates=estimates, slo=self.cfg.adaptive,
                      block_size=layout.block_size if layout else 16, **kw)
 
@@ -364,7 +365,7 @@ class ControlPlane:
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
         self._own(state, plan.decode, plan.prefill)
         state.placed_at, state.prompt_at = self.clock(), None
-        self.metrics.placements.labels(plan.kind, plan.reason or "none").inc()
+        self.metrics.placements.labels(plan.kind, plan.reason).inc()
         self.estimator.placed(plan.prefill or plan.decode, plan.decode,
                               plan.prefill_tokens or len(state.prompt_token_ids) + len(state.output_token_ids),
                               state.placed_at)

@@ -53,7 +53,7 @@ class Plan:
     prefill: str | None = None   # set: disaggregated through `backend`
     backend: str = ""
     kind: str = COLOCATED        # disagg | local_prefill (a decode-capable worker prefills it) | colocated
-    reason: str = ""             # why, as a short label (a metric label)
+    reason: str = ""             # why, as a short label (a metric label; place() always sets one)
     note: str = ""               # more words, for the log
     prefill_tokens: int = 0      # prompt tokens the computing worker computes (0: not estimated)
 
@@ -146,7 +146,7 @@ def _prefill_for(decode: WorkerInfo, prefills: list[WorkerInfo], block_hashes: l
     prefill = pick_worker(allowed, block_hashes)
     if prefill is None:
         return Plan(decode.worker_id, kind=LOCAL_PREFILL, reason="breaker_open")
-    return Plan(decode.worker_id, prefill.worker_id, transfer_backend(prefill, decode), kind=DISAGG)
+    return Plan(decode.worker_id, prefill.worker_id, transfer_backend(prefill, decode), kind=DISAGG, reason="static")
 
 
 # ---------------------------------------------------------------- adaptive

@@ -11,6 +11,7 @@ from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, PRIOR_TOKEN_S, Estim
 from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, place
 from pdd.router.registry import WorkerInfo
 from tests.router.sim import SimCluster
+from tests.router.test_control import expected, run_to_end
 
 LAYOUT = KVLayout("m", "0", "bfloat16", 16, 32, 8, 128)   # Llama-3-8B's KV: 128 KiB a token
 SLO = AdaptiveConfig()
@@ -200,7 +201,6 @@ def test_adaptive_decisions_are_counted_and_requests_complete():
     c.add_worker("d0", "decode")
     s = c.submit(max_tokens=3)                                    # 10 tokens: short, prefilled where it decodes
     assert (s.mode, s.decode_worker, s.phase) == ("colocated", "d0", "decoding")
-    from tests.router.test_control import expected, run_to_end
     run_to_end(c)
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
     counted = c.control.metrics.placements.labels("local_prefill", "short_prompt")._value.get()
@@ -216,3 +216,15 @@ def test_a_worker_that_only_decodes_keeps_the_prior_cost_per_token():
     fitted = e.snapshot([w], LAYOUT, 0.0).workers["d0"]
     assert fitted.step_base_s == pytest.approx(0.31, rel=0.05)
     assert fitted.step_token_s == pytest.approx(PRIOR_TOKEN_S, rel=0.05)
+
+
+def test_static_modes_count_their_decisions_too():
+    c = SimCluster(mode="auto")
+    c.add_worker("p0", "prefill")
+    c.add_worker("d0", "decode")
+    c.submit()
+    c.kill("p0")
+    c.submit()
+    placements = c.control.metrics.placements
+    assert placements.labels("disagg", "static")._value.get() == 1
+    assert placements.labels("local_prefill", "no_prefill_worker")._value.get() == 1
