@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     p.add_argument("--workers", type=int, default=1, help="colocated workers")
+    p.add_argument("--adaptive", action="store_true",
+                   help="router.mode = adaptive: per request, remote or local prefill by measured cost; "
+                        "colocated workers also prefill for others, leaning to prefill or decode with the load")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--run-dir", default=None, help="where logs, keys and the generated config go (mode 0700)")
     p.add_argument("--ready-timeout", type=float, default=600.0)

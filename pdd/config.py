@@ -66,6 +66,7 @@ class EngineConfig:
 
 
 ROLES = ("router", "colocated", "prefill", "decode")
+ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive")
 
 # Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
 # Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
@@ -99,6 +100,36 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True)
+class AdaptiveConfig:
+    """[router.adaptive]: SLO targets and thresholds of adaptive placement
+    (router.mode = "adaptive"; the model: docs/design.md, "Adaptive disaggregation")."""
+    ttft_slo_s: float = 2.0              # time to first token a placement must predict to meet
+    tpot_slo_s: float = 0.05             # a decoding request's predicted time per output token
+    # A step holding a prefill chunk beside running decodes must not predict an
+    # inter-token gap above this for them.
+    itl_slo_s: float = 0.1
+    # Prompts with at most this many uncached tokens prefill where they decode:
+    # a chunk this small rides along a bandwidth-bound decode step nearly for free.
+    local_prefill_tokens: int = 256
+    # Prefill demand a prefill-leaning worker is meant to carry, as a share of its
+    # measured prefill rate; above it another colocated worker leans to prefill.
+    prefill_utilization: float = 0.7
+    # The demand has to fall this much below the threshold before one stops
+    # leaning to prefill (no flapping at the boundary).
+    hysteresis: float = 0.2
+    demand_window_s: float = 10.0        # time constant of the measured prefill demand (tokens/s)
+
+    def validate(self) -> "AdaptiveConfig":
+        if min(self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s, self.demand_window_s) <= 0:
+            raise ConfigError("router.adaptive: ttft_slo_s, tpot_slo_s, itl_slo_s and demand_window_s must be > 0")
+        if self.local_prefill_tokens < 0:
+            raise ConfigError("router.adaptive.local_prefill_tokens: must be >= 0")
+        if not 0.0 < self.prefill_utilization <= 1.0 or not 0.0 <= self.hysteresis < 1.0:
+            raise ConfigError("router.adaptive: prefill_utilization must be in (0, 1], hysteresis in [0, 1)")
+        return self
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -114,7 +145,10 @@ class RouterConfig:
     max_body_bytes: int = 4 * 2**20
     default_max_tokens: int = 16     # /v1/completions without max_tokens, as OpenAI
     # auto: disaggregated when prefill and decode workers are registered, else colocated.
-    mode: str = "auto"               # auto | colocated | disagg
+    # adaptive: per request, remote or local prefill from a cost model measured
+    # online; colocated workers that prefill for others lean to prefill or decode
+    # as the load moves (pdd.router.placement, [router.adaptive]).
+    mode: str = "auto"               # auto | colocated | disagg | adaptive
     kv_lease_ttl_s: float = 60.0     # a decode reservation whose KV has not come by then is freed
     reserve_timeout_s: float = 10.0  # decode worker's answer to Reserve
     # A request not finished this long after arrival ends with an error (0 = no deadline).
@@ -124,10 +158,11 @@ class RouterConfig:
     # Retry-After (0 = no limit).
     max_queued_requests: int = 4096
     breaker: BreakerConfig = BreakerConfig()
+    adaptive: AdaptiveConfig = AdaptiveConfig()
 
     def validate(self) -> "RouterConfig":
-        if self.mode not in ("auto", "colocated", "disagg"):
-            raise ConfigError(f"router.mode: must be auto, colocated or disagg, got {self.mode!r}")
+        if self.mode not in ROUTER_MODES:
+            raise ConfigError(f"router.mode: must be one of {', '.join(ROUTER_MODES)}, got {self.mode!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"router.port: {self.port} is not a TCP port")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
@@ -158,6 +193,9 @@ class WorkerConfig:
     # An engine step running longer than this is a hung worker: the router moves
     # its requests and sends it nothing new until its steps advance again.
     step_timeout_s: float = 60.0
+    # A colocated worker that also prefills prompts for other workers and ships
+    # their KV (adaptive placement moves it between prefill and decode work).
+    prefill_for_others: bool = False
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
@@ -171,6 +209,8 @@ class WorkerConfig:
             raise ConfigError("worker.step_timeout_s: must be > 0")
         if self.ipc_layers_per_copy < 0:
             raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
+        if self.prefill_for_others and self.role != "colocated":
+            raise ConfigError(f"worker.prefill_for_others: only a colocated worker takes it (role {self.role!r})")
         return self
 
 

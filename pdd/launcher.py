@@ -81,7 +81,10 @@ class Cluster:
         write_private(self.config_path, dump_toml(self.cfg))
         self._spawn("router", ["--role", "router"])
         for role, wid, device in self.workers:
-            env = {"PDD_ENGINE__DEVICE": device} if device else None
+            env = {"PDD_ENGINE__DEVICE": device} if device else {}
+            if role == "colocated" and self.cfg.router.mode == "adaptive":
+                # Adaptive placement moves these between prefill and decode work.
+                env["PDD_WORKER__PREFILL_FOR_OTHERS"] = "true"
             self._spawn(wid, ["--role", role, "--worker-id", wid], env)
 
     def _with_secrets(self, cfg: ClusterConfig) -> ClusterConfig:
@@ -147,7 +150,11 @@ def build_cluster(args) -> Cluster:
     overrides["router"]["port"] = args.port
     # A P+D layout runs the router in auto: disaggregated while it can be, a local
     # prefill on the decode worker when it cannot (breaker open, no prefill worker).
-    overrides["router"]["mode"] = "colocated" if args.mode == "colocated" else "auto"
+    # --adaptive: either layout, placement priced per request (pdd.router.placement).
+    if getattr(args, "adaptive", False):
+        overrides["router"]["mode"] = "adaptive"
+    else:
+        overrides["router"]["mode"] = "colocated" if args.mode == "colocated" else "auto"
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.

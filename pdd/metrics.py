@@ -59,6 +59,8 @@ class RouterMetrics:
         self.transfer_failures = Counter("pdd_kv_transfer_failures", "KV transfers that failed", registry=r)
         self.fallbacks = Counter("pdd_disagg_fallbacks", "Disaggregated requests finished another way",
                                  ["reason"], registry=r)
+        self.placements = Counter("pdd_placement", "Placement decisions: kind (disagg, local_prefill, colocated) "
+                                  "and why (pdd.router.placement)", ["kind", "reason"], registry=r)
         self.rejected = Counter("pdd_requests_rejected", "Requests refused or cut by admission control",
                                 ["reason"], registry=r)
         self.breaker_state = Gauge("pdd_breaker_state", "Circuit breaker per prefill->decode pair "

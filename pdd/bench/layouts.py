@@ -2,8 +2,10 @@
 
     colocated:N      pdd up --mode colocated --workers N
     disagg:PpDd      pdd up --mode disagg --prefill P --decode D
-    adaptive:SPEC    the same as SPEC (N or PpDd) plus ADAPTIVE_UP_ARGS / ADAPTIVE_ENV
-                     (`auto:` is the same kind)
+    adaptive:SPEC    the same as SPEC (N or PpDd) plus ADAPTIVE_UP_ARGS (--adaptive):
+                     N colocated workers that also prefill for each other, or P
+                     prefill + D decode workers, placed per request by measured
+                     cost (`auto:` is the same kind)
 
 The cluster is `pdd up` in a subprocess, so a layout gets whatever `pdd up`
 does, including flags added later: --layout-args adds any for one layout.
@@ -20,11 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# NOTE: the adaptive-placement half of the issue fills these in: the `pdd up`
-# argument(s) and/or PDD_* environment that turn adaptive placement on. Until it
-# does, an adaptive layout must name them with --layout-args/--layout-env, so that
-# a static cluster is never reported under the adaptive label.
-ADAPTIVE_UP_ARGS: tuple[str, ...] = ()
+# What turns adaptive placement on for `pdd up` (router.mode = adaptive; its
+# colocated workers also prefill for others). A layout without it is static.
+ADAPTIVE_UP_ARGS: tuple[str, ...] = ("--adaptive",)
 ADAPTIVE_ENV: dict[str, str] = {}
 
 
@@ -74,9 +74,6 @@ def _layout(name: str, more_args: list[str], more_env: dict[str, str]) -> Layout
         if base[1] != kind:
             raise ValueError(f"layout {name!r}: {kind} takes {'N' if kind == 'colocated' else 'PpDd'}")
         return Layout(name, (*base, *more_args), more_env)
-    if not (ADAPTIVE_UP_ARGS or ADAPTIVE_ENV or more_args or more_env):
-        raise ValueError(f"layout {name!r}: adaptive placement is not wired to a `pdd up` flag yet; "
-                         f"name it with --layout-args '{name}=--FLAG' or --layout-env '{name}=PDD_X__Y=V'")
     return Layout(name, (*base, *ADAPTIVE_UP_ARGS, *more_args), {**ADAPTIVE_ENV, **more_env})
 
 

@@ -192,10 +192,9 @@ class LLMEngine:
                             req.num_cached_tokens, req.num_output_tokens)
 
     def attach_connector(self, connector) -> None:
-        """Prefill role: a KV connector sees each step's batch and every layer as
+        """Prefill side: a KV connector sees each step's batch and every layer as
         it is written (layer-wise transfer while the forward continues)."""
         self.connector = connector
-        self.runner.model.layer_done_hooks.append(connector.save_layer)
 
     def abort_request(self, request_id: str) -> bool:
         if self.scheduler.abort(request_id) is None:
@@ -261,6 +260,9 @@ class LLMEngine:
         tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
         if self.connector is not None:
             self.connector.begin_step(out, tables)
+            # Hooked only into steps that ship pages: a colocated worker that also
+            # prefills for others keeps its CUDA graphs for the decode steps.
+            self.runner.model.layer_done_hooks[:] = [self.connector.save_layer] if self.connector.plan else []
         self.kv.pool.steps_launched += 1
         try:
             step = self.runner.launch(out, tables, self.in_flight)

@@ -51,6 +51,11 @@ class Register(Message):
     # another incarnation is a new process, and the old one's requests are lost.
     incarnation: str = ""
     public_key: str = ""  # CURVE public key of its data socket (z85), "" when insecure
+    # A colocated worker that also prefills for others (worker.prefill_for_others).
+    prefills_for_others: bool = False
+    # Its scheduler's step budget and per-request chunk: the router's prefill-time model.
+    max_num_batched_tokens: int = 0
+    chunk_size: int = 0
 
 
 @dataclass
@@ -67,6 +72,11 @@ class Heartbeat(Message):
     step_latencies: list[float] = field(default_factory=list)
     prefill_chunks: list[int] = field(default_factory=list)
     decode_batches: list[int] = field(default_factory=list)
+    # Tokens of each step of step_latencies (same order): the router fits
+    # step time ~ a + b * tokens per worker (pdd.router.estimator).
+    step_tokens: list[int] = field(default_factory=list)
+    # Prompt tokens admitted and not yet computed (waiting and partly prefilled requests).
+    prefill_tokens_pending: int = 0
     # Recently computed block hashes (newest last): prefix-affinity routing.
     recent_hashes: list[int] = field(default_factory=list)
     transfer: dict = field(default_factory=dict)

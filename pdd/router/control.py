@@ -51,7 +51,8 @@ from pdd.kv.hashing import block_hashes
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import STATE_VALUE, Breakers
-from pdd.router.placement import PlaceRequest, Plan, pick_worker, place, transfer_backend
+from pdd.router.estimator import Estimator
+from pdd.router.placement import PlaceRequest, Plan, pick_worker, place, prefills_for_others, transfer_backend
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent
 
@@ -84,6 +85,7 @@ class ControlPlane:
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
+        self.estimator = Estimator(cfg.adaptive)     # measured state for adaptive placement
         self._timers: list[tuple[float, int, str]] = []   # (deadline, timer seq, request id)
         self._timer_seq = 0
         self.num_queued = 0          # requests in flight without a token yet (admission control)
@@ -111,8 +113,8 @@ class ControlPlane:
             hashes = self.prompt_hashes(prompt_token_ids)
         now = self.clock()
         state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now)
-        plan = place(PlaceRequest(hashes), self.registry.workers.values(), self.cfg.mode,
-                     pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
+        plan = self._place(PlaceRequest(hashes, num_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens),
+                           pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
         if plan is None:
             raise Unavailable("no worker is available" if self.cfg.mode != "disagg"
                               else "no prefill + decode pair is available (router.mode = disagg)")
@@ -122,12 +124,20 @@ class ControlPlane:
         self.metrics.inflight.inc()
         if self.cfg.request_timeout_s:
             state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, request_id)
-        if plan.note:
-            log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode, plan.note)
-            if plan.note == "breaker_open":
-                self.metrics.fallbacks.labels("breaker_open").inc()
+        if plan.kind == "local_prefill" and self.cfg.mode != "adaptive" or plan.reason == "no_decode_worker":
+            log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode,
+                     plan.note or plan.reason)
+        if plan.reason == "breaker_open":
+            self.metrics.fallbacks.labels("breaker_open").inc()
         self._start(state, plan)
         return state
+
+    def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
+        workers, layout = self.registry.workers.values(), self.registry.layout
+        adaptive = self.cfg.mode == "adaptive" and not request.colocated_only
+        estimates = self.estimator.snapshot(workers, layout, self.clock()) if adaptive else None
+        return place(request, workers, self.cfg.mode, exclude, estimates=estimates, slo=self.cfg.adaptive,
+                     block_size=layout.block_size if layout else 16, **kw)
 
     def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         layout = self.registry.layout
@@ -187,6 +197,7 @@ class ControlPlane:
             self.send(peer, m.ReRegister())
             return
         self.metrics.observe_heartbeat(msg)
+        self.estimator.observe(msg)
         if msg.step_running_s > self.step_timeout_s:
             self._hung(worker, msg.step_running_s)
         elif worker.hung and steps_before is not None and msg.steps_completed > steps_before:
@@ -292,11 +303,13 @@ class ControlPlane:
                 and landed.prompt_at == peer and landed.prefill_worker is None):
             # The decode worker started on the KV (and told us) before this came.
             self.metrics.observe_transfer(msg.transfer)
+            self.estimator.transferred(landed.transfer_backend, msg.transfer)
             return
         state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
         self.metrics.observe_transfer(msg.transfer)
+        self.estimator.transferred(state.transfer_backend, msg.transfer)
         self._kv_landed(state)
         if not state.output_token_ids:  # no FirstToken came ahead of it
             self._deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs, msg.num_cached_tokens))
@@ -389,6 +402,10 @@ class ControlPlane:
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
         self._own(state, plan.decode, plan.prefill)
         state.placed_at, state.prompt_at = self.clock(), None
+        self.metrics.placements.labels(plan.kind, plan.reason).inc()
+        self.estimator.placed(plan.prefill or plan.decode, plan.decode,
+                              plan.prefill_tokens or len(state.prompt_token_ids) + len(state.output_token_ids),
+                              state.placed_at)
         if plan.disaggregated:
             # Both at once: the prompt computes while the decode worker reserves;
             # the block ids follow in KVTarget, long before the first page is due.
@@ -412,8 +429,7 @@ class ControlPlane:
             self.metrics.fallbacks.labels(reason).inc()
         self._abort_owners(state)
         self._own(state, None, None)
-        plan = place(PlaceRequest(state.block_hashes, colocated_only=True), self.registry.workers.values(),
-                     self.cfg.mode, exclude)
+        plan = self._place(PlaceRequest(state.block_hashes, colocated_only=True), exclude)
         if plan is None:
             self._fail(state, f"{why}, and no other worker can take the request")
             return
@@ -446,7 +462,7 @@ class ControlPlane:
             return planned.worker_id
         decode = workers[state.decode_worker]
         now = self.clock()
-        choices = [w for w in workers.values() if w.role == "prefill" and w.accepting
+        choices = [w for w in workers.values() if prefills_for_others(w) and w.accepting and w is not decode
                    and transfer_backend(w, decode) is not None
                    and self.breakers.allows(w.worker_id, decode.worker_id, now)]
         chosen = pick_worker(choices, state.block_hashes)

@@ -2,18 +2,21 @@
 
 `place(request, workers, mode)` returns a Plan — a prefill worker, a decode
 worker and the KV transfer backend between them (disaggregated), or one
-worker that prefills and decodes (colocated) — or None when nobody can take
-the request. It is pure: it reads the workers' state and changes nothing, so
-routing policy, and later the circuit breaker, adaptive disaggregation and
-admission control, are inputs here and it is tested on constructed states.
+worker that prefills and decodes — or None when nobody can take the request.
+It is pure: it reads the workers' state (and, adaptive, the estimates of
+pdd.router.estimator) and changes nothing, so routing policy, the circuit
+breaker (`pair_allowed`) and adaptive disaggregation are inputs here and it is
+tested on constructed states.
 
 Roles differ by capability:
     prefill    computes prompts and ships their KV; runs requests whole only
                when no decode-capable worker is left (a request moved off a
                dead decode worker continues there rather than fail)
-    decode     decodes KV that prefill workers send; prefills locally only as
-               a fallback (no prefill worker, transfer failed, migration)
-    colocated  prefills and decodes its own requests; never receives KV
+    decode     decodes KV that prefill workers send; prefills locally as a
+               fallback, or (adaptive) when that is the better choice
+    colocated  prefills and decodes its own requests; with
+               worker.prefill_for_others it also computes prompts for other
+               workers and, in adaptive mode, receives KV from them
 Router modes:
     auto       a decode-capable worker is chosen by load and affinity; on a
                decode worker the request is disaggregated when a prefill worker
@@ -22,16 +25,28 @@ Router modes:
     disagg     new requests only disaggregated; none possible -> no placement
                (the client gets 503). Requests already running still fall
                back locally when their transfer fails: nothing is lost.
+    adaptive   per request, each (prefill worker, decode worker) option —
+               local prefill included — is priced by a model measured online
+               (TTFT, the new request's TPOT, the ITL hit and delay its prefill
+               adds to requests decoding where it computes); the option that
+               meets the SLOs ([router.adaptive]) at least cost wins. Which
+               colocated workers lean to prefill follows the demand
+               (pdd.router.estimator). Model: docs/design.md.
+Every plan says its kind (disagg | local_prefill | colocated) and why
+(`reason`): the router counts them (pdd_placement_total).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pdd.config import AdaptiveConfig
+from pdd.router.estimator import LEAN_PREFILL, Estimates, WorkerEstimate
 from pdd.router.registry import WorkerInfo
 
 PREFIX_WEIGHT = 0.5   # a fully cached prompt is worth this much extra load
 SERVING_ROLES = ("colocated", "decode")
+DISAGG, LOCAL_PREFILL, COLOCATED = "disagg", "local_prefill", "colocated"
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,10 @@ class Plan:
     decode: str                  # the worker that decodes and streams (colocated: does it all)
     prefill: str | None = None   # set: disaggregated through `backend`
     backend: str = ""
-    note: str = ""               # why a decode worker prefills locally, if it does
+    kind: str = COLOCATED        # disagg | local_prefill (a decode-capable worker prefills it) | colocated
+    reason: str = ""             # why, as a short label (a metric label; place() always sets one)
+    note: str = ""               # more words, for the log
+    prefill_tokens: int = 0      # prompt tokens the computing worker computes (0: not estimated)
 
     @property
     def disaggregated(self) -> bool:
@@ -54,6 +72,8 @@ class Plan:
 class PlaceRequest:
     block_hashes: list[int]
     colocated_only: bool = False     # a re-placement after a failure: prefill where it decodes
+    num_tokens: int = 0              # prompt tokens (adaptive prices them)
+    max_tokens: int = 16             # output tokens it may decode (adaptive: the TPOT it is exposed to)
 
 
 def load_of(w: WorkerInfo) -> float:
@@ -81,11 +101,18 @@ def transfer_backend(prefill: WorkerInfo, decode: WorkerInfo) -> str | None:
     return None
 
 
+def prefills_for_others(w: WorkerInfo) -> bool:
+    return w.role == "prefill" or w.prefills_for_others
+
+
 PairAllowed = Callable[[str, str], bool]   # (prefill id, decode id): its circuit breaker lets it through
 
 
 def place(request: PlaceRequest, workers: Iterable[WorkerInfo], mode: str,
-          exclude: frozenset[str] = frozenset(), pair_allowed: PairAllowed = lambda p, d: True) -> Plan | None:
+          exclude: frozenset[str] = frozenset(), pair_allowed: PairAllowed = lambda p, d: True,
+          estimates: Estimates | None = None, slo: AdaptiveConfig | None = None,
+          block_size: int = 16) -> Plan | None:
+    """`estimates` and `slo` are needed in adaptive mode (pdd.router.estimator.Estimator.snapshot)."""
     pool = [w for w in workers if w.accepting and w.worker_id not in exclude]
     prefills = [w for w in pool if w.role == "prefill"]
     if mode == "disagg" and not request.colocated_only:
@@ -95,26 +122,160 @@ def place(request: PlaceRequest, workers: Iterable[WorkerInfo], mode: str,
             return None
         pair = _prefill_for(decode, prefills, request.block_hashes, pair_allowed)
         return pair if pair.disaggregated else None
+    if mode == "adaptive" and not request.colocated_only:
+        return (_adaptive(request, pool, estimates, slo, pair_allowed, block_size)
+                or _last_resort(prefills, request.block_hashes))
     worker = pick_worker((w for w in pool if w.role in SERVING_ROLES), request.block_hashes)
-    if worker is None:   # the last resort: a prefill worker runs the same engine and can decode
-        last = pick_worker(prefills, request.block_hashes)
-        return Plan(last.worker_id, note="no decode worker") if last is not None else None
-    if worker.role == "colocated" or mode == "colocated" or request.colocated_only:
-        return Plan(worker.worker_id)
+    if worker is None:
+        return _last_resort(prefills, request.block_hashes)
+    if request.colocated_only:
+        return Plan(worker.worker_id, reason="placed_again")
+    if worker.role == "colocated" or mode == "colocated":
+        return Plan(worker.worker_id, reason="mode" if mode == "colocated" else "colocated_worker")
     return _prefill_for(worker, prefills, request.block_hashes, pair_allowed)
+
+
+def _last_resort(prefills: list[WorkerInfo], block_hashes: list[int]) -> Plan | None:
+    """No decode-capable worker is left: a prefill worker runs the same engine
+    and can decode (a request moved off a dead decode worker continues there)."""
+    worker = pick_worker(prefills, block_hashes)
+    return Plan(worker.worker_id, reason="no_decode_worker") if worker is not None else None
 
 
 def _prefill_for(decode: WorkerInfo, prefills: list[WorkerInfo], block_hashes: list[int],
                  pair_allowed: PairAllowed) -> Plan:
     """The best prefill worker for `decode`, or a plan to prefill on it (and why)."""
     if not prefills:
-        return Plan(decode.worker_id, note="no prefill worker")
+        return Plan(decode.worker_id, kind=LOCAL_PREFILL, reason="no_prefill_worker")
     usable = [p for p in prefills if decode.data_addr and transfer_backend(p, decode)]
     if not usable:
-        return Plan(decode.worker_id, note=f"no KV transfer backend common to {decode.worker_id} "
-                                           f"{decode.transfer_backends} and any prefill worker")
+        return Plan(decode.worker_id, kind=LOCAL_PREFILL, reason="no_backend",
+                    note=f"no KV transfer backend common to {decode.worker_id} {decode.transfer_backends} "
+                         f"and any prefill worker")
     allowed = [p for p in usable if pair_allowed(p.worker_id, decode.worker_id)]
     prefill = pick_worker(allowed, block_hashes)
     if prefill is None:
-        return Plan(decode.worker_id, note="breaker_open")
-    return Plan(decode.worker_id, prefill.worker_id, transfer_backend(prefill, decode))
+        return Plan(decode.worker_id, kind=LOCAL_PREFILL, reason="breaker_open")
+    return Plan(decode.worker_id, prefill.worker_id, transfer_backend(prefill, decode), kind=DISAGG, reason="static")
+
+
+# ---------------------------------------------------------------- adaptive
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to run the request, priced."""
+    decode: WorkerInfo
+    prefill: WorkerInfo | None     # None: prefilled where it decodes
+    backend: str
+    new_tokens: int                # prompt tokens the computing worker computes
+    ttft_s: float                  # queue wait + prefill + the transfer's tail
+    tpot_s: float                  # the new request's decode step
+    itl_s: float                   # the gap its prefill chunks give requests decoding where it computes
+    harm_s: float                  # request-seconds its prefill adds to those requests
+    decode_leans_prefill: bool
+
+    def excess(self, slo: AdaptiveConfig) -> float:
+        """How far past the SLO targets, relative; 0 when it meets them all."""
+        return (max(0.0, self.ttft_s / slo.ttft_slo_s - 1) + max(0.0, self.tpot_s / slo.tpot_slo_s - 1)
+                + max(0.0, self.itl_s / slo.itl_slo_s - 1))
+
+    def cost(self, max_tokens: int) -> float:
+        """Request-seconds: the new request's latency and what it adds to others'."""
+        return self.ttft_s + max_tokens * self.tpot_s + self.harm_s
+
+    def rank(self, slo: AdaptiveConfig, max_tokens: int) -> tuple:
+        """Options that meet the SLOs first, decoding on a decode-leaning worker
+        first, cheapest first; if none meets them, the least excess."""
+        excess = self.excess(slo)
+        if excess == 0.0:
+            return 0, self.decode_leans_prefill, self.cost(max_tokens), self.decode.worker_id
+        return 1, excess, self.cost(max_tokens), self.decode.worker_id
+
+
+def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo: AdaptiveConfig,
+              pair_allowed: PairAllowed, block_size: int) -> Plan | None:
+    serving = [w for w in pool if w.role in SERVING_ROLES]
+    n = max(request.num_tokens, len(request.block_hashes) * block_size, 1)
+    # A decode worker must hold the prompt's blocks; if none can, the least bad is
+    # left to queue (the worker refuses and the request is placed again).
+    roomy = [d for d in serving if d.free_blocks * block_size >= n - _cached(d, request, block_size, n)]
+    prefillers = [w for w in pool if prefills_for_others(w) and est.workers[w.worker_id].leaning == LEAN_PREFILL]
+    options, why_local = [], {}
+    for d in roomy or serving:
+        local = _local_option(d, request, est, block_size, n)
+        options.append(local)
+        if local.new_tokens <= slo.local_prefill_tokens:
+            why_local[d.worker_id] = "cached" if 2 * (n - local.new_tokens) >= n else "short_prompt"
+            continue
+        remote, why = _remote_options(d, prefillers, request, est, pair_allowed, block_size, n)
+        options += remote
+        if why:
+            why_local[d.worker_id] = why
+    if not options:
+        return None
+    best = min(options, key=lambda o: o.rank(slo, request.max_tokens))
+    reason = why_local.get(best.decode.worker_id) if best.prefill is None else None
+    if reason is None:
+        reason = _why(best, options, slo)
+    if best.prefill is None:
+        return Plan(best.decode.worker_id, kind=LOCAL_PREFILL, reason=reason, prefill_tokens=best.new_tokens)
+    return Plan(best.decode.worker_id, best.prefill.worker_id, best.backend, kind=DISAGG, reason=reason,
+                prefill_tokens=best.new_tokens)
+
+
+def _why(best: _Option, options: list[_Option], slo: AdaptiveConfig) -> str:
+    """slo: only this kind of option (remote or local) meets the targets; cost:
+    both do and this one is cheaper; least_violation: none does."""
+    if best.excess(slo) > 0:
+        return "least_violation"
+    others = [o for o in options if (o.prefill is None) != (best.prefill is None)]
+    return "cost" if any(o.excess(slo) == 0 for o in others) else "slo"
+
+
+def _cached(w: WorkerInfo, request: PlaceRequest, block_size: int, n: int) -> int:
+    """Prompt tokens `w` probably caches (the last token is computed anyway)."""
+    return min(w.prefix_match(request.block_hashes) * block_size, n - 1)
+
+
+def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, block_size: int, n: int) -> _Option:
+    e = est.workers[d.worker_id]
+    new = n - _cached(d, request, block_size, n)
+    return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens), _tpot(e),
+                   e.chunk_step_s() if e.decoding else 0.0, e.decoding * e.step_token_s * new,
+                   e.leaning == LEAN_PREFILL)
+
+
+def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceRequest, est: Estimates,
+                    pair_allowed: PairAllowed, block_size: int, n: int) -> tuple[list[_Option], str | None]:
+    """Disaggregated options for decoding on `d`, or none and why."""
+    if not (d.data_addr and (d.role == "decode" or d.prefills_for_others)):
+        return [], "no_prefill_worker"       # a colocated worker that takes no KV
+    candidates = [p for p in prefillers if p.worker_id != d.worker_id]
+    if not candidates:
+        return [], "no_prefill_worker"
+    with_backend = [(p, transfer_backend(p, d)) for p in candidates]
+    with_backend = [(p, b) for p, b in with_backend if b]
+    if not with_backend:
+        return [], "no_backend"
+    allowed = [(p, b) for p, b in with_backend if pair_allowed(p.worker_id, d.worker_id)]
+    if not allowed:
+        return [], "breaker_open"
+    e_d = est.workers[d.worker_id]
+    # The first token leaves before the pages; decoding starts once the pages
+    # of the last chunk (those the decode worker lacks) have landed.
+    to_send = n - _cached(d, request, block_size, n)
+    options = []
+    for p, backend in allowed:
+        e = est.workers[p.worker_id]
+        new = n - _cached(p, request, block_size, n)
+        tail = est.transfer_s(backend, min(to_send, e.chunk))
+        options.append(_Option(d, p, backend, new, e.prefill_s(new, behind=e.pending_tokens) + tail, _tpot(e_d),
+                               e.chunk_step_s() if e.decoding else 0.0, e.decoding * e.step_token_s * new,
+                               e_d.leaning == LEAN_PREFILL))
+    return options, None
+
+
+def _tpot(e: WorkerEstimate) -> float:
+    """A step of the decode worker with this request added, and the prefill its steps carry lately."""
+    return e.step_s(e.decoding + 1 + e.prefill_per_step)

@@ -35,6 +35,9 @@ class WorkerInfo:
     host_id: str = ""
     incarnation: str = ""           # this process's start; another one under the same id is a new worker
     public_key: str = ""            # its data socket's CURVE key, handed to prefill workers that write to it
+    prefills_for_others: bool = False   # a colocated worker that also prefills prompts and ships their KV
+    max_num_batched_tokens: int = 0     # its step budget and per-request chunk (0: not said)
+    chunk_size: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
     heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one
@@ -80,7 +83,7 @@ class WorkerInfo:
             "running": load.running if load else 0, "waiting": load.waiting if load else 0,
             "free_blocks": self.free_blocks,
             "prefix_hit_rate": load.prefix_hit_rate if load else 0.0,
-            "transfer_backends": list(self.transfer_backends),
+            "transfer_backends": list(self.transfer_backends), "prefills_for_others": self.prefills_for_others,
             "transfer": dict(load.transfer) if load else {},
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3), "heartbeats": self.heartbeats,
             "steps_completed": load.steps_completed if load else 0,
@@ -116,7 +119,8 @@ class WorkerRegistry:
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
                           msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
-                          msg.incarnation, msg.public_key)
+                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.max_num_batched_tokens,
+                          msg.chunk_size)
         if old is not None:
             # A repeated registration of the same process keeps its state.
             info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes

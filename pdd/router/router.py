@@ -180,9 +180,33 @@ class Router:
             "queued_requests": self.control.num_queued,
             "max_queued_requests": self.cfg.router.max_queued_requests,
             "overloaded": self.overloaded,
-            "workers": [w.summary() for w in self.registry.workers.values()],
+            "workers": self.worker_summaries(),
             "breakers": self.breakers(),
+            "placement": self.placement_status(),
         }
+
+    def worker_summaries(self) -> list[dict]:
+        """Each worker as registered, with what placement estimates of it."""
+        view = self.control.estimator.view(self._estimates())
+        return [{**w.summary(), "estimate": view.get(w.worker_id, {})} for w in self.registry.workers.values()]
+
+    def placement_status(self) -> dict:
+        """Decisions so far by kind and reason, the prefill demand and the role balance."""
+        counts: dict[str, dict[str, int]] = {}
+        for metric in self.metrics.placements.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    kind, reason = sample.labels["kind"], sample.labels["reason"]
+                    counts.setdefault(kind, {})[reason] = int(sample.value)
+        estimator = self.control.estimator
+        return {"mode": self.cfg.router.mode, "decisions": counts,
+                "prefill_demand_tokens_s": round(self._estimates().demand_tokens_s, 1),
+                "prefill_leaning": sorted(estimator.prefill_leaning)}
+
+    def _estimates(self):
+        # Brings the role balance up to date first, as the next placement would.
+        return self.control.estimator.snapshot(self.registry.workers.values(), self.registry.layout,
+                                               time.monotonic())
 
     @property
     def overloaded(self) -> bool:

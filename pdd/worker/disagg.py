@@ -10,9 +10,10 @@ whose KV never came. A lease closed while a one-sided (cuda_ipc) writer may
 still store into its blocks keeps them held until the writer ends
 (pdd.transfer.leases).
 
-PrefillSide (prefill workers): run prompts as prefill-only requests, ship
-their KV layer by layer through the connector, and report PrefillDone with
-the first token once every page is acknowledged.
+PrefillSide (prefill workers, and colocated workers with
+worker.prefill_for_others beside their DecodeSide): run prompts as
+prefill-only requests, ship their KV layer by layer through the connector,
+and report PrefillDone with the first token once every page is acknowledged.
 
 Both live on the worker's engine thread and are driven between steps, so
 they touch the engine only while no step runs. The engine knows each request
@@ -210,7 +211,8 @@ class PrefillSide:
         self.prompt_lens: dict[str, int] = {}
         # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
         self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
-        # Prompts computing for a decode worker (other requests here run whole: Admit).
+        # Prompts computing here for a decode worker (engine ids); the engine's
+        # other requests run whole here (Admit), or are a colocated worker's own.
         self.computing: set[str] = set()
 
     def handle(self, msg: m.Message) -> list[m.Message]:

@@ -80,6 +80,9 @@ class EngineInfo:
     max_model_len: int
     data_addr: str
     transfer_backends: list[str]
+    prefills_for_others: bool
+    max_num_batched_tokens: int
+    chunk_size: int
 
 
 class EngineListener(Protocol):
@@ -181,10 +184,10 @@ class EngineThread(threading.Thread):
         wc = self.cfg.worker
         try:
             security = data_security(self.cfg)
-            if self.role == "prefill":
-                self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
-            else:
+            if self.role != "prefill":
                 self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, security)
+            if self.role == "prefill" or wc.prefill_for_others:
+                self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
             backends = offered_backends(wc.transfer_backend, e.device)
         except (ValueError, RuntimeError) as err:  # e.g. no keys, data_addr taken, cuda_ipc without a GPU
             raise _DataPlaneUnavailable(str(err)) from err
@@ -192,7 +195,9 @@ class EngineThread(threading.Thread):
         return EngineInfo(
             device=str(e.device), layout=layout, num_blocks=e.kv.pool.num_usable_blocks,
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
-            data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=backends)
+            data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=backends,
+            prefills_for_others=wc.prefill_for_others, max_num_batched_tokens=e.cfg.max_num_batched_tokens,
+            chunk_size=e.cfg.chunk_size)
 
     def _serve(self) -> None:
         """The loop; returns when stopped, or drained; raises EngineFailed."""
@@ -300,8 +305,10 @@ class EngineThread(threading.Thread):
         # Nothing scheduled and nothing came back (e.g. waiting requests, no
         # free block): wait for a command or a wakeup instead of spinning.
         self._stalled = step.num_tokens == 0 and not outputs and self.engine.in_flight is None
-        side = self.prefill_side or self.decode_side
-        self._replies += side.on_outputs(outputs)
+        # With a prefill side (a prefill worker, or a colocated one that prefills
+        # for others), the first tokens of prompts computed for others go out as
+        # FirstToken; every other request here streams its tokens.
+        self._replies += (self.prefill_side or self.decode_side).on_outputs(outputs)
 
     def _step_failed(self, e: Exception) -> list[m.Message]:
         self._consecutive_failures += 1
@@ -323,9 +330,8 @@ class EngineThread(threading.Thread):
         return replies
 
     def _transfers_pending(self) -> bool:
-        if self.prefill_side is not None:
-            return self.prefill_side.transfers_pending
-        return self.decode_side.waiting_for_kv
+        return bool((self.prefill_side and self.prefill_side.transfers_pending)
+                    or (self.decode_side and self.decode_side.waiting_for_kv))
 
     def _publish_snapshot(self) -> None:
         transfer = self.decode_side.stats() if self.decode_side else {}

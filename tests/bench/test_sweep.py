@@ -26,15 +26,14 @@ def test_bad_layouts_are_refused(text):
         parse_layouts(text)
 
 
-def test_adaptive_needs_its_switch(monkeypatch):
-    with pytest.raises(ValueError, match="not wired"):
-        parse_layouts("adaptive:2")
-    (lay,) = parse_layouts("adaptive:1p1d", ["adaptive:1p1d=--adaptive"])
-    assert lay.up_args == ("--mode", "disagg", "--prefill", "1", "--decode", "1", "--adaptive")
-    monkeypatch.setattr(layouts, "ADAPTIVE_ENV", {"PDD_ROUTER__PLACEMENT": "adaptive"})
+def test_adaptive_layouts_turn_adaptive_placement_on(monkeypatch):
+    adaptive_n, adaptive_pd = parse_layouts("adaptive:2,adaptive:1p1d")
+    assert adaptive_n.up_args == ("--mode", "colocated", "--workers", "2", "--adaptive")
+    assert adaptive_pd.up_args == ("--mode", "disagg", "--prefill", "1", "--decode", "1", "--adaptive")
+    monkeypatch.setattr(layouts, "ADAPTIVE_ENV", {"PDD_ROUTER__ADAPTIVE__TTFT_SLO_S": "1"})
     (lay,) = parse_layouts("auto:2")
-    assert lay.up_args == ("--mode", "colocated", "--workers", "2")
-    assert lay.env == {"PDD_ROUTER__PLACEMENT": "adaptive"}
+    assert lay.up_args == ("--mode", "colocated", "--workers", "2", "--adaptive")
+    assert lay.env == {"PDD_ROUTER__ADAPTIVE__TTFT_SLO_S": "1"}
     with pytest.raises(ValueError, match="not among"):
         parse_layouts("auto:2", ["auto:3=--x"])
 

@@ -36,7 +36,7 @@ def test_views_are_immutable_snapshots():
     assert view.items == (1,) and view.end == 1
 
 
-def fake_engine(published: list[int]) -> SimpleNamespace:
+def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace:
     """Just what EngineStats.snapshot reads; `published`: hashes the prefix cache publishes."""
     def take_recent_hashes():
         out = published[:]
@@ -44,7 +44,8 @@ def fake_engine(published: list[int]) -> SimpleNamespace:
         return out
     kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.0,
                          take_recent_hashes=take_recent_hashes)
-    scheduler = SimpleNamespace(running=[], num_preemptions=0, num_waiting=lambda: 0)
+    scheduler = SimpleNamespace(running=list(running), waiting=list(waiting), num_preemptions=0,
+                                num_waiting=lambda: len(waiting))
     return SimpleNamespace(kv=kv, scheduler=scheduler)
 
 
@@ -64,3 +65,13 @@ def test_heartbeats_carry_samples_and_hashes_once():
     assert (second.recent_hashes, second.step_latencies, second.decode_batches) == ([13], [0.25], [3])
     assert second.steps_completed == 3 and second.step_running_s == 0.1 and second.draining
     assert again.recent_hashes == again.step_latencies == [] and again.steps_completed == 3
+    assert (first.step_tokens, second.step_tokens, again.step_tokens) == ([40], [3], [])
+
+
+def test_heartbeats_count_the_prompt_tokens_not_computed_yet():
+    def req(prompt, computed):
+        return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed)
+    # A request half prefilled, one decoding (its computed tokens pass its prompt), one waiting.
+    engine = fake_engine([], running=[req(100, 60), req(10, 14)], waiting=[req(50, 0)])
+    hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(engine, {}), 0.0, False)
+    assert hb.prefill_tokens_pending == 40 + 50

@@ -1,0 +1,255 @@
+"""What adaptive placement knows about the cluster, measured online.
+
+Fed by the router's events — heartbeats (step latencies and tokens, queues),
+placements (prompt tokens sent somewhere), finished transfers — it keeps per
+worker a step-time model `step ≈ a + b·tokens`, the prompt tokens it has yet to
+compute, how many requests it decodes, and how many prefill tokens its steps
+carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
+transfer rate per backend. From the demand it sets which colocated workers
+that prefill for others lean to prefill (the role balance). `snapshot()`
+hands all of it to pdd.router.placement.place as frozen values: placement
+stays a pure function of its inputs.
+
+The model and what it assumes: docs/design.md, "Adaptive disaggregation".
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pdd.config import AdaptiveConfig
+from pdd.kv.layout import KVLayout
+from pdd.protocol import messages as m
+from pdd.router.registry import WorkerInfo
+
+# Before a worker's steps are measured: a GPU-class step (the fit moves off it
+# within a few heartbeats of work).
+PRIOR_BASE_S = 0.01
+PRIOR_TOKEN_S = 5e-5
+PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _LineFit)
+PRIOR_AT = 512
+# Consecutive steps fitted as one sample: with async scheduling a step's
+# latency is mostly the wait for the step before, so one step's pair of
+# (tokens, latency) is off by one; a group of them is not, but at its edges.
+GROUP = 4
+FORGET = 0.99             # weight kept per new group: the fit follows the last few hundred groups
+SMOOTH = 0.3              # heartbeat-to-heartbeat smoothing of prefill tokens per step
+# Bytes per second of each KV transfer backend until transfers are measured
+# (cuda_ipc: DESIGN.md's measured peer copy; tcp: a conservative loopback figure).
+PRIOR_TRANSFER_RATE = {"cuda_ipc": 3e11, "tcp": 1e9, "local": 1e10}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+LEAN_PREFILL, LEAN_DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class WorkerEstimate:
+    """One worker as placement sees it; times in seconds, work in tokens."""
+    step_base_s: float              # a: a step's cost whatever it holds
+    step_token_s: float             # b: each token it computes
+    pending_tokens: int = 0         # prompt tokens admitted here and not computed yet
+    decoding: int = 0               # requests running here (each a decode token per step)
+    prefill_per_step: float = 0.0   # prefill tokens its recent steps carried, on average
+    budget: int = 2048              # max_num_batched_tokens
+    chunk: int = 512                # the most prompt tokens of one request per step
+    leaning: str = LEAN_DECODE      # which work the router steers here first
+    samples: int = 0                # step groups measured so far
+
+    def step_s(self, tokens: float) -> float:
+        return self.step_base_s + self.step_token_s * tokens
+
+    def prefill_s(self, tokens: int, behind: int = 0) -> float:
+        """Until `tokens` more prompt tokens are computed here, queued behind
+        `behind` others (FIFO; the running decodes ride in every step)."""
+        if tokens <= 0 and behind <= 0:
+            return 0.0
+        room = max(1, self.budget - self.decoding)           # prefill tokens a step takes
+        own = max(1, min(self.chunk, room))                   # ... of one request
+        steps = math.ceil(behind / room) + math.ceil(tokens / own)
+        return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
+
+    def chunk_step_s(self) -> float:
+        """A step that carries a prefill chunk beside this worker's decodes: the
+        gap its running requests see between two tokens."""
+        return self.step_s(self.decoding + max(1, min(self.chunk, self.budget - self.decoding)))
+
+    @property
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second in full prefill steps."""
+        return self.budget / self.step_s(self.budget)
+
+
+@dataclass(frozen=True)
+class Estimates:
+    workers: Mapping[str, WorkerEstimate]
+    transfer_s_per_token: Mapping[str, float]     # by backend
+    demand_tokens_s: float = 0.0
+
+    def transfer_s(self, backend: str, tokens: int) -> float:
+        return tokens * self.transfer_s_per_token.get(backend, 0.0)
+
+
+class _LineFit:
+    """Weighted least squares of y = a + b·x with exponential forgetting, held
+    toward the prior (a0, b0) by a ridge worth PRIOR_WEIGHT samples: a at x = 0,
+    b at x = PRIOR_AT. Steps of one size only (a worker that just decodes) fit
+    a and leave b at the prior instead of inventing a slope from noise."""
+
+    def __init__(self):
+        self.s = [0.0] * 5      # Σw, Σwx, Σwx², Σwy, Σwxy
+        self.n = 0
+
+    def add(self, x: float, y: float) -> None:
+        self.s = [v * FORGET for v in self.s]
+        for i, v in enumerate((1.0, x, x * x, y, x * y)):
+            self.s[i] += v
+        self.n += 1
+
+    def solve(self) -> tuple[float, float]:
+        w, sx, sxx, sy, sxy = self.s
+        ra, rb = PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_AT ** 2
+        # [w + ra, sx; sx, sxx + rb] [a, b] = [sy + ra·a0, sxy + rb·b0]
+        m00, m01, m11 = w + ra, sx, sxx + rb
+        r0, r1 = sy + ra * PRIOR_BASE_S, sxy + rb * PRIOR_TOKEN_S
+        det = m00 * m11 - m01 * m01
+        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
+        # Noise must not make a token free, or a step cost less than nothing.
+        return max(a, 0.0), max(b, PRIOR_TOKEN_S * 1e-3)
+
+
+@dataclass
+class _Worker:
+    fit: _LineFit = field(default_factory=_LineFit)
+    group: list = field(default_factory=list)     # (tokens, latency) of steps not yet a full group
+    pending: int = 0                  # from the last heartbeat ...
+    decoding: int = 0
+    placed_tokens: int = 0            # ... plus what was placed here since
+    placed_decodes: int = 0
+    prefill_per_step: float = 0.0
+
+
+class Estimator:
+    def __init__(self, cfg: AdaptiveConfig):
+        self.cfg = cfg
+        self.workers: dict[str, _Worker] = {}
+        self.transfer_rate = dict(PRIOR_TRANSFER_RATE)     # bytes/s by backend
+        self.prefill_leaning: set[str] = set()              # colocated workers steered to prefill
+        self._demand = 0.0                                  # tokens/s at _demand_at
+        self._demand_at: float | None = None
+
+    # ------------------------------------------------------------ events
+
+    def observe(self, hb: m.Heartbeat) -> None:
+        w = self.workers.setdefault(hb.worker_id, _Worker())
+        for pair in zip(hb.step_tokens, hb.step_latencies):
+            w.group.append(pair)
+            if len(w.group) == GROUP:
+                w.fit.add(sum(t for t, _ in w.group) / GROUP, sum(s for _, s in w.group) / GROUP)
+                w.group.clear()
+        steps = len(hb.step_latencies)
+        recent = sum(hb.prefill_chunks) / steps if steps else 0.0     # an idle worker carries none
+        w.prefill_per_step += SMOOTH * (recent - w.prefill_per_step)
+        # The heartbeat counts what reached the worker before it; what was
+        # placed since counts again from here (a placement in flight at that
+        # moment is missed until the next one, 0.5 s later).
+        w.pending, w.decoding = hb.prefill_tokens_pending, hb.running
+        w.placed_tokens = w.placed_decodes = 0
+
+    def placed(self, prefill_worker: str, decode_worker: str, prompt_tokens: int, now: float) -> None:
+        """A request placed: its prompt tokens queue on the worker that computes
+        them. Prompts short enough to prefill where they decode are no demand on
+        the prefill side."""
+        p = self.workers.setdefault(prefill_worker, _Worker())
+        p.placed_tokens += prompt_tokens
+        self.workers.setdefault(decode_worker, _Worker()).placed_decodes += 1
+        if prompt_tokens > self.cfg.local_prefill_tokens:
+            self._demand = self.demand(now) + prompt_tokens / self.cfg.demand_window_s
+            self._demand_at = now
+
+    def transferred(self, backend: str, stats: dict) -> None:
+        """A finished transfer's bytes and seconds (PrefillDone): the backend's rate.
+        Its seconds span the prompt's compute too, so the rate errs low (safe)."""
+        nbytes, seconds = float(stats.get("bytes", 0)), float(stats.get("seconds", 0.0))
+        if backend and nbytes > 0 and seconds > 0:
+            old = self.transfer_rate.get(backend, nbytes / seconds)
+            self.transfer_rate[backend] = old + SMOOTH * (nbytes / seconds - old)
+
+    def demand(self, now: float) -> float:
+        """Prompt tokens/s placed, averaged over the last demand_window_s (decays while none come)."""
+        if self._demand_at is None:
+            return 0.0
+        return self._demand * math.exp(-max(0.0, now - self._demand_at) / self.cfg.demand_window_s)
+
+    # ------------------------------------------------------------ state for placement
+
+    def snapshot(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
+        """The role balance brought up to date, then every worker's estimate."""
+        workers = list(workers)
+        ids = {w.worker_id for w in workers}
+        for gone in set(self.workers) - ids:       # unregistered: its measurements go with it
+            del self.workers[gone]
+        self._balance(workers, now)
+        return self.estimates(workers, layout, now)
+
+    def estimates(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
+        """Every worker's estimate as things stand (the balance as last set)."""
+        per_token = _bytes_per_token(layout)
+        return Estimates({w.worker_id: self._estimate(w) for w in workers},
+                         {b: per_token / rate for b, rate in self.transfer_rate.items()}, self.demand(now))
+
+    def _estimate(self, info: WorkerInfo) -> WorkerEstimate:
+        w = self.workers.setdefault(info.worker_id, _Worker())
+        a, b = w.fit.solve()
+        if info.role == "prefill" or info.worker_id in self.prefill_leaning:
+            leaning = LEAN_PREFILL
+        else:
+            leaning = LEAN_DECODE
+        return WorkerEstimate(a, b, w.pending + w.placed_tokens, w.decoding + w.placed_decodes, w.prefill_per_step,
+                              info.max_num_batched_tokens or 2048, info.chunk_size or 512, leaning, w.fit.n)
+
+    def _balance(self, workers: list[WorkerInfo], now: float) -> None:
+        """Lean as many colocated workers to prefill as the demand needs, at
+        prefill_utilization of their measured rate, beside any prefill workers;
+        at least one when there are two or more and no prefill worker; never all
+        when no decode worker is left to decode. Grows at once, shrinks with
+        hysteresis; a worker that joins the prefill side is the one decoding least."""
+        flex = sorted((w for w in workers if w.prefills_for_others and w.accepting), key=lambda w: w.worker_id)
+        self.prefill_leaning &= {w.worker_id for w in flex}
+        if not flex:
+            return
+        rate = {w.worker_id: self._estimate(w).prefill_rate for w in workers}
+        fixed = sum(rate[w.worker_id] for w in workers if w.role == "prefill" and w.accepting)
+        has_decoders = any(w.role == "decode" and w.accepting for w in workers)
+        k_min = 1 if len(flex) >= 2 and not fixed else 0
+        k_max = len(flex) if has_decoders else len(flex) - 1
+        need = self.demand(now) / self.cfg.prefill_utilization - fixed
+        decoding = {w.worker_id: self.workers[w.worker_id].decoding for w in flex}
+
+        def capacity(ids) -> float:
+            return sum(rate[i] for i in ids)
+
+        while len(self.prefill_leaning) < k_max and (len(self.prefill_leaning) < k_min
+                                                    or need > capacity(self.prefill_leaning)):
+            joiner = min((i for i in decoding if i not in self.prefill_leaning), key=lambda i: (decoding[i], i))
+            self.prefill_leaning.add(joiner)
+        while len(self.prefill_leaning) > k_min:
+            leaver = max(self.prefill_leaning, key=lambda i: (decoding[i], i))
+            if need >= (1.0 - self.cfg.hysteresis) * capacity(self.prefill_leaning - {leaver}):
+                break
+            self.prefill_leaning.discard(leaver)
+
+    def view(self, estimates: Estimates) -> dict[str, dict]:
+        """Per worker, for `pdd admin status`: the fitted model, queue and leaning."""
+        return {wid: {"leaning": e.leaning, "prefill_tokens_per_s": round(e.prefill_rate, 1),
+                      "step_base_ms": round(e.step_base_s * 1e3, 3), "step_token_us": round(e.step_token_s * 1e6, 3),
+                      "pending_prefill_tokens": e.pending_tokens, "decoding": e.decoding,
+                      "prefill_tokens_per_step": round(e.prefill_per_step, 1), "step_groups_measured": e.samples}
+                for wid, e in estimates.workers.items()}
+
+
+def _bytes_per_token(layout: KVLayout | None) -> float:
+    """K and V of every layer of one token."""
+    if layout is None:
+        return 0.0
+    return 2.0 * layout.num_layers * layout.num_kv_heads * layout.head_dim * _DTYPE_BYTES.get(layout.dtype, 2)

@@ -1,0 +1,74 @@
+"""Adaptive placement with real processes: `pdd up --adaptive` with two colocated
+workers that also prefill for each other, KV over tcp on loopback."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+from pdd import SamplingParams
+from tests.e2e.cluster import UpCluster
+from tests.e2e.test_disagg import metric, run_all
+from tests.engine.helpers import random_prompts
+
+
+# A shared 2-core CPU misses the GPU-sized default targets whatever the
+# placement; out of their way, the choice is by cost alone.
+CPU_SLOS = {"PDD_ROUTER__ADAPTIVE__TTFT_SLO_S": "600", "PDD_ROUTER__ADAPTIVE__TPOT_SLO_S": "60",
+            "PDD_ROUTER__ADAPTIVE__ITL_SLO_S": "60"}
+
+
+def stream(cluster, prompt: list[int], max_tokens: int, first_chunk: threading.Event, out: dict) -> None:
+    """A streaming completion; sets `first_chunk` when its first token arrives."""
+    body = json.dumps({"model": cluster.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(cluster.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+                first_chunk.set()
+    out["text"] = "".join(text)
+
+
+def test_adaptive_layout_serves_and_shows_its_decisions(tmp_path, tiny_model, offline):
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "2", "--adaptive",
+                  env=CPU_SLOS).start()
+    try:
+        assert c.cfg.router.mode == "adaptive"
+        workers = c.workers()
+        assert all(w["prefills_for_others"] for w in workers.values())
+        # One of the two leans to prefill from the start; short prompts decode on the other.
+        status = c.admin("status")
+        assert status["placement"]["prefill_leaning"] == ["colocated-0"]
+        short, long = random_prompts([12, 700], seed=5)
+        greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        expected_short = offline.generate([short], greedy)[0].text
+        started, out = threading.Event(), {}
+        t = threading.Thread(target=stream, args=(c, short, 100, started, out))
+        t.start()
+        assert started.wait(120)
+        # A long prompt while colocated-1 decodes: computed on the prefill-leaning
+        # worker (nothing decodes there), its KV shipped to colocated-1.
+        sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        (text, reason), = run_all(c, [long], [sp])
+        t.join(300)
+        assert out["text"] == expected_short
+        assert (text, reason) == (offline.generate([long], sp)[0].text, "length")
+        assert metric(c, "pdd_placement_total", '{kind="local_prefill",reason="short_prompt"}') == 1
+        assert metric(c, "pdd_placement_total", '{kind="disagg",reason="cost"}') == 1
+        assert metric(c, "pdd_requests_total", '{finish_reason="length",mode="disagg"}') == 1
+        status = c.admin("status")
+        assert status["placement"]["decisions"] == {"local_prefill": {"short_prompt": 1}, "disagg": {"cost": 1}}
+        estimates = {w["worker_id"]: w["estimate"] for w in status["workers"]}
+        assert estimates["colocated-0"]["leaning"] == "prefill" and estimates["colocated-1"]["leaning"] == "decode"
+        assert estimates["colocated-1"]["step_groups_measured"] > 0      # its decode steps, from heartbeats
+        idle = c.wait_idle(timeout_s=30)
+        assert all(w["free_blocks"] == w["num_blocks"] for w in idle.values()), idle
+    finally:
+        assert c.stop() == 0, c.logs()

@@ -1,0 +1,230 @@
+"""Adaptive placement on constructed cluster states, and the estimator that feeds it (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from pdd.config import AdaptiveConfig
+from pdd.kv.hashing import block_hashes
+from pdd.kv.layout import KVLayout
+from pdd.protocol import messages as m
+from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, PRIOR_TOKEN_S, Estimates, Estimator, WorkerEstimate
+from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, place
+from pdd.router.registry import WorkerInfo
+from tests.router.sim import SimCluster
+from tests.router.test_control import expected, run_to_end
+
+LAYOUT = KVLayout("m", "0", "bfloat16", 16, 32, 8, 128)   # Llama-3-8B's KV: 128 KiB a token
+SLO = AdaptiveConfig()
+GPU = dict(step_base_s=0.01, step_token_s=5e-5)            # a GPU-class step: 10 ms + 50 us a token
+
+
+def worker(wid: str, role: str, flex: bool = False, num_blocks: int = 10_000) -> WorkerInfo:
+    return WorkerInfo(wid, role, "h", 1, "cuda", LAYOUT, num_blocks, 256, 32_768,
+                      data_addr="" if role == "prefill" else f"tcp://{wid}:1", transfer_backends=["cuda_ipc", "tcp"],
+                      host_id="h", prefills_for_others=flex, max_num_batched_tokens=2048, chunk_size=512)
+
+
+def estimates(**per_worker: WorkerEstimate) -> Estimates:
+    return Estimates(per_worker, {"cuda_ipc": 131072 / 3e11, "tcp": 131072 / 1e9})
+
+
+def est(leaning: str = LEAN_DECODE, **kw) -> WorkerEstimate:
+    return WorkerEstimate(**{**GPU, **kw}, leaning=leaning)
+
+
+def prompt(n: int, seed: int = 1) -> PlaceRequest:
+    tokens = [(seed * 7919 + i) % 30_000 for i in range(n)]
+    return PlaceRequest(block_hashes(tokens, LAYOUT.block_size), num_tokens=n, max_tokens=256)
+
+
+def adaptive(request, workers, ests, pair_allowed=lambda p, d: True):
+    return place(request, workers, "adaptive", estimates=ests, slo=SLO, pair_allowed=pair_allowed,
+                 block_size=LAYOUT.block_size)
+
+
+@pytest.fixture
+def static_pd():
+    """One prefill and one decode worker; the decode worker runs 20 requests."""
+    return [worker("p0", "prefill"), worker("d0", "decode")], dict(p0=est(LEAN_PREFILL), d0=est(decoding=20))
+
+
+def test_a_short_prompt_prefills_where_it_decodes(static_pd):
+    workers, ests = static_pd
+    plan = adaptive(prompt(100), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.prefill, plan.reason) == (LOCAL_PREFILL, "d0", None, "short_prompt")
+
+
+def test_a_long_prompt_goes_to_an_idle_prefill_worker(static_pd):
+    """Locally its ~0.15 s of prefill would delay each of the 20 running decodes;
+    remotely nobody waits, and the transfer's tail costs a fraction of a millisecond."""
+    workers, ests = static_pd
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.prefill, plan.backend) == (DISAGG, "d0", "p0", "cuda_ipc")
+    assert plan.reason == "cost" and plan.prefill_tokens == 2000
+
+
+def test_a_queued_prefill_worker_misses_the_ttft_target_so_the_decode_worker_prefills(static_pd):
+    workers, ests = static_pd
+    ests["p0"] = est(LEAN_PREFILL, pending_tokens=100_000)      # ~5.5 s of prompts ahead
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "slo")
+
+
+def test_when_nothing_meets_the_targets_the_least_violation_wins(static_pd):
+    workers, ests = static_pd
+    ests["p0"] = est(LEAN_PREFILL, pending_tokens=100_000)
+    ests["d0"] = est(decoding=20, pending_tokens=50_000)         # both far past 2 s; the decode worker less so
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.reason) == (LOCAL_PREFILL, "least_violation")
+
+
+def test_a_prompt_mostly_cached_on_the_decode_worker_prefills_there(static_pd):
+    workers, ests = static_pd
+    request = prompt(2000)
+    workers[1].note_hashes(request.block_hashes[:120])          # 1920 of its 2000 tokens
+    plan = adaptive(request, workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.reason, plan.prefill_tokens) == (LOCAL_PREFILL, "d0", "cached", 80)
+
+
+def test_an_open_breaker_means_no_disaggregation(static_pd):
+    workers, ests = static_pd
+    plan = adaptive(prompt(2000), workers, estimates(**ests), pair_allowed=lambda p, d: False)
+    assert (plan.kind, plan.decode, plan.prefill, plan.reason) == (LOCAL_PREFILL, "d0", None, "breaker_open")
+
+
+def test_an_idle_decode_worker_prefills_itself_rather_than_pay_a_transfer(static_pd):
+    workers, ests = static_pd
+    ests["d0"] = est()
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.reason) == (LOCAL_PREFILL, "cost")
+
+
+def test_colocated_workers_split_by_leaning_and_decodes_avoid_the_prefill_side():
+    """Two colocated workers that prefill for others: a long prompt computes on
+    the one leaning to prefill and decodes on the other; a short one decodes on
+    the decode-leaning worker even though the other runs fewer requests."""
+    workers = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
+    ests = estimates(c0=est(LEAN_PREFILL, decoding=1, prefill_per_step=400), c1=est(decoding=30))
+    long = adaptive(prompt(4000), workers, ests)
+    assert (long.kind, long.prefill, long.decode) == (DISAGG, "c0", "c1")
+    short = adaptive(prompt(50), workers, ests)
+    assert (short.kind, short.decode) == (LOCAL_PREFILL, "c1")
+
+
+def test_a_decode_leaning_worker_past_its_tpot_target_sends_decodes_to_the_prefill_side():
+    workers = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
+    ests = estimates(c0=est(LEAN_PREFILL), c1=est(decoding=900))    # 10 ms + 900 x 50 us = 55 ms a token
+    plan = adaptive(prompt(50), workers, ests)
+    assert plan.decode == "c0"
+
+
+def test_a_colocated_worker_that_does_not_prefill_for_others_takes_no_kv():
+    workers = [worker("p0", "prefill"), worker("c0", "colocated")]
+    plan = adaptive(prompt(2000), workers, estimates(p0=est(LEAN_PREFILL), c0=est(decoding=20)))
+    assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "c0", "no_prefill_worker")
+
+
+# ---------------------------------------------------------------- the estimator
+
+
+def heartbeat(wid: str, steps: list[tuple[int, float]], running: int = 0, pending: int = 0,
+              chunks: list[int] = ()) -> m.Heartbeat:
+    return m.Heartbeat(wid, running, 0, 100, 100, step_latencies=[s for _, s in steps],
+                       step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending)
+
+
+def test_the_step_model_calibrates_from_heartbeats():
+    """Steps of 4 ms + 20 us a token, mixed decode and prefill, over many heartbeats: the fit finds them."""
+    e, w = Estimator(SLO), worker("c0", "colocated")
+    sizes = [8, 8, 8, 8, 520, 520, 520, 520, 40, 40, 40, 40, 2048, 2048, 2048, 2048]
+    for _ in range(40):
+        e.observe(heartbeat("c0", [(t, 0.004 + 2e-5 * t) for t in sizes]))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["c0"]
+    assert fitted.step_base_s == pytest.approx(0.004, rel=0.05)
+    assert fitted.step_token_s == pytest.approx(2e-5, rel=0.05)
+    assert fitted.prefill_rate == pytest.approx(2048 / (0.004 + 2e-5 * 2048), rel=0.05)
+    assert fitted.samples == 160
+
+
+def test_queues_count_what_was_placed_until_the_next_heartbeat():
+    e, w = Estimator(SLO), worker("d0", "decode")
+    e.observe(heartbeat("d0", [], running=3, pending=100))
+    e.placed("d0", "d0", 500, now=0.0)
+    assert (e.snapshot([w], LAYOUT, 0.0).workers["d0"].pending_tokens,
+            e.snapshot([w], LAYOUT, 0.0).workers["d0"].decoding) == (600, 4)
+    e.observe(heartbeat("d0", [], running=4, pending=0))         # the worker has computed it
+    assert e.snapshot([w], LAYOUT, 0.0).workers["d0"].pending_tokens == 0
+
+
+def test_the_transfer_rate_follows_finished_transfers():
+    e = Estimator(SLO)
+    for _ in range(30):
+        e.transferred("tcp", {"bytes": 2e8, "seconds": 0.1})    # 2 GB/s
+    assert e.snapshot([], LAYOUT, 0.0).transfer_s("tcp", 1000) == pytest.approx(1000 * 131072 / 2e9, rel=0.01)
+
+
+def test_the_prefill_side_grows_with_demand_and_shrinks_with_hysteresis():
+    """Four colocated workers of ~19k prompt tokens/s each: one leans to prefill
+    at no load; demand for ~2.5 of them at 70% brings in more, the least busy
+    decoders first; once the demand is gone they go back, one at least staying."""
+    workers = [worker(f"c{i}", "colocated", flex=True) for i in range(4)]
+    e = Estimator(SLO)
+    for i, w in enumerate(workers):
+        e.observe(heartbeat(w.worker_id, [(t, 0.01 + 5e-5 * t) for t in [2048, 8] * 40], running=10 * i))
+    assert e.snapshot(workers, LAYOUT, 0.0).workers["c0"].leaning == LEAN_PREFILL
+    assert e.prefill_leaning == {"c0"}
+    rate = e.snapshot(workers, LAYOUT, 0.0).workers["c0"].prefill_rate
+    now = 0.0
+    while e.demand(now) < 2.5 * 0.7 * rate:                       # prompts of 4k tokens, as fast as they come
+        e.placed("c3", "c3", 4096, now)
+        now += 0.01
+    e.snapshot(workers, LAYOUT, now)
+    assert e.prefill_leaning == {"c0", "c1", "c2"}
+    e.snapshot(workers, LAYOUT, now + 5.0)                        # demand decays (10 s window): not yet
+    assert len(e.prefill_leaning) >= 2
+    e.snapshot(workers, LAYOUT, now + 120.0)
+    assert e.prefill_leaning == {"c0"}
+
+
+def test_a_single_colocated_worker_never_leans_to_prefill():
+    e, w = Estimator(SLO), worker("c0", "colocated", flex=True)
+    e.placed("c0", "c0", 100_000, 0.0)
+    assert e.snapshot([w], LAYOUT, 0.0).workers["c0"].leaning == LEAN_DECODE
+
+
+# ---------------------------------------------------------------- through the state machine
+
+
+def test_adaptive_decisions_are_counted_and_requests_complete():
+    c = SimCluster(mode="adaptive")
+    c.add_worker("p0", "prefill")
+    c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)                                    # 10 tokens: short, prefilled where it decodes
+    assert (s.mode, s.decode_worker, s.phase) == ("colocated", "d0", "decoding")
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+    counted = c.control.metrics.placements.labels("local_prefill", "short_prompt")._value.get()
+    assert counted == 1
+
+
+def test_a_worker_that_only_decodes_keeps_the_prior_cost_per_token():
+    """Steps of one size say what a step costs, not what a token adds: the
+    slope stays at the prior instead of being invented from noise."""
+    e, w = Estimator(SLO), worker("d0", "decode")
+    for i in range(50):
+        e.observe(heartbeat("d0", [(1, 0.3 + 0.01 * ((i + j) % 3)) for j in range(8)]))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["d0"]
+    assert fitted.step_base_s == pytest.approx(0.31, rel=0.05)
+    assert fitted.step_token_s == pytest.approx(PRIOR_TOKEN_S, rel=0.05)
+
+
+def test_static_modes_count_their_decisions_too():
+    c = SimCluster(mode="auto")
+    c.add_worker("p0", "prefill")
+    c.add_worker("d0", "decode")
+    c.submit()
+    c.kill("p0")
+    c.submit()
+    placements = c.control.metrics.placements
+    assert placements.labels("disagg", "static")._value.get() == 1
+    assert placements.labels("local_prefill", "no_prefill_worker")._value.get() == 1
