@@ -167,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default: --config's security.keys_dir)")
     p.add_argument("--json", action="store_true")
     p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config",
-                                             "security", "breaker"])
-    p.add_argument("args", nargs="*", help="drain/undrain: WORKER; breaker: [open|close|auto [PREFILL DECODE | all]]")
+                                             "security", "breaker", "faults"])
+    p.add_argument("args", nargs="*", help="drain/undrain: WORKER; breaker: [open|close|auto [PREFILL DECODE | all]]; "
+                                           "faults: [set NAME=VALUE[,...] [WORKER] | clear [WORKER]]")
     p.set_defaults(func=cmd_admin)
 
     p = sub.add_parser("keys", help="CURVE keys that authenticate every socket of a cluster")

@@ -157,6 +157,9 @@ class RouterConfig:
     # worker, reserving, prefilling). Above it new requests get 429 with
     # Retry-After (0 = no limit).
     max_queued_requests: int = 4096
+    # `pdd admin faults set|clear` may inject faults into workers at run time
+    # (pdd.faults). Off: those commands are refused. For test and staging clusters.
+    allow_fault_injection: bool = False
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
 

@@ -79,11 +79,13 @@ async def run_worker(cfg: ClusterConfig) -> int:
 
 
 def serve(role: str, cfg: ClusterConfig) -> int:
+    from pdd import faults
     from pdd.security import check_start
 
     try:
         check_start(cfg, role)
-    except ConfigError as e:
+        faults.load_env()   # a bad PDD_FAULTS stops the process here, named
+    except (ConfigError, faults.FaultError) as e:
         log.error("%s refuses to start: %s", role, e)
         print(f"pdd serve: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -53,6 +53,9 @@ class AdminServer:
             "security": security_report,
             # breaker: every pair; breaker open|close|auto [PREFILL DECODE | all]: force until auto
             "breaker": lambda *args: router.set_breaker(*args) if args else router.breakers(),
+            # faults: what is set where; faults set NAME=VALUE[,...] [WORKER] | clear [WORKER]:
+            # only with router.allow_fault_injection
+            "faults": lambda *args: router.faults(*args),
         }
         self._task: asyncio.Task | None = None
         self.sock: zmq.asyncio.Socket | None = None

@@ -65,6 +65,23 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--json", default=None)
     b.set_defaults(func=_runner("stall"))
 
+    b = sub.add_parser("chaos", help="fault scenarios at a fixed load, each on a throw-away cluster")
+    b.add_argument("--scenarios", default="", help="comma list (default: all): kill-decode, kill-prefill, "
+                   "hang-decode, transfer-fail-cleared, transfer-fail-0.3, abort-storm, overload")
+    b.add_argument("--model", default=None, help="checkpoint for `pdd up` (default: its built-in tiny model)")
+    b.add_argument("--request-rate", type=float, default=4.0, help="requests/s of the load")
+    b.add_argument("--max-concurrency", type=int, default=32, help="load requests in flight at most")
+    b.add_argument("--duration", type=float, default=30.0, help="seconds of load per scenario")
+    b.add_argument("--fault-at", type=float, default=1 / 3, help="the fault comes at this share of --duration")
+    b.add_argument("--clear-at", type=float, default=2 / 3, help="... and is cleared (where it is) at this share")
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a cluster to start")
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-chaos", help="each scenario's `pdd up` logs go here")
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.set_defaults(func=_runner("chaos"))
+
     b = sub.add_parser("transfer", help="KV transfer (tcp backend) throughput vs plain ZeroMQ on loopback")
     b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")
     b.add_argument("--layers", type=int, default=32)

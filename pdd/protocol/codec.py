@@ -113,9 +113,14 @@ def _conforms(value, hint) -> bool:
         args = typing.get_args(hint)
         return not args or all(_conforms(v, args[0]) for v in value)
     if origin is dict or hint is dict:
-        return isinstance(value, dict)
+        if not isinstance(value, dict):
+            return False
+        args = typing.get_args(hint)
+        return not args or all(_conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
     return True
 
 
 def _describe(hint) -> str:
+    if typing.get_args(hint):   # list[int], dict[str, float]: the element types are part of what is wrong
+        return str(hint)
     return getattr(hint, "__name__", None) or str(hint)

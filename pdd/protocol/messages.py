@@ -87,6 +87,7 @@ class Heartbeat(Message):
     # ends shows here while the event loop still answers (hang detection).
     steps_completed: int = 0
     step_running_s: float = 0.0
+    faults: dict[str, float] = field(default_factory=dict)   # injected faults set (pdd.faults)
 
 
 @dataclass
@@ -176,6 +177,15 @@ class Abort(Message):
 class Shutdown(Message):
     TYPE: ClassVar[str] = "shutdown"
     drain: bool = True
+
+
+@dataclass
+class SetFaults(Message):
+    """Fault injection at run time (pdd.faults; only with router.allow_fault_injection):
+    set these faults, after clearing every one when `clear`."""
+    TYPE: ClassVar[str] = "set_faults"
+    faults: dict[str, float] = field(default_factory=dict)
+    clear: bool = False
 
 
 # ---------------------------------------------------------------- disaggregation

@@ -88,6 +88,7 @@ class WorkerInfo:
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3), "heartbeats": self.heartbeats,
             "steps_completed": load.steps_completed if load else 0,
             "step_running_s": load.step_running_s if load else 0.0,
+            "faults": dict(load.faults) if load else {},
         }
 
 

@@ -16,6 +16,7 @@ from collections import deque
 
 import zmq.asyncio
 
+from pdd import faults
 from pdd.config import ClusterConfig
 from pdd.engine.sampling_params import SamplingParams
 from pdd.metrics import RouterMetrics
@@ -230,6 +231,49 @@ class Router:
             keys = [(prefill, decode)]
         self.control.breakers.force(forced[state], keys)
         return self.breakers()
+
+    def faults(self, action: str | None = None, *args: str) -> dict:
+        """`pdd admin faults`: what each worker reports set (its latest heartbeat);
+        `faults set NAME=VALUE[,...] [WORKER]`, `faults clear [WORKER]`: forward
+        to that worker, or to all, over the control bus."""
+        if action is None:
+            return {"allow_fault_injection": self.cfg.router.allow_fault_injection,
+                    "workers": {wid: dict(w.load.faults) if w.load else {}
+                                for wid, w in sorted(self.registry.workers.items())}}
+        if action not in ("set", "clear"):
+            raise ValueError(f"faults: expected set or clear, got {action!r}")
+        if not self.cfg.router.allow_fault_injection:
+            raise ValueError("fault injection at run time is off on this router: set "
+                             "router.allow_fault_injection = true (PDD_ROUTER__ALLOW_FAULT_INJECTION=1) "
+                             "to allow it")
+        if action == "set":
+            if not args:
+                raise ValueError("faults set: name NAME=VALUE[,NAME=VALUE...] and optionally a WORKER")
+            spec, worker = args[0], (args[1] if len(args) > 1 else None)
+            values = faults.parse(spec)
+            if not values:
+                raise ValueError("faults set: name NAME=VALUE[,NAME=VALUE...]")
+        else:
+            values, worker = {}, (args[0] if args else None)
+        targets = self._fault_targets(worker, values)
+        for wid in targets:
+            self._post(wid, m.SetFaults(values, clear=action == "clear"))
+        log.warning("fault injection: %s %s on %s", action, faults.format_values(values), ", ".join(targets))
+        return {"sent_to": targets, "set" if action == "set" else "cleared": values}
+
+    def _fault_targets(self, worker: str | None, values: dict[str, float]) -> list[str]:
+        """The workers a faults command goes to; each fault must act on one of them."""
+        workers = self.registry.workers
+        if worker is not None and worker not in workers:
+            raise KeyError(f"no worker {worker!r}; known: {sorted(workers)}")
+        targets = [worker] if worker is not None else sorted(workers)
+        roles = {workers[wid].role for wid in targets}
+        for name in values:
+            if not any(faults.acts_in(name, role) for role in roles):
+                where = worker or "this cluster"
+                raise ValueError(f"{name} acts in {' and '.join(faults.KNOWN[name].roles)} workers only; "
+                                 f"{where} has {' and '.join(sorted(roles)) or 'no'} worker(s)")
+        return targets
 
     def set_draining(self, worker_id: str, draining: bool) -> dict:
         worker = self.registry.workers.get(worker_id)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from pdd import faults
 from pdd.config import WorkerConfig
 from pdd.engine.engine import EngineOutput, LLMEngine
 from pdd.engine.sampling_params import InvalidRequest
@@ -287,7 +288,7 @@ class PrefillSide:
         then prefills the request itself)."""
         replies = []
         wid = self.worker_id
-        for r in self.sender.poll():
+        for r in faults.transfer_results(self.sender.poll()):   # injected failures/delays, if set
             eid = r.request_id
             first = self.first_tokens.pop(eid, None)
             if first is None:

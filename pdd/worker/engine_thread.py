@@ -127,12 +127,14 @@ class EngineThread(threading.Thread):
         self._queue.put(_Control.WAKE)
 
     def drain(self) -> None:
+        faults.release_hangs()   # a step blocked by an injected hang would never let it drain
         self._queue.put(_Control.DRAIN)
 
     def forget_all(self) -> None:
         self._queue.put(_Control.FORGET_ALL)
 
     def stop(self) -> None:
+        faults.release_hangs()
         self._queue.put(_Control.STOP)
 
     # ------------------------------------------------------------ the thread
@@ -292,6 +294,7 @@ class EngineThread(threading.Thread):
         if delay:
             time.sleep(delay)
         self.step_started_at = time.monotonic()
+        faults.hang(self.role, self.stats.steps_completed)   # injected: blocks while heartbeats go on
         try:
             outputs = self.engine.step()
         except Exception as e:

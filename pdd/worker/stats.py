@@ -129,7 +129,8 @@ class HeartbeatReader:
         self._latencies, self._tokens, self._chunks, self._batches, self._hashes = (
             JournalCursor() for _ in range(5))
 
-    def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool) -> m.Heartbeat:
+    def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool,
+                  faults: dict[str, float] | None = None) -> m.Heartbeat:
         return m.Heartbeat(
             worker_id=self.worker_id, running=snap.running, waiting=snap.waiting,
             free_blocks=snap.free_blocks, total_blocks=snap.total_blocks,
@@ -139,4 +140,5 @@ class HeartbeatReader:
             prefill_chunks=self._chunks.take(snap.prefill_chunks),
             decode_batches=self._batches.take(snap.decode_batches),
             recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
-            draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s)
+            draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,
+            faults=faults or {})

@@ -28,6 +28,7 @@ import uuid
 
 import zmq.asyncio
 
+from pdd import faults
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
@@ -164,7 +165,9 @@ class Worker:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.chan.recv()
-            if isinstance(msg, ENGINE_COMMANDS):
+            if isinstance(msg, m.Reserve) and faults.should_fail("reserve"):
+                log.warning("fault injection (reserve.drop_rate): dropped the Reserve of %s", msg.request_id)
+            elif isinstance(msg, ENGINE_COMMANDS):
                 self.engine_thread.submit(msg)
             elif isinstance(msg, m.RegisterReply):
                 self._on_register_reply(msg)
@@ -174,6 +177,8 @@ class Worker:
                 self.registered.clear()
                 self.engine_thread.forget_all()
                 await self.chan.send(self.register_message())
+            elif isinstance(msg, m.SetFaults):
+                self._set_faults(msg)
             elif isinstance(msg, m.Shutdown):
                 self.begin_drain() if msg.drain else self.stopping.set()
             else:
@@ -191,6 +196,12 @@ class Worker:
             self.exit_code = EXIT_REFUSED
             self.stopping.set()
 
+    def _set_faults(self, msg: m.SetFaults) -> None:
+        try:
+            faults.apply(msg.faults, clear=msg.clear)
+        except faults.FaultError as e:   # the router checked them: another version's name?
+            log.error("worker %s: refused fault settings: %s", self.worker_id, e)
+
     async def _send_loop(self) -> None:
         """Sends what the engine thread handed over, in order, until None."""
         while (msg := await self.outbox.get()) is not None:
@@ -206,7 +217,7 @@ class Worker:
         t = self.engine_thread
         started = t.step_started_at   # read once: the engine thread clears it when the step ends
         running_s = time.monotonic() - started if started is not None else 0.0
-        return self.heartbeats.heartbeat(t.snapshot, running_s, self.draining)
+        return self.heartbeats.heartbeat(t.snapshot, running_s, self.draining, faults.current())
 
 
 async def _first_of(*events: asyncio.Event) -> None:

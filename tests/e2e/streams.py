@@ -31,15 +31,21 @@ async def stream_text(session, cluster, prompt, sp: SamplingParams, started: asy
     return "".join(text), reason, errors
 
 
-def stream_all(cluster, prompts, params, while_running=None):
-    """Stream every prompt at once; `while_running()` runs (in a thread) once all have a token."""
+def stream_all(cluster, prompts, params, while_running=None, once_started: int | None = None):
+    """Stream every prompt at once; `while_running()` runs (in a thread) once all
+    (or the first `once_started`) have a token."""
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             started = [asyncio.Event() for _ in prompts]
             tasks = [asyncio.create_task(stream_text(session, cluster, p, sp, ev))
                      for p, sp, ev in zip(prompts, params, started)]
             if while_running is not None:
-                await asyncio.gather(*(ev.wait() for ev in started))
+                need = len(prompts) if once_started is None else once_started
+                waits = [asyncio.create_task(ev.wait()) for ev in started]
+                while sum(w.done() for w in waits) < need:
+                    await asyncio.wait([w for w in waits if not w.done()], return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
                 await asyncio.get_running_loop().run_in_executor(None, while_running)
             return await asyncio.gather(*tasks)
     return asyncio.run(main())

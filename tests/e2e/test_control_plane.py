@@ -108,12 +108,13 @@ def test_clients_leaving_before_the_first_byte_leave_nothing_behind(tmp_path, ti
 
 
 def test_overload_answers_429_with_retry_after_and_serves_the_rest(tmp_path, tiny_model, offline):
-    """Beyond router.max_queued_requests waiting for a first token, new requests get
-    429 + Retry-After in OpenAI's shape; no 5xx; those admitted complete exactly."""
+    """300 at once: beyond router.max_queued_requests waiting for a first token, new
+    requests get 429 + Retry-After in OpenAI's shape; no 5xx; those admitted
+    complete exactly; it serves after."""
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
                   env={"PDD_ROUTER__MAX_QUEUED_REQUESTS": "4", "PDD_FAULTS": "colocated.step_delay_s=0.05"}).start()
     try:
-        prompts = random_prompts([30] * 40, seed=13)
+        prompts = random_prompts([30] * 300, seed=13)
         sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         expected = [e.text for e in offline.generate(prompts, [sp] * len(prompts))]
 
