@@ -37,6 +37,7 @@ from pdd.bench.metrics_calc import latency_stats
 from pdd.bench.runner import LoadConfig, run_load
 from pdd.bench.serve_client import RequestRecord, Target, build_body, send, served_model
 from pdd.bench.workloads import WorkloadConfig, build_workload
+from pdd.model.tokenizer import servable_copy
 
 RUNTIME_FAULTS = {"PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}
 DRAIN_TIMEOUT_S = 120.0
@@ -280,6 +281,8 @@ def main(args) -> int:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
     if not (0 <= args.fault_at < args.clear_at <= 1) or args.request_rate <= 0 or math.isinf(args.request_rate):
         raise ValueError("want 0 <= --fault-at < --clear-at <= 1 and a finite --request-rate > 0")
+    if args.model:   # a config-only checkpoint (dummy weights) gets a stand-in tokenizer for the router
+        args.model = str(servable_copy(args.model, Path(args.run_dir) / "model"))
     results = []
     for name in names:
         print(f"bench chaos: {name} ...", flush=True)

@@ -65,10 +65,6 @@ def test_kill_9_the_decode_worker(tmp_path, tiny_model, offline):
         prompts = random_prompts([10 + 3 * i for i in range(24)], seed=41)
         sp = greedy(200)
         results = stream_all(c, prompts, [sp] * 24, while_running=lambda: os.kill(pid, signal.SIGKILL))
-        errors = [e["message"] for _, _, errs in results for e in errs]
-        if errors and all("no other worker can take the request" in e for e in errors):
-            pytest.xfail("no decode worker left and a prefill worker does not decode yet (being built on "
-                         f"main): {len(errors)} stream(s) ended with: {errors[0]}")
         assert results == fault_free(offline, prompts, sp)
         assert metric(c, "pdd_request_migrations_total") >= 1
         _wait_for(lambda: c.workers().get("decode-0", {}).get("pid") not in (None, pid), 120.0, "decode-0 back")
