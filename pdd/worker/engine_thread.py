@@ -1,13 +1,15 @@
 """The worker's engine thread: the one thread that touches the engine.
 
     event loop ── commands ──▶ queue ──▶ engine thread: apply commands between
-                                         steps, expire leases, poll transfers,
+                                         steps, start requests whose KV landed,
+                                         expire leases, poll transfers,
     event loop ◀── messages ── call_soon_threadsafe ◀──┘  step, publish a snapshot
 
 The thread builds the engine and its role's side (so every device object is
 made where it is used), then loops. Each pass takes the commands queued since
 the last one — blocking while the engine has nothing to do, but never longer
-than `idle_wakeup_s`, because leases expire — applies them, runs one step if
+than `idle_wakeup_s`, because leases expire; the data plane wakes it when a
+transfer ends or a request's KV lands — applies them, runs one step if
 there is work, and hands the replies to the event loop in one call. For the
 heartbeats it publishes an immutable EngineSnapshot (after each pass that
 leaves it idle, every SNAPSHOT_PERIOD_S while busy), and it sets
@@ -64,7 +66,7 @@ class _DataPlaneUnavailable(Exception):
 
 
 class _Control(enum.Enum):
-    WAKE = "wake"      # something to look at (a transfer ended)
+    WAKE = "wake"      # something to look at (a transfer ended, a request's KV landed)
     FORGET_ALL = "forget_all"   # the router holds none of our requests (it restarted, or lost us)
     DRAIN = "drain"    # take nothing new; end once the work in hand is done
     STOP = "stop"      # end now
@@ -184,7 +186,7 @@ class EngineThread(threading.Thread):
             if self.role == "prefill":
                 self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
             else:
-                self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, security)
+                self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
             backends = offered_backends(wc.transfer_backend, e.device)
         except (ValueError, RuntimeError) as err:  # e.g. no keys, data_addr taken, cuda_ipc without a GPU
             raise _DataPlaneUnavailable(str(err)) from err
@@ -205,7 +207,7 @@ class EngineThread(threading.Thread):
             if self._stopping:
                 return
             if self.decode_side is not None:
-                self._replies += self.decode_side.expire()
+                self._replies += self.decode_side.poll()
             if self.prefill_side is not None:
                 self._replies += self.prefill_side.poll()
             if self.engine.has_unfinished():
