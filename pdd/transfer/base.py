@@ -59,6 +59,11 @@ class Handoff:
         return {"first_token": self.first_token, "logprobs": self.logprobs,
                 "num_cached_tokens": self.num_cached_tokens}
 
+    @staticmethod
+    def from_dict(d: dict | None) -> "Handoff | None":
+        """Inverse of to_dict (a validated wire field: pdd.transfer.wire)."""
+        return Handoff(d["first_token"], d["logprobs"], d["num_cached_tokens"]) if d is not None else None
+
 
 @dataclass(frozen=True)
 class Landed:

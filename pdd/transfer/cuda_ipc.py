@@ -119,6 +119,12 @@ class _PoolDest(Dest):
 
 
 class CudaIpcSender(IoSender):
+    thread_name = "kv-ipc-sender"
+    # A decode worker that died must not keep its GPU memory allocated through
+    # our mapping of its pool: the monitor says when its connection drops.
+    monitor_events = zmq.EVENT_DISCONNECTED
+    dest_class = _PoolDest
+
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
                  layer_group: int = 0, copy_ctas: int | None = None, security=None):
         if not torch.cuda.is_available():
@@ -259,12 +265,6 @@ class CudaIpcSender(IoSender):
             self._fail_locked(w, error)
 
     # -- I/O thread ----------------------------------------------------------
-
-    thread_name = "kv-ipc-sender"
-    # A decode worker that died must not keep its GPU memory allocated through
-    # our mapping of its pool: the monitor says when its connection drops.
-    monitor_events = zmq.EVENT_DISCONNECTED
-    dest_class = _PoolDest
 
     def _command(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import uuid
 
 import torch
@@ -167,14 +166,7 @@ class IpcControl:
         rid, lease_id = msg.get("request_id"), msg.get("lease_id")
         if not isinstance(rid, str) or not isinstance(lease_id, str):
             return "ipc_open must name a live lease (request_id, lease_id)"
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            return "unknown or revoked lease"
-        if time.monotonic() >= lease.deadline:
-            return "lease expired"
-        if lease.request_id != rid:
-            return "lease belongs to another request"
-        return None
+        return self.leases.why_not_live(lease_id, rid)
 
     def _stale(self, token: int, msg: dict) -> bytes | None:
         if msg["pool_id"] != self.pool_id:
@@ -195,9 +187,7 @@ class IpcControl:
         stale = self._stale(token, msg)  # (a stale sender was never let begin here)
         if stale:
             return stale
-        h = msg["handoff"]
-        handoff = Handoff(h["first_token"], h["logprobs"], h["num_cached_tokens"]) if h is not None else None
-        err = self.leases.end_writer(msg["lease_id"], msg["request_id"], handoff)
+        err = self.leases.end_writer(msg["lease_id"], msg["request_id"], Handoff.from_dict(msg["handoff"]))
         return encode_reply(token, err is None, err or "")
 
     def _ipc_end(self, token: int, msg: dict) -> bytes:

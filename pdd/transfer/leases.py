@@ -165,6 +165,11 @@ class LeaseTable:
         with self._lock:
             return [(lid, lease.request_id) for lid, lease in self._leases.items() if now >= lease.deadline]
 
+    def why_not_live(self, lease_id: str, request_id: str) -> str | None:
+        """None if `lease_id` is a live lease of `request_id`, else why not."""
+        with self._lock:
+            return self._check(lease_id, request_id, ())
+
     def get(self, lease_id: str) -> Lease | None:
         with self._lock:
             return self._leases.get(lease_id)

@@ -99,9 +99,8 @@ class PageWriter:
             header = decode_done(raw)
         except WireError as e:
             return None, self.reject(f"malformed done message: {e}")
-        h = header["handoff"]
-        handoff = Handoff(h["first_token"], h["logprobs"], h["num_cached_tokens"]) if h is not None else None
-        err = self.leases.complete(header["lease_id"], header["request_id"], header["seq"], handoff)
+        err = self.leases.complete(header["lease_id"], header["request_id"], header["seq"],
+                                   Handoff.from_dict(header["handoff"]))
         return header, None if err is None else self.reject(_LeaseRefusal(err))
 
     def _check(self, h: dict, payload) -> str | None:

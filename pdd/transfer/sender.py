@@ -13,6 +13,7 @@ its commands, incoming frames, connection events and deadlines mean.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import queue
@@ -394,26 +395,26 @@ class IoSender(SenderBase):
 
     # -- what a backend says -------------------------------------------------
 
+    @abc.abstractmethod
     def _command(self, cmd: tuple) -> None:
         """Apply one engine call (in the order they were made)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _on_frames(self, dest: Dest, frames: list[bytes]) -> None:
         """One message from `dest` (an ack, a reply)."""
-        raise NotImplementedError
 
     def _on_monitor(self, key: DestKey, dest: Dest, events: set[int]) -> bool:
         """Connection events of `dest`; False if the backend closed it."""
         return True
 
+    @abc.abstractmethod
     def _next_deadline(self) -> float | None:
         """The next time (perf_counter) _expire has something to do, or None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _expire(self, now: float) -> None:
         """Fail what waited past its deadline."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _crashed(self, error: str) -> None:
         """The I/O thread is going down: fail everything in flight with `error`."""
-        raise NotImplementedError
