@@ -188,7 +188,7 @@ class WorkerConfig:
     # port; the bound address is advertised at registration).
     data_addr: str = "tcp://127.0.0.1:0"
     # auto: cuda_ipc to decode workers on this host when on a GPU, else tcp.
-    transfer_backend: str = "auto"       # auto | tcp | cuda_ipc | local
+    transfer_backend: str = "auto"       # auto | tcp | cuda_ipc
     transfer_timeout_s: float = 30.0     # a page unacknowledged this long fails the transfer
     # cuda_ipc: 0 = copy a step's pages once, after its forward; N = every N
     # layers while the forward runs (see pdd.transfer.cuda_ipc for which pays when).
@@ -203,8 +203,11 @@ class WorkerConfig:
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
             raise ConfigError(f"worker.role: must be one of {ROLES[1:]}, got {self.role!r}")
-        if self.transfer_backend not in ("auto", "tcp", "local", "cuda_ipc"):
-            raise ConfigError(f"worker.transfer_backend: must be auto, tcp, local or cuda_ipc, "
+        if self.transfer_backend == "local":
+            raise ConfigError("worker.transfer_backend: 'local' joins two engines of one process (tests); "
+                              "a worker is a process of its own: use auto, tcp or cuda_ipc")
+        if self.transfer_backend not in ("auto", "tcp", "cuda_ipc"):
+            raise ConfigError(f"worker.transfer_backend: must be auto, tcp or cuda_ipc, "
                               f"got {self.transfer_backend!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")

@@ -7,8 +7,9 @@ router.allow_fault_injection = true), which forwards them to the workers
 over the control bus (SetFaults). Unset, every query costs a dict lookup.
 
 Known faults (each acts in the roles named; elsewhere it is inert):
-  transfer.fail_rate=P      prefill   that share of KV transfers comes back failed
-                                      (PrefillFailed, as for a real failure)
+  transfer.fail_rate=P      prefill   that share of KV transfers fails: the last message
+                                      does not start the decode worker, and the result
+                                      comes back failed (PrefillFailed, as for a real failure)
   transfer.delay_s=S        prefill   a transfer's result is held S seconds more
   transfer.send_delay_s=S   prefill   the tcp sender waits S before each page message
   transfer.reject=1         decode    the KV receiver refuses every page
@@ -127,6 +128,7 @@ class _Registry:
         self.released = threading.Event()   # set while no hang is due: a hung step wakes on it
         self.released.set()
         self.delayed: list[tuple[float, object]] = []   # (due, transfer result): engine thread only
+        self.doomed: set[str] = set()     # transfers failed at their finish: engine thread only
         self.hang_logged = False
 
 
@@ -213,20 +215,31 @@ def should_fail(what: str) -> bool:
         return r.rng.random() < rate
 
 
+def fail_transfer(request_id: str) -> bool:
+    """Whether the transfer about to finish fails (one draw against
+    transfer.fail_rate): then its last message must not start the decode
+    worker, and transfer_results reports it failed. Engine thread only."""
+    if not should_fail("transfer"):
+        return False
+    _get().doomed.add(request_id)
+    return True
+
+
 def transfer_results(results: list) -> list:
     """The sender's finished transfers (pdd.transfer.base.TransferResult) as the
-    faults make them: a share failed (transfer.fail_rate), each held back
+    faults make them: those fail_transfer doomed failed, each held back
     transfer.delay_s (released at a later call; the engine thread calls at
     least every heartbeat interval). Engine thread only."""
     r = _get()
     delay = r.values.get("transfer.delay_s", 0.0)
-    if not r.delayed and not delay and "transfer.fail_rate" not in r.values:
+    if not r.delayed and not delay and not r.doomed:
         return results
     now = time.monotonic()
     for res in results:
-        if res.ok and should_fail("transfer"):
+        if res.request_id in r.doomed:
+            r.doomed.discard(res.request_id)
             res = dataclasses.replace(res, ok=False, error=f"injected fault (transfer.fail_rate="
-                                                            f"{r.values['transfer.fail_rate']:g})")
+                                                            f"{r.values.get('transfer.fail_rate', 0):g})")
         r.delayed.append((now + delay, res))
     due = [res for t, res in r.delayed if t <= now]
     r.delayed = [(t, res) for t, res in r.delayed if t > now]

@@ -87,8 +87,9 @@ def test_transfer_results_fail_and_delay_as_set():
     batch = [result("a"), result("b", ok=False)]
     assert faults.transfer_results(batch) is batch          # nothing set: untouched
     faults.apply({"transfer.fail_rate": 1})
+    assert faults.fail_transfer("a")                         # doomed at its finish...
     out = faults.transfer_results([result("a"), result("b", ok=False)])
-    assert [(r.request_id, r.ok) for r in out] == [("a", False), ("b", False)]
+    assert [(r.request_id, r.ok) for r in out] == [("a", False), ("b", False)]   # ...failed at its result
     assert out[0].error == "injected fault (transfer.fail_rate=1)" and out[1].error == "real failure"
     faults.apply({"transfer.fail_rate": 0, "transfer.delay_s": 3600})
     assert faults.transfer_results([result("c")]) == []     # held back...

@@ -92,7 +92,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--device", default="cpu", help="where both pools live (cuda: pinned staging path)")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--receiver-process", action="store_true",
-                   help="run the tcp receiver in its own process, as deployed (the zmq ceilings stay in-process)")
+                   help="run the data socket in its own process, as deployed (the zmq ceilings stay in-process)")
     b.add_argument("--json", default=None)
     b.set_defaults(func=_runner("transfer"))
 

@@ -5,7 +5,7 @@ send_layer() per layer (default 32 layers; the KV shape of Llama-3-8B at TP=2,
 4 KV heads x 128 x block 16 in bf16, so one block of all layers is 1 MiB).
 Time runs from the first send_layer() to the result reporting the last ack;
 the ceiling is one DEALER->ROUTER send of a buffer of the same size with one
-ack, receiver in a thread of the same process, as for the tcp receiver. A
+ack, receiver in a thread of the same process, as for the data socket. A
 second ceiling sends the same bytes as N messages, each acked, the pattern
 the tcp backend uses: one huge zmq message makes the receiver allocate (and
 page-fault) the whole buffer, which per-layer messages avoid.
@@ -28,7 +28,8 @@ import zmq
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.tcp import TcpReceiver, TcpSender
+from pdd.transfer.receiver import DataSocket
+from pdd.transfer.tcp import TcpSender
 
 MiB = 2**20
 
@@ -50,7 +51,7 @@ class _LocalDecode:
     def __init__(self, layout: KVLayout, blocks: int, device: str):
         self.dst = _pool(layout, blocks, device, 2)
         self.leases = LeaseTable()
-        self.receiver = TcpReceiver(self.dst, layout, self.leases)
+        self.receiver = DataSocket(self.dst, layout, self.leases)
         self.receiver.start()
         self.address = self.receiver.address
 

@@ -192,8 +192,9 @@ class SetFaults(Message):
 # Lifecycle: router -> decode Reserve and router -> prefill Prefill, at once;
 # decode -> router Reserved; router -> prefill KVTarget; prefill -> router
 # FirstToken as soon as it is sampled; prefill writes KV into the reserved blocks
-# over the data plane, then -> router PrefillDone; router -> decode KVReady;
-# decode streams TokenBatch.
+# over the data plane, its last data-plane message carrying the first token;
+# the decode worker starts on that message (no relay through the router) and
+# streams TokenBatch, from position 0; prefill -> router PrefillDone.
 
 @dataclass
 class Reserve(Message):
@@ -270,7 +271,8 @@ class FirstToken(Message):
 
 @dataclass
 class PrefillDone(Message):
-    """Every page has landed (acknowledged by the receiver)."""
+    """Every page has landed: the decode worker accepted the transfer's last
+    message (and started the request on it; its tokens may reach the router first)."""
     TYPE: ClassVar[str] = "prefill_done"
     worker_id: str
     request_id: str
@@ -288,16 +290,6 @@ class PrefillFailed(Message):
     request_id: str
     epoch: int
     error: str
-
-
-@dataclass
-class KVReady(Message):
-    """Decode side: the KV is in the reserved blocks; continue from first_token."""
-    TYPE: ClassVar[str] = "kv_ready"
-    request_id: str
-    epoch: int
-    lease_id: str
-    first_token: int
 
 
 @dataclass

@@ -23,8 +23,11 @@ Disaggregated (DESIGN.md, "Request lifecycle"):
                    refused / no answer / PrefillFailed -> placed again, prefilled where it decodes
     prefilling  timer kv_lease_ttl_s (the decode worker's lease)
                    FirstToken   -> streamed at once (the pages may still be in flight)
-                   PrefillDone  -> decode <- KVReady, decoding
-                   TokenBatch from the decode worker (it started on the KV) -> decoding
+                   TokenBatch from the decode worker -> decoding: the data plane's last
+                                message (after the last page) started it, with the
+                                first token; no message from here is needed
+                   PrefillDone  -> decoding (it came first; the decode worker runs
+                                anyway); after the decode worker's tokens: its figures only
                    PrefillFailed, prefill worker lost -> decode <- PrefillLocally, decoding
                    no answer    -> placed again
     decoding    TokenBatch      -> streamed; the last one retires the request. Each item
@@ -313,8 +316,7 @@ class ControlPlane:
         self._kv_landed(state)
         if not state.output_token_ids:  # no FirstToken came ahead of it
             self._deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs, msg.num_cached_tokens))
-        self.send(state.decode_worker, m.KVReady(state.request_id, state.epoch, state.lease_id,
-                                                 state.output_token_ids[0]))
+        # (The decode worker started on the data plane's last message: nothing to send it.)
 
     def _kv_landed(self, state: RequestState) -> None:
         """The prompt's KV is on the decode worker: the prefill phase is over."""

@@ -1,14 +1,27 @@
-"""KV data plane: pick a backend by name (see pdd.transfer.base for the interface)."""
+"""KV data plane: which backend a worker offers, and a sender or receiver by
+backend name (the interface is pdd.transfer.base).
+
+    base.py       the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
+    wire.py       frames on the data socket: pages, done, acks, cuda_ipc control
+    leases.py     which blocks a sender may write, until when; what landed
+    receiver.py   the decode worker's data socket (tcp pages, cuda_ipc control), PageWriter
+    sender.py     what senders share: staging, progress, the I/O-thread base (IoSender)
+    tcp.py        the tcp sender
+    cuda_ipc.py   the cuda_ipc sender (one-sided page copies into a peer's pool)
+    ipc.py        CUDA IPC: the pool's export/open, the decode side's writer bookkeeping
+    local.py      both engines in one process (tests only)
+    connector.py  which pages of which request go out after each layer (prefill engine)
+"""
 from __future__ import annotations
 
 import torch
 
 from pdd.kv.layout import KVLayout
-from pdd.transfer.base import KVReceiver, KVSender, ReceiverStats, TransferResult, TransferTarget
+from pdd.transfer.base import KVReceiver, KVSender, TransferResult, TransferTarget
 from pdd.transfer.leases import LeaseTable
 
-__all__ = ["BACKENDS", "KVReceiver", "KVSender", "LeaseTable", "ReceiverStats", "TransferResult",
-           "TransferTarget", "make_receiver", "make_sender", "offered_backends"]
+__all__ = ["BACKENDS", "KVReceiver", "KVSender", "LeaseTable", "MultiSender", "TransferResult", "TransferTarget",
+           "make_receiver", "make_sender", "offered_backends"]
 
 BACKENDS = ("tcp", "local", "cuda_ipc")
 
@@ -18,14 +31,15 @@ def _unknown(backend: str) -> ValueError:
 
 
 def offered_backends(configured: str, device: torch.device) -> list[str]:
-    """The backends a worker offers, best first ("auto": cuda_ipc on a GPU, and tcp).
-    ValueError if the configured one cannot run on `device`."""
+    """The backends a worker process offers, best first ("auto": cuda_ipc on a
+    GPU, and tcp). ValueError if the configured one cannot run on `device`.
+    Never "local": it only joins two engines of one process."""
     if configured == "auto":
         return ["cuda_ipc", "tcp"] if device.type == "cuda" else ["tcp"]
     if configured == "cuda_ipc" and device.type != "cuda":
         raise ValueError(f"worker.transfer_backend = 'cuda_ipc' needs a GPU; this worker runs on {device}")
-    if configured not in BACKENDS:
-        raise _unknown(configured)
+    if configured not in ("tcp", "cuda_ipc"):
+        raise ValueError(f"worker.transfer_backend = {configured!r}: a worker offers auto, tcp or cuda_ipc")
     return [configured]
 
 
@@ -46,15 +60,76 @@ def make_sender(backend: str, layout: KVLayout, security=None, **kw) -> KVSender
 
 def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                   addr: str | None = None, security=None) -> KVReceiver:
-    """A receiver for `backend`, not yet started; `addr` defaults to a free
-    loopback port (tcp) or a fresh name (local). The tcp receiver's socket also
-    answers cuda_ipc senders (the pages of those never pass through it).
-    `security` (pdd.security.data_security; None: plaintext) applies to its
-    socket; the local backend has none to protect."""
-    if backend in ("tcp", "cuda_ipc"):
-        from pdd.transfer.tcp import TcpReceiver
-        return TcpReceiver(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security)
+    """A receiver for `backend`, not yet started. tcp, cuda_ipc and auto get the
+    data socket (it answers both; `addr` defaults to a free loopback port);
+    local a fresh in-process name. `security` (pdd.security.data_security;
+    None: plaintext) applies to the socket; the local backend has none."""
+    if backend in ("tcp", "cuda_ipc", "auto"):
+        from pdd.transfer.receiver import DataSocket
+        return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security)
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")
     raise _unknown(backend)
+
+
+class MultiSender(KVSender):
+    """One sender per backend a prefill worker offers, picked per request by the
+    backend the router chose for the pair (TransferTarget.backend).
+
+    With "auto" a worker offers cuda_ipc and tcp; if a decode worker's pool
+    cannot be opened through CUDA IPC from here (no peer path between the
+    GPUs, say), that request fails over to a local prefill and later requests
+    to that decode worker go over tcp."""
+
+    def __init__(self, senders: dict[str, KVSender]):
+        assert senders, "no sender"
+        self.senders = senders
+        self._chosen: dict[str, KVSender] = {}   # request id -> its sender
+
+    def _pick(self, target: TransferTarget) -> KVSender:
+        s = self._chosen.get(target.request_id)
+        if s is None:
+            backend = target.backend
+            if backend not in self.senders:
+                raise ValueError(f"KV transfer backend {backend!r} is not offered by this worker "
+                                 f"(it offers {', '.join(self.senders)})")
+            ipc = self.senders.get("cuda_ipc")
+            if backend == "cuda_ipc" and "tcp" in self.senders and ipc.cannot_reach(target.dst_addr):
+                backend = "tcp"
+            s = self._chosen[target.request_id] = self.senders[backend]
+        return s
+
+    def prepare(self, target: TransferTarget) -> None:
+        self._pick(target).prepare(target)
+
+    def send_layer(self, target, layer, src_layer, src_block_ids, block_indices) -> None:
+        self._pick(target).send_layer(target, layer, src_layer, src_block_ids, block_indices)
+
+    def step_done(self) -> None:
+        for s in self.senders.values():
+            s.step_done()
+
+    def finish(self, request_id: str, blocks_skipped: int = 0, handoff=None) -> None:
+        # A request never prepared sent nothing: any sender reports that.
+        s = self._chosen.pop(request_id, None) or next(iter(self.senders.values()))
+        s.finish(request_id, blocks_skipped, handoff)
+
+    def abort(self, request_id: str) -> None:
+        s = self._chosen.pop(request_id, None)
+        if s is not None:
+            s.abort(request_id)
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        for s in self.senders.values():
+            out.extend(s.poll())
+        return out
+
+    def set_wakeup(self, fn) -> None:
+        for s in self.senders.values():
+            s.set_wakeup(fn)
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()

@@ -7,8 +7,15 @@ blocks held under a live lease (pdd.transfer.leases) and only from a sender
 with the same KV layout. Backends:
 
     tcp       pages gathered to host memory, ZeroMQ data socket (any hosts, CPU too)
-    local     both engines in one process (tests)
     cuda_ipc  same host, peer GPU memory written by a copy kernel (GPU path)
+    local     both engines in one process (tests only: a worker never offers it)
+
+A request's transfer ends with one last message after its pages (tcp: a done
+frame on the same ordered stream; cuda_ipc: the commit, sent once its copies
+completed). The receiver accepts it only if every page landed under a still
+live lease; it then reports `Landed` with the prefill side's `Handoff` (the
+first token), and the decode worker starts the request from that report,
+with no relay through the router. The sender's result is that acceptance.
 
 A transfer never hangs: it completes, fails with a reason, or times out.
 
@@ -37,6 +44,34 @@ class TransferTarget:
     # The decode worker's data-socket CURVE key (z85), as it registered; the
     # sender dials with it, so only that worker can answer. "" when insecure.
     dst_public_key: str = ""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the decode side needs to start a request whose KV landed: the
+    first token the prefill side sampled."""
+
+    first_token: int
+    logprobs: list | None = None   # the first token's logprobs entry, when asked for
+    num_cached_tokens: int = 0     # prompt tokens the prefill side found in its own cache
+
+    def to_dict(self) -> dict:
+        return {"first_token": self.first_token, "logprobs": self.logprobs,
+                "num_cached_tokens": self.num_cached_tokens}
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "Handoff | None":
+        """Inverse of to_dict (a validated wire field: pdd.transfer.wire)."""
+        return Handoff(d["first_token"], d["logprobs"], d["num_cached_tokens"]) if d is not None else None
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Receiver -> decode worker: every page of `request_id` landed under `lease_id`."""
+
+    request_id: str
+    lease_id: str
+    handoff: Handoff
 
 
 @dataclass
@@ -70,8 +105,11 @@ class KVSender(abc.ABC):
         backend orders the copy before the next step's writes)."""
 
     @abc.abstractmethod
-    def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
-        """No more pages for this request: report its result once every page is acknowledged."""
+    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
+        """No more pages for this request: send the last message (with
+        `handoff`, the decode side starts the request on it; None: a transfer
+        alone, as tests and benchmarks use) and report the result once the
+        receiver accepted it."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
@@ -95,7 +133,8 @@ class KVSender(abc.ABC):
 
 
 class KVReceiver(abc.ABC):
-    """Decode side: writes arriving pages into leased blocks of the local pool."""
+    """Decode side: writes arriving pages into leased blocks of the local pool;
+    what landed is reported through the lease table (LeaseTable.landed)."""
 
     address: str = ""
 
@@ -108,8 +147,8 @@ class KVReceiver(abc.ABC):
 
 @dataclass
 class ReceiverStats:
-    messages: int = 0
+    messages: int = 0              # pages messages written
     bytes: int = 0
-    rejected: int = 0
+    rejected: int = 0              # messages refused (pages, or a last message)
     last_error: str = ""
     rejections: list[str] = field(default_factory=list)

@@ -16,6 +16,9 @@ steps), every block of the steps launched so far goes at once, all layers,
 queued after those steps' writes; later chunks go layer by layer as usual. If
 the prompt was all computed before its target came, its blocks were held
 (kept out of reuse) meanwhile, and are let go once sent.
+
+`finish` hands the sender the first token (a Handoff): the request's last
+data-plane message carries it, and the decode worker starts on it.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdd.transfer.base import KVSender, TransferTarget
+from pdd.transfer.base import Handoff, KVSender, TransferTarget
 
 
 @dataclass
@@ -45,7 +48,8 @@ class PrefillConnector:
         # Expected requests (no target yet): their block table and the end (in
         # tokens) of the steps launched for them so far.
         self.expected: dict[str, tuple[list[int], int]] = {}
-        self.held: set[str] = set()   # expected and computed: blocks kept out of reuse
+        # Expected and computed: blocks kept out of reuse, and the first token, until the target comes.
+        self.held: dict[str, Handoff | None] = {}
         self.plan: list[_Shipment] = []
 
     def expect(self, request_id: str) -> None:
@@ -71,9 +75,9 @@ class PrefillConnector:
             self.sender.step_done()   # queued after the launched steps, before any later write
         self.next_block[rid] = max(target.skip_blocks, end // self.block_size)
         if rid in self.held:
-            self.held.discard(rid)
+            handoff = self.held.pop(rid)
             self.kv.release(table)
-            self.finish(rid)
+            self.finish(rid, handoff)
 
     def begin_step(self, out, block_tables: list[list[int]]) -> None:
         """out: the step's SchedulerOutput."""
@@ -102,23 +106,23 @@ class PrefillConnector:
         self.plan = []
         self.sender.step_done()
 
-    def finish(self, request_id: str) -> None:
-        """The prompt is computed (first token sampled): no more pages will follow.
-        Without a target yet, its blocks are held until the target comes."""
+    def finish(self, request_id: str, handoff: Handoff | None = None) -> None:
+        """The prompt is computed (`handoff`: its first token): no more pages will
+        follow. Without a target yet, its blocks are held until the target comes."""
         if request_id in self.expected:
             self.kv.hold(self.expected[request_id][0])
-            self.held.add(request_id)
+            self.held[request_id] = handoff
             return
         target = self.targets.pop(request_id, None)
         self.next_block.pop(request_id, None)
         if target is not None:
-            self.sender.finish(request_id, blocks_skipped=target.skip_blocks)
+            self.sender.finish(request_id, blocks_skipped=target.skip_blocks, handoff=handoff)
 
     def abort(self, request_id: str) -> None:
         self.targets.pop(request_id, None)
         self.next_block.pop(request_id, None)
         expected = self.expected.pop(request_id, None)
         if request_id in self.held:
-            self.held.discard(request_id)
+            del self.held[request_id]
             self.kv.release(expected[0])
         self.sender.abort(request_id)

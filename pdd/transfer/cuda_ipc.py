@@ -1,7 +1,7 @@
 """The `cuda_ipc` backend, prefill side: one-sided page writes into a decode
 worker's KV pool on the same host (over NVLink between two GPUs, or within one).
 
-The decode worker exports its pool once (pdd.transfer.ipc_pool); this sender
+The decode worker exports its pool once (pdd.transfer.ipc); this sender
 opens it in its own device's context and launches the page-copy kernel on a
 side stream ordered after the layers' writes: by default one launch per engine
 step, at its end; or one per group of layers while the forward goes on (see
@@ -11,14 +11,17 @@ anywhere on the engine thread.
 
 A store into another process's memory cannot be refused after the fact, so
 the decode worker must know who may write and until when. Control messages on
-its data socket (pdd.transfer.ipc_receiver), from this sender's I/O thread:
+its data socket (answered by pdd.transfer.ipc.IpcControl), from this sender's
+I/O thread (pdd.transfer.sender.IoSender):
 
     ipc_open    once per decode worker: the pool's export, if our layouts agree
     ipc_begin   before a request's first copy: the lease is live, the decode
                 worker holds its blocks until we end; answers how many seconds
                 we may write (no copy is launched after that)
     ipc_commit  after the request's last copy completed: its lease is checked
-                again; only an ok commit makes the transfer a success
+                again; only an ok commit makes the transfer a success. It
+                carries the handoff (the first token): the decode worker
+                starts the request on it, as on tcp's done message
     ipc_end     after the copies of an aborted or failed request completed
 
 Results: a request succeeds when its commit is acknowledged; it fails with a
@@ -32,22 +35,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from pdd.ops.triton_pages import copy_blocks_unchecked
 from pdd.kv.layout import KVLayout
-from pdd.transfer.accept import pool_mismatch
-from pdd.transfer.base import TransferTarget
-from pdd.transfer.common import Mailbox, Progress, SenderBase, Tombstones, dst_blocks_for, index_tensor
-from pdd.transfer.ipc_pool import PoolOpenError, open_pool
-from pdd.transfer.ipc_state import IpcDest, IpcWrite, StepIds, run_of_layers
-from pdd.transfer.wire import encode_control
+from pdd.transfer.base import Handoff, TransferTarget
+from pdd.transfer.ipc import PoolOpenError, open_pool
+from pdd.transfer.receiver import pool_mismatch
+from pdd.transfer.sender import (Dest, DestKey, IoSender, Outgoing, Progress, Tombstones, dst_blocks_for,
+                                 index_tensor)
+from pdd.transfer.wire import WireError, decode_reply, encode_control
 
 log = logging.getLogger(__name__)
-
-_MAX_WAIT_MS = 1000
 # Stop launching copies this long before the lease the decode worker granted
 # ends: the grant's age on arrival, and copies still queued behind compute.
 _DEADLINE_MARGIN_S = 1.0
@@ -58,16 +60,75 @@ _REOPEN_AFTER_S = 5.0  # a pool that failed to open is asked for again after thi
 _GRANT_WAIT_S = 5.0
 
 
-class CudaIpcSender(SenderBase):
+@dataclass
+class IpcWrite:
+    """One request's transfer. Fields the engine thread reads are set under the sender's lock."""
+
+    target: TransferTarget
+    progress: Progress
+    granted: threading.Event = field(default_factory=threading.Event)  # begin answered (or failed)
+    pool: torch.Tensor | None = None    # the decode worker's pool, opened here
+    pool_id: str = ""
+    deadline: float = 0.0               # perf_counter(): no copy launched after it
+    error: str = ""                     # why it failed; no more copies
+    closed: bool = False                # no more copies (finishing or failed)
+    begun: bool = False                 # the decode worker counts us as a writer
+    copies: int = 0                     # kernels launched
+    finished: bool = False              # finish() was called
+    aborted: bool = False               # abort() was called: report nothing
+    blocks_skipped: int = 0
+    handoff: Handoff | None = None      # what the commit carries to the decode side
+    ids: "StepIds | None" = None
+
+
+def run_of_layers(layer_view: torch.Tensor, index: int, first: int) -> torch.Tensor:
+    """Layers first..index of the pool whose layer `index` is `layer_view`: the
+    pool is one contiguous [layers, 2, blocks, ...] allocation, so neighbouring
+    layers sit one layer's size apart in the same storage."""
+    n = layer_view.numel()
+    return layer_view.as_strided((index - first + 1, *layer_view.shape), (n, *layer_view.stride()),
+                                 layer_view.storage_offset() - (index - first) * n)
+
+
+@dataclass
+class StepIds:
+    """The blocks one engine step sends for a request, as the engine passed
+    them (compared by identity) and as device index tensors."""
+
+    src: list[int]
+    indices: list[int]
+    dst: list[int]
+    src_t: torch.Tensor
+    dst_t: torch.Tensor
+    nbytes: int          # per layer
+    counted: bool = False  # its blocks are in the request's progress
+
+
+class _PoolDest(Dest):
+    """A decode worker's data socket, and its pool as far as we know it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pool: torch.Tensor | None = None
+        self.pool_id = ""
+        self.opening = False
+        self.opening_for = ""             # the request whose lease the pending ipc_open names
+        self.waiting: list[str] = []      # requests to begin once the pool is open
+        self.error = ""
+        self.failed_at = 0.0
+
+
+class CudaIpcSender(IoSender):
+    thread_name = "kv-ipc-sender"
+    # A decode worker that died must not keep its GPU memory allocated through
+    # our mapping of its pool: the monitor says when its connection drops.
+    monitor_events = zmq.EVENT_DISCONNECTED
+    dest_class = _PoolDest
+
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
                  layer_group: int = 0, copy_ctas: int | None = None, security=None):
-        super().__init__(layout)
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc KV transfer backend needs a GPU")
-        self.timeout_s = timeout_s
-        # pdd.security.Curve (data): each decode worker's socket is dialed with
-        # the key it registered; None: plaintext.
-        self.security = security
         # When pages are copied. N >= 1: one launch per N layers, as the forward
         # writes them (layer-wise streaming; N = all layers: one launch at the
         # last layer). 0: one launch per step, at its end, after the step's
@@ -88,15 +149,11 @@ class CudaIpcSender(SenderBase):
         self._lock = threading.Lock()
         self._writes: dict[str, IpcWrite] = {}
         self._failed = Tombstones()    # settled before finish(): later calls for them are silent
-        self._mail = Mailbox()
-        # I/O-thread state from here on.
-        self._ctx = zmq.Context()
-        self._dests: dict[str, IpcDest] = {}
+        # I/O-thread state: asked control messages, by token -> (kind, request id
+        # or destination, deadline).
         self._token = 0
-        self._asked: dict[int, tuple[str, str, float]] = {}  # token -> (kind, request id or address, deadline)
-        self._poller = zmq.Poller()
-        self._thread = threading.Thread(target=self._run, name="kv-ipc-sender", daemon=True)
-        self._thread.start()
+        self._asked: dict[int, tuple[str, str | DestKey, float]] = {}
+        super().__init__(layout, timeout_s, security)
 
     # -- engine side ---------------------------------------------------------
 
@@ -113,14 +170,12 @@ class CudaIpcSender(SenderBase):
             w = self._writes.get(rid)
             if w is None:
                 w = self._writes[rid] = IpcWrite(target, Progress(rid))
-                if not self._mail.put(("begin", rid)):
-                    raise RuntimeError("sender is closed")
+                self._put(("begin", rid))
         return w
 
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> None:
-        if self._mail.closed or not self._thread.is_alive():
-            raise RuntimeError("sender is closed" if self._mail.closed else "kv sender I/O thread died (see log)")
+        self._check_open()
         if src_layer.device != self.device:
             raise ValueError(f"source pages are on {src_layer.device}, this sender copies from {self.device}")
         w = self._write_for(target)
@@ -180,13 +235,13 @@ class CudaIpcSender(SenderBase):
         # The next step may write into blocks whose copies are still queued.
         torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
+    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
         with self._lock:
             if self._failed.discard(request_id):
                 return
             known = request_id in self._writes
         if known:
-            self._mail.put(("finish", request_id, blocks_skipped))
+            self._mail.put(("finish", request_id, blocks_skipped, handoff))
         else:  # nothing was ever sent
             self._emit(Progress(request_id).result(True, blocks_skipped=blocks_skipped))
 
@@ -200,12 +255,6 @@ class CudaIpcSender(SenderBase):
             w.error = w.error or "aborted"
         self._mail.put(("abort", request_id))
 
-    def close(self) -> None:
-        if not self._mail.put(("close",)):
-            return
-        self._thread.join()
-        self._mail.close_fds()
-
     def _fail_locked(self, w: IpcWrite, error: str) -> None:
         if not w.error:
             w.error = error
@@ -217,87 +266,53 @@ class CudaIpcSender(SenderBase):
 
     # -- I/O thread ----------------------------------------------------------
 
-    def _run(self) -> None:
-        self._poller.register(self._mail.fd, zmq.POLLIN)
-        try:
-            while True:
-                timeout = 0 if self._mail.going_idle() else self._next_deadline_ms()
-                events = dict(self._poller.poll(timeout))
-                self._mail.woken(self._mail.fd in events)
-                if not self._run_commands():
-                    break
-                for addr, dest in list(self._dests.items()):
-                    if events.get(dest.sock, 0) & zmq.POLLIN:
-                        self._recv_replies(dest)
-                    if events.get(dest.monitor, 0) & zmq.POLLIN and dest.saw_disconnect():
-                        self._peer_gone(addr, dest)
-                    dest.flush(self._poller)
-                self._expire(time.perf_counter())
-        except Exception:  # never expected; make it loud, fail what is in flight
-            log.exception("kv ipc sender I/O thread crashed")
-            with self._lock:
-                writes = list(self._writes.values())
-            for w in writes:
-                self._settle(w, False, "kv sender I/O thread crashed")
-        finally:
-            for dest in self._dests.values():
-                dest.close()
-            self._ctx.term()
-
-    def _run_commands(self) -> bool:
-        for cmd in self._mail.take():
-            kind = cmd[0]
-            if kind == "close":
-                return False
-            w = self._writes.get(cmd[1])
-            if w is None:
-                continue
-            if kind == "begin":
-                self._begin(w)
-            elif kind == "finish":
-                w.finished, w.blocks_skipped = True, cmd[2]
-                if w.error:
-                    self._settle(w, False, w.error)
-                elif w.begun:
-                    self._commit(w)
-                # else: the commit follows the begin's answer
-            elif kind in ("abort", "fail") and w.granted.is_set():
+    def _command(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        w = self._writes.get(cmd[1])
+        if w is None:
+            return
+        if kind == "begin":
+            self._begin(w)
+        elif kind == "finish":
+            w.finished, w.blocks_skipped, w.handoff = True, cmd[2], cmd[3]
+            if w.error:
                 self._settle(w, False, w.error)
-            # (abort/fail before the begin was answered: _on_begin settles it)
+            elif w.begun:
+                self._commit(w)
+            # else: the commit follows the begin's answer
+        elif kind in ("abort", "fail") and w.granted.is_set():
+            self._settle(w, False, w.error)
+        # (abort/fail before the begin was answered: _on_begin settles it)
+
+    def _crashed(self, error: str) -> None:
+        with self._lock:
+            writes = list(self._writes.values())
+        for w in writes:
+            self._settle(w, False, error)
+
+    def _on_monitor(self, key: DestKey, dest: _PoolDest, events: set[int]) -> bool:
+        if zmq.EVENT_DISCONNECTED in events:
+            self._peer_gone(key, dest)
         return True
 
-    def _dest(self, addr: str, server_key: str = "") -> IpcDest:
-        dest = self._dests.get(addr)
-        if dest is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only onto a live connection
-            if self.security is not None:
-                self.security.dial(sock, server_key)
-            dest = self._dests[addr] = IpcDest(sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-            sock.connect(addr)
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(dest.monitor, zmq.POLLIN)
-        return dest
-
-    def _peer_gone(self, addr: str, dest: IpcDest) -> None:
+    def _peer_gone(self, key: DestKey, dest: _PoolDest) -> None:
         """The decode worker's socket closed (it exited, or is restarting): fail
         what we write there and let go of its pool now. Each write keeps the
         mapping alive until its own copies completed (_settle waits for them)."""
         if dest.pool is None:
             return
-        log.warning("kv ipc sender: lost the connection to %s; its KV pool is unmapped", addr)
+        log.warning("kv ipc sender: lost the connection to %s; its KV pool is unmapped", dest.addr)
         dest.pool, dest.pool_id = None, ""
-        for w in [w for w in self._writes.values() if w.target.dst_addr == addr]:
+        for w in [w for w in self._writes.values() if self._dest_key(w.target) == key]:
             self._settle(w, False, "the decode worker disconnected (exited or restarting)")
             w.pool = None
 
     def _begin(self, w: IpcWrite) -> None:
-        addr = w.target.dst_addr
-        if self.security is not None and not w.target.dst_public_key:
-            self._settle(w, False, "the decode worker registered no data-socket key (it runs without keys?)")
+        why = self._missing_key(w.target)
+        if why:
+            self._settle(w, False, why)
             return
-        dest = self._dest(addr, w.target.dst_public_key)
+        dest = self._dest(w.target)
         if dest.pool is not None:
             self._ask(dest, "ipc_begin", w.target.request_id, request_id=w.target.request_id,
                       lease_id=w.target.lease_id, pool_id=dest.pool_id)
@@ -307,19 +322,20 @@ class CudaIpcSender(SenderBase):
             return
         dest.waiting.append(w.target.request_id)
         if not dest.opening:
-            self._open(dest, addr, w)
+            self._open(dest, w)
 
-    def _open(self, dest: IpcDest, addr: str, w: IpcWrite) -> None:
+    def _open(self, dest: _PoolDest, w: IpcWrite) -> None:
         """Ask for the pool; the decode worker exports it only to the holder of a live lease (w's)."""
         dest.opening, dest.error, dest.opening_for = True, "", w.target.request_id
-        self._ask(dest, "ipc_open", addr, layout=self.layout_dict, request_id=w.target.request_id,
-                  lease_id=w.target.lease_id)
+        self._ask(dest, "ipc_open", self._dest_key(w.target), layout=self.layout_dict,
+                  request_id=w.target.request_id, lease_id=w.target.lease_id)
 
     def _commit(self, w: IpcWrite) -> None:
-        self._wait_copies(w)
-        dest = self._dests[w.target.dst_addr]
+        self._wait_copies(w)   # the commit says the pages are there: only once they are
+        dest = self._dests[self._dest_key(w.target)]
         self._ask(dest, "ipc_commit", w.target.request_id, request_id=w.target.request_id,
-                  lease_id=w.target.lease_id, pool_id=w.pool_id)
+                  lease_id=w.target.lease_id, pool_id=w.pool_id,
+                  handoff=w.handoff.to_dict() if w.handoff is not None else None)
 
     def _wait_copies(self, w: IpcWrite) -> None:
         """Block until every copy launched for `w` has completed (none can start after)."""
@@ -345,10 +361,10 @@ class CudaIpcSender(SenderBase):
             if not ok and not w.finished and not w.aborted:
                 self._failed.add(rid)   # its later pages are dropped, finish() is silent
         if not ok and w.begun:
-            dest = self._dests.get(w.target.dst_addr)
+            dest = self._dests.get(self._dest_key(w.target))
             if dest is not None:
-                self._send(dest, encode_control("ipc_end", self._next_token(), request_id=rid,
-                                                lease_id=w.target.lease_id, pool_id=w.pool_id))
+                self._send(dest, rid, encode_control("ipc_end", self._next_token(), request_id=rid,
+                                                     lease_id=w.target.lease_id, pool_id=w.pool_id))
         w.granted.set()  # an engine thread waiting on it sees the error
         if not w.aborted:
             if ok:
@@ -361,22 +377,26 @@ class CudaIpcSender(SenderBase):
         self._token += 1
         return self._token
 
-    def _ask(self, dest: IpcDest, kind: str, key: str, **fields) -> None:
+    def _ask(self, dest: _PoolDest, kind: str, key: str | DestKey, **fields) -> None:
         token = self._next_token()
         self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
-        self._send(dest, encode_control(kind, token, **fields))
+        self._send(dest, fields.get("request_id", ""), encode_control(kind, token, **fields))
 
-    def _send(self, dest: IpcDest, frame: bytes) -> None:
-        dest.pending.append(frame)
+    def _send(self, dest: _PoolDest, request_id: str, frame: bytes) -> None:
+        dest.pending.append(Outgoing(request_id, [frame]))
         dest.flush(self._poller)
 
-    def _recv_replies(self, dest: IpcDest) -> None:
-        for reply in dest.replies():
-            asked = self._asked.pop(reply["token"], None)
-            if asked is not None:
-                self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
+    def _on_frames(self, dest: _PoolDest, frames: list[bytes]) -> None:
+        try:
+            reply = decode_reply(frames[-1])
+        except WireError as e:
+            log.warning("kv ipc sender: dropped a malformed reply: %s", e)
+            return
+        asked = self._asked.pop(reply["token"], None)
+        if asked is not None:
+            self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
 
-    def _on_reply(self, kind: str, key: str, ok: bool, error: str, data: dict) -> None:
+    def _on_reply(self, kind: str, key, ok: bool, error: str, data: dict) -> None:
         if kind == "ipc_open":
             self._on_open(key, ok, error, data)
             return
@@ -389,8 +409,8 @@ class CudaIpcSender(SenderBase):
             w.begun = False  # the commit ended us as a writer, whatever its answer
             self._settle(w, ok, "" if ok else f"refused by the decode worker: {error}")
 
-    def _on_open(self, addr: str, ok: bool, error: str, data: dict) -> None:
-        dest = self._dests[addr]
+    def _on_open(self, key: DestKey, ok: bool, error: str, data: dict) -> None:
+        dest = self._dests[key]
         dest.opening = False
         if not ok and data.get("lease_refused"):
             # That request's lease is gone (aborted, expired): it fails alone, and
@@ -401,7 +421,7 @@ class CudaIpcSender(SenderBase):
                 self._settle(asker, False, f"refused by the decode worker: {error}")
             following = next((self._writes[rid] for rid in dest.waiting if rid in self._writes), None)
             if following is not None:
-                self._open(dest, addr, following)
+                self._open(dest, following)
             return
         if ok:
             try:
@@ -410,12 +430,12 @@ class CudaIpcSender(SenderBase):
                 if err:
                     raise PoolOpenError(err)
                 dest.pool, dest.pool_id = pool, data["pool_id"]
-                log.info("opened the KV pool of %s through CUDA IPC", addr)
+                log.info("opened the KV pool of %s through CUDA IPC", dest.addr)
             except (PoolOpenError, KeyError, TypeError) as e:
                 ok, error = False, str(e)
         if not ok:
             dest.error, dest.failed_at = f"cannot open the decode worker's KV pool: {error}", time.perf_counter()
-            log.warning("kv ipc sender: %s (%s)", dest.error, addr)
+            log.warning("kv ipc sender: %s (%s)", dest.error, dest.addr)
         waiting, dest.waiting = dest.waiting, []
         for rid in waiting:
             w = self._writes.get(rid)
@@ -423,7 +443,7 @@ class CudaIpcSender(SenderBase):
                 self._begin(w)
 
     def _on_begin(self, w: IpcWrite, ok: bool, error: str, data: dict) -> None:
-        dest = self._dests[w.target.dst_addr]
+        dest = self._dests[self._dest_key(w.target)]
         if ok:
             with self._lock:
                 w.pool, w.pool_id, w.begun = dest.pool, dest.pool_id, True
@@ -453,18 +473,14 @@ class CudaIpcSender(SenderBase):
                     # process's memory stays allocated while we map it); the next
                     # request opens it afresh. A late begin may have registered us:
                     # the decode worker then holds the blocks until deadline + grace.
-                    dest = self._dests.get(w.target.dst_addr)
+                    dest = self._dests.get(self._dest_key(w.target))
                     if dest is not None:
                         dest.pool, dest.pool_id = None, ""
                     self._settle(w, False, why)
 
-    def _next_deadline_ms(self) -> int:
-        if not self._asked:
-            return _MAX_WAIT_MS
-        due = min(d for _, _, d in self._asked.values()) - time.perf_counter()
-        return max(1, min(_MAX_WAIT_MS, int(due * 1000) + 1))
+    def _next_deadline(self) -> float | None:
+        return min(d for _, _, d in self._asked.values()) if self._asked else None
 
     def cannot_reach(self, addr: str) -> bool:
         """The last attempt to open `addr`'s pool failed (read from any thread)."""
-        dest = self._dests.get(addr)
-        return dest is not None and bool(dest.error)
+        return any(dest.addr == addr and dest.error for dest in list(self._dests.values()))

@@ -14,15 +14,23 @@ store has completed (`end_writer`). Closing a lease whose writer has not ended
 answers "held": the owner keeps the blocks out of use until `released()`
 lists the lease (the writer ended, or its lease deadline plus WRITER_GRACE_S
 passed: a writer never starts a copy after the deadline it was given).
+
+A request's KV is complete when the sender's last message is accepted here:
+`complete` (tcp, local: every pages message the sender sent was written under
+this lease, which is still live) or `end_writer` of a commit (cuda_ipc). With
+the sender's handoff it is then listed by `landed()`, which the owner (the
+decode worker's engine thread) drains between steps; `on_landed` wakes it.
 """
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from pdd.transfer.base import Handoff, Landed
 
 # How long after its lease's deadline a silent one-sided writer is assumed to
 # have stopped: covers copies it launched just before the deadline that still
@@ -43,9 +51,13 @@ class Lease:
 class LeaseTable:
     """Thread-safe table of live leases, guarded by one lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_landed: Callable[[], None] | None = None) -> None:
+        """on_landed: called (from a receiver's thread) when landed() has something new."""
         self._lock = threading.Lock()
+        self._on_landed = on_landed
         self._leases: dict[str, Lease] = {}
+        self._pages: dict[str, int] = {}       # pages messages written under each lease
+        self._landed: list[Landed] = []
         # One-sided writers: lease id -> the time after which it surely stopped.
         self._writers: dict[str, float] = {}
         self._held: dict[str, float] = {}     # closed leases whose writer has not ended
@@ -66,6 +78,7 @@ class LeaseTable:
         with self._lock:
             if self._leases.pop(lease_id, None) is None:
                 return "none"
+            self._pages.pop(lease_id, None)
             until = self._writers.pop(lease_id, None)
             if until is None:
                 return "free"
@@ -82,10 +95,11 @@ class LeaseTable:
             self._writers[lease_id] = lease.deadline + WRITER_GRACE_S
             return None, lease.deadline - time.monotonic()
 
-    def end_writer(self, lease_id: str, request_id: str) -> str | None:
+    def end_writer(self, lease_id: str, request_id: str, handoff: Handoff | None = None) -> str | None:
         """The writer's last store has completed. None if its lease is still
-        live (the KV it wrote may be used), else why not (the writer is ended
-        either way: held blocks are released)."""
+        live (the KV it wrote may be used; with `handoff` it is listed as
+        landed), else why not (the writer is ended either way: held blocks
+        are released)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.request_id != request_id:
@@ -93,7 +107,40 @@ class LeaseTable:
             self._writers.pop(lease_id, None)
             if self._held.pop(lease_id, None) is not None:
                 self._released.append(lease_id)
-            return self._check(lease_id, request_id, ())
+            err = self._check(lease_id, request_id, ())
+            landed = err is None and self._land(lease_id, request_id, handoff)
+        if landed:
+            self._on_landed()
+        return err
+
+    def complete(self, lease_id: str, request_id: str, num_pages: int, handoff: Handoff | None) -> str | None:
+        """A sender's last message: it sent `num_pages` pages messages under this
+        lease. None if each was written and the lease is still live (with
+        `handoff` it is listed as landed), else why not."""
+        with self._lock:
+            err = self._check(lease_id, request_id, ())
+            written = self._pages.get(lease_id, 0)
+            if err is None and written != num_pages:
+                err = f"{written} of the request's {num_pages} pages messages were written"
+            landed = err is None and self._land(lease_id, request_id, handoff)
+        if landed:
+            self._on_landed()
+        return err
+
+    def _land(self, lease_id: str, request_id: str, handoff: Handoff | None) -> bool:
+        """(Under the lock.) List a completed request; True if its owner must be woken."""
+        self._pages.pop(lease_id, None)
+        if handoff is None:
+            return False
+        self._landed.append(Landed(request_id, lease_id, handoff))
+        return self._on_landed is not None
+
+    def landed(self) -> list[Landed]:
+        """Requests whose KV landed since the last call. The owner checks that
+        each lease is still its live lease for that request before it starts it."""
+        with self._lock:
+            out, self._landed = self._landed, []
+        return out
 
     def released(self, now: float | None = None) -> list[str]:
         """Held leases whose blocks may now be reused (each listed once)."""
@@ -118,6 +165,11 @@ class LeaseTable:
         with self._lock:
             return [(lid, lease.request_id) for lid, lease in self._leases.items() if now >= lease.deadline]
 
+    def why_not_live(self, lease_id: str, request_id: str) -> str | None:
+        """None if `lease_id` is a live lease of `request_id`, else why not."""
+        with self._lock:
+            return self._check(lease_id, request_id, ())
+
     def get(self, lease_id: str) -> Lease | None:
         with self._lock:
             return self._leases.get(lease_id)
@@ -134,7 +186,10 @@ class LeaseTable:
         write itself (no I/O that can wait on a peer).
         """
         with self._lock:
-            yield self._check(lease_id, request_id, dst_block_ids)
+            err = self._check(lease_id, request_id, dst_block_ids)
+            yield err
+            if err is None:   # the body returned: its write is done (complete() counts them)
+                self._pages[lease_id] = self._pages.get(lease_id, 0) + 1
 
     def _check(self, lease_id: str, request_id: str, dst_block_ids: Iterable[int]) -> str | None:
         lease = self._leases.get(lease_id)

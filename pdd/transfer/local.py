@@ -1,8 +1,10 @@
-"""The `local` backend: prefill and decode engines in one process (tests).
+"""The `local` backend: prefill and decode engines in one process (tests only:
+worker processes never offer it, see pdd.transfer.offered_backends).
 
-Same checks and the same lease-guarded write as tcp (pdd.transfer.accept),
-without the network: the sender copies synchronously inside send_layer and
-the result is there on the next poll().
+Same checks and the same lease-guarded write as tcp
+(pdd.transfer.receiver.PageWriter), without the network: the sender copies
+synchronously inside send_layer, finish() hands the receiver the done
+message at once, and the result is there on the next poll().
 """
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ import uuid
 import torch
 
 from pdd.kv.layout import KVLayout
-from pdd.transfer.accept import PageWriter
-from pdd.transfer.base import KVReceiver, TransferResult, TransferTarget
-from pdd.transfer.common import Progress, SenderBase, Tombstones, dst_blocks_for, stage_pages
+from pdd.transfer.base import Handoff, KVReceiver, TransferTarget
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.wire import encode_pages_header
+from pdd.transfer.receiver import PageWriter
+from pdd.transfer.sender import Progress, SenderBase, Tombstones, dst_blocks_for, stage_pages
+from pdd.transfer.wire import encode_done, encode_pages_header
 
 _PREFIX = "local://"
 _registry: dict[str, "LocalReceiver"] = {}
@@ -51,10 +53,11 @@ class LocalReceiver(KVReceiver):
             if _registry.get(self.address) is self:
                 del _registry[self.address]
 
-    def deliver(self, header: bytes, pages: torch.Tensor) -> str | None:
-        """Check and write one pages message; None if written, else the refusal."""
+    def deliver(self, header: bytes, pages: torch.Tensor | None) -> str | None:
+        """Check and write one pages message (`pages` None: the done message);
+        None if accepted, else the refusal."""
         try:
-            return self._writer.accept(header, pages)[1]
+            return (self._writer.complete(header) if pages is None else self._writer.accept(header, pages))[1]
         except Exception as e:  # a bug here must fail the transfer, not the sender's caller
             return f"receiver error: {type(e).__name__}: {e}"
 
@@ -67,9 +70,14 @@ class LocalSender(SenderBase):
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # finish/abort may come from another thread than send_layer
         self._progress: dict[str, Progress] = {}
+        self._targets: dict[str, TransferTarget] = {}
         self._seq: dict[str, int] = {}
         self._failed = Tombstones()
         self._closed = False
+
+    def prepare(self, target: TransferTarget) -> None:
+        with self._lock:
+            self._targets.setdefault(target.request_id, target)
 
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> None:
@@ -80,6 +88,7 @@ class LocalSender(SenderBase):
         with self._lock:
             if rid in self._failed or not dst:
                 return
+            self._targets.setdefault(rid, target)
             prog = self._progress.setdefault(rid, Progress(rid))
             seq = self._seq.get(rid, 0)
             self._seq[rid] = seq + 1
@@ -87,32 +96,40 @@ class LocalSender(SenderBase):
             header = encode_pages_header(request_id=rid, lease_id=target.lease_id, layer=layer,
                                          dst_block_ids=dst, dtype=pages.dtype, shape=list(pages.shape),
                                          layout=self.layout_dict, seq=seq)
-            receiver = _lookup(target.dst_addr)
-            err = f"no local receiver at {target.dst_addr}" if receiver is None else receiver.deliver(header, pages)
+            err = self._deliver(target, header, pages)
             if err is None:
                 prog.delivered(pages.numel() * pages.element_size(), dst)
                 return
-            result = self._fail(rid, err)
+            result = self._end(rid).result(False, err)
+            self._failed.add(rid)
         self._emit(result)  # outside the lock: the wake-up callback may call back in
 
-    def _fail(self, rid: str, err: str) -> TransferResult:
-        prog = self._progress.pop(rid)
-        self._seq.pop(rid, None)
-        self._failed.add(rid)
-        return prog.result(False, err)
+    @staticmethod
+    def _deliver(target: TransferTarget, header: bytes, pages: torch.Tensor | None) -> str | None:
+        receiver = _lookup(target.dst_addr)
+        return f"no local receiver at {target.dst_addr}" if receiver is None else receiver.deliver(header, pages)
 
-    def finish(self, request_id: str, blocks_skipped: int = 0) -> None:
+    def _end(self, rid: str) -> Progress:
+        self._targets.pop(rid, None)
+        self._seq.pop(rid, None)
+        return self._progress.pop(rid, None) or Progress(rid)
+
+    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
         with self._lock:
             if self._failed.discard(request_id):
                 return
-            prog = self._progress.pop(request_id, None) or Progress(request_id)
-            self._seq.pop(request_id, None)
-        self._emit(prog.result(True, blocks_skipped=blocks_skipped))
+            target, seq = self._targets.get(request_id), self._seq.get(request_id, 0)
+            err = None
+            if target is not None:   # (never prepared, no page: no receiver to tell)
+                done = encode_done(request_id=request_id, lease_id=target.lease_id, seq=seq,
+                                   handoff=handoff.to_dict() if handoff is not None else None)
+                err = self._deliver(target, done, None)
+            result = self._end(request_id).result(err is None, err or "", blocks_skipped)
+        self._emit(result)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._progress.pop(request_id, None)
-            self._seq.pop(request_id, None)
+            self._end(request_id)
             self._failed.discard(request_id)
 
     def close(self) -> None:

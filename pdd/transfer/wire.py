@@ -5,8 +5,14 @@ bytes of a contiguous CPU tensor [2, n, block_size, kv_heads, head_dim] in the
 dtype the header names; it is sent as its own frame so it is never copied into
 msgpack. bf16 has no numpy dtype, so tensors travel as uint8 views.
 
+A done message is one frame, the last of a request's stream (tcp, local): it
+names how many pages messages came before it (its `seq`) and carries the
+prefill side's handoff (the first token); it is answered by an ack like a
+pages message.
+
 A control message (cuda_ipc: open the pool, begin / commit / end a one-sided
 write) is one frame, answered by one "reply" frame carrying the same token.
+A commit carries the handoff as the done message does.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 1
+VERSION = 2   # 2: a request's last message carries the handoff (the decode side starts on it)
 _MAX_HEADER_BYTES = 1 << 20  # a header lists block ids: generous, but bounded
 
 
@@ -57,11 +63,29 @@ _ACK_FIELDS = {
 
 _IS_STR = (lambda v: isinstance(v, str), "str")
 
+
+def _is_handoff(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and _is_int(v.get("first_token"))
+                         and (v.get("logprobs") is None or isinstance(v.get("logprobs"), list))
+                         and _is_int(v.get("num_cached_tokens")) and v["num_cached_tokens"] >= 0)
+
+
+_HANDOFF = (_is_handoff, "nil or a map {first_token: int, logprobs: list | nil, num_cached_tokens: int >= 0}")
+
+_DONE_FIELDS = {
+    "v": (_is_int, "int"),
+    "kind": (lambda v: v == "done", "'done'"),
+    "request_id": _IS_STR,
+    "lease_id": _IS_STR,
+    "seq": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
+    "handoff": _HANDOFF,
+}
+
 # Control messages: kind -> fields beyond v, kind, token.
 _CONTROL_FIELDS = {
     "ipc_open": {"layout": (lambda v: isinstance(v, dict), "map")},
     "ipc_begin": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
-    "ipc_commit": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+    "ipc_commit": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR, "handoff": _HANDOFF},
     "ipc_end": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
 }
 
@@ -94,6 +118,11 @@ def encode_pages_header(*, request_id: str, lease_id: str, layer: int, dst_block
         "dtype": dtype if isinstance(dtype, str) else dtype_name(dtype),
         "shape": [int(s) for s in shape], "layout": layout, "seq": int(seq),
     })
+
+
+def encode_done(*, request_id: str, lease_id: str, seq: int, handoff: dict | None) -> bytes:
+    return msgpack.packb({"v": VERSION, "kind": "done", "request_id": request_id, "lease_id": lease_id,
+                          "seq": int(seq), "handoff": handoff})
 
 
 def encode_ack(request_id: str, seq: int, ok: bool, error: str = "") -> bytes:
@@ -136,6 +165,20 @@ def _validate(obj: Any, fields: dict) -> dict:
 def decode_header(raw: bytes | memoryview) -> dict:
     """A validated pages header; WireError says what is wrong."""
     return _validate(_unpack(raw), _PAGES_FIELDS)
+
+
+def decode_done(raw: bytes | memoryview) -> dict:
+    """A validated done message; WireError says what is wrong."""
+    return _validate(_unpack(raw), _DONE_FIELDS)
+
+
+def is_done(raw: bytes | memoryview) -> bool:
+    """Whether a one-frame message says it is a done message (else: control)."""
+    try:
+        obj = _unpack(raw)
+    except WireError:
+        return False
+    return isinstance(obj, dict) and obj.get("kind") == "done"
 
 
 def decode_ack(raw: bytes | memoryview) -> dict:

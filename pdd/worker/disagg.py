@@ -4,16 +4,19 @@ Every role can run a request whole (Admit: prefill and decode here): the
 router sends one to a prefill worker only when no decode-capable worker is
 left, so that no request is lost.
 
-DecodeSide (decode and colocated workers): reserve blocks under a lease, run the KV receiver, start decoding on
-KVReady, fall back to a local prefill on PrefillLocally, and expire leases
-whose KV never came. A lease closed while a one-sided (cuda_ipc) writer may
-still store into its blocks keeps them held until the writer ends
-(pdd.transfer.leases).
+DecodeSide (decode and colocated workers): reserve blocks under a lease, run
+the KV receiver, start decoding when the data plane reports the last page
+landed (with the first token: no relay through the router), fall back to a
+local prefill on PrefillLocally, and expire leases whose KV never came. A
+lease closed while a one-sided (cuda_ipc) writer may still store into its
+blocks keeps them held until the writer ends (pdd.transfer.leases).
 
 PrefillSide (prefill workers, and colocated workers with
 worker.prefill_for_others beside their DecodeSide): run prompts as
 prefill-only requests, ship their KV layer by layer through the connector,
-and report PrefillDone with the first token once every page is acknowledged.
+send the first token to the router as soon as it is sampled (FirstToken) and
+in the transfer's last message to the decode worker, and report PrefillDone
+once the decode worker accepted that message.
 
 Both live on the worker's engine thread and are driven between steps, so
 they touch the engine only while no step runs. The engine knows each request
@@ -34,11 +37,10 @@ from pdd.engine.sampling_params import InvalidRequest
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve
-from pdd.transfer import make_receiver, make_sender, offered_backends
-from pdd.transfer.base import TransferTarget
+from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
+from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.multi import MultiSender
 from pdd.worker.placements import PlacementTable
 
 log = logging.getLogger(__name__)
@@ -68,19 +70,21 @@ def token_batch(worker_id: str, placements: PlacementTable, outputs: list[Engine
 
 class DecodeSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
-                 placements: PlacementTable, security: Curve | None = None):
-        """security: the data socket's (pdd.security.data_security; None: plaintext)."""
+                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None):
+        """wakeup: called from the receiver's thread when a request's KV landed.
+        security: the data socket's (pdd.security.data_security; None: plaintext)."""
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
-        self.leases = LeaseTable()
-        # One socket at data_addr takes tcp pages and cuda_ipc control messages;
-        # the local backend (tests) has its own addresses.
-        local = wc.transfer_backend == "local"
-        self.receiver = make_receiver("local" if local else "tcp", engine.runner.kv_cache, layout,
-                                      self.leases, None if local else wc.data_addr, security=security)
+        self.leases = LeaseTable(on_landed=wakeup)
+        # One socket at data_addr takes tcp pages and cuda_ipc control messages.
+        self.receiver = make_receiver(wc.transfer_backend, engine.runner.kv_cache, layout, self.leases,
+                                      wc.data_addr, security=security)
         self.receiver.start()
         self.lease_of: dict[str, str] = {}     # engine id -> its live lease
+        # Engine id -> the lease it ran under, for requests started by the data
+        # plane: a PrefillLocally that crossed the start names that lease.
+        self.started: dict[str, str] = {}
         self.held: dict[str, list[int]] = {}   # closed leases whose writer may still store
 
     @property
@@ -90,13 +94,14 @@ class DecodeSide:
     def handle(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.Reserve):
             return [self._reserve(msg)]
-        if isinstance(msg, m.KVReady):
-            return self._resume(msg, lambda eid: self.engine.kv_ready(eid, msg.first_token))
         if isinstance(msg, m.PrefillLocally):
-            return self._resume(msg, lambda eid: self.engine.prefill_locally(eid, msg.first_token))
+            return self._prefill_locally(msg)
         raise TypeError(f"DecodeSide does not take {msg.TYPE} messages")
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
+        for o in outputs:
+            if o.finished:
+                self.started.pop(o.request_id, None)
         return token_batch(self.worker_id, self.placements, outputs)
 
     def _reserve(self, msg: m.Reserve) -> m.Reserved:
@@ -117,25 +122,61 @@ class DecodeSide:
         return m.Reserved(wid, msg.request_id, msg.epoch, ok=True, lease_id=self.lease_of[eid], block_ids=blocks,
                           num_cached_tokens=num_cached)
 
-    def _resume(self, msg: m.KVReady | m.PrefillLocally,
-                resume: Callable[[str], EngineOutput | None]) -> list[m.Message]:
-        """KVReady / PrefillLocally: the reservation under msg.lease_id starts
-        running. The router may have re-placed it under a new epoch (a
-        fallback): replies carry the message's epoch from now on."""
+    def _prefill_locally(self, msg: m.PrefillLocally) -> list[m.Message]:
+        """The KV will not come (as the router sees it): the reservation under
+        msg.lease_id computes its prompt here. The router may have re-placed it
+        under a new epoch: replies carry the message's epoch from now on."""
         eid = self._reservation(msg.request_id, msg.lease_id)
         if eid is None:
-            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
-                                    "no reservation for this request (lease expired?)", retriable=True)]
+            eid = next((e for e in self.placements.of_request(msg.request_id)
+                        if self.started.get(e) == msg.lease_id), None)
+            if eid is None:
+                return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
+                                        "no reservation for this request (lease expired?)", retriable=True)]
+            # It started on its KV meanwhile (the data plane was faster than the
+            # router heard): it runs, nothing to redo.
+            return self._run_as(eid, msg.epoch, lambda: None)
         # Revoked before the blocks are used (or freed): no page may land after this.
         self._close(self.lease_of.pop(eid))
+        return self._run_as(eid, msg.epoch, lambda: self.engine.prefill_locally(eid, msg.first_token))
+
+    def _run_as(self, eid: str, epoch: int, start: Callable[[], EngineOutput | None]) -> list[m.Message]:
+        """Hold the placement under `epoch` from now on and `start` it; its
+        output if the first token ends it."""
         try:
-            self.placements.renew(eid, msg.epoch)
-            out = resume(eid)
+            self.placements.renew(eid, epoch)
+            out = start()
         except InvalidRequest as e:
-            self.engine.abort_request(eid)
-            self.placements.remove(eid)
-            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
+            return self._failed(eid, epoch, str(e))
         return self.on_outputs([out]) if out is not None else []
+
+    def _failed(self, eid: str, epoch: int, error: str) -> list[m.Message]:
+        self.engine.abort_request(eid)
+        self.started.pop(eid, None)
+        p = self.placements.remove(eid)
+        return [m.RequestFailed(self.worker_id, p.request_id, epoch, error, retriable=False)]
+
+    def _landed(self, landed: Landed) -> list[m.Message]:
+        """The data plane says every page of a reservation landed: it starts now,
+        and the first token goes to the router from here too (position 0; the
+        router keeps one copy). A lease no longer live here is dropped: the
+        request was aborted, or its lease expired (the router hears of that)."""
+        eid = landed.request_id
+        if self.lease_of.get(eid) != landed.lease_id or eid not in self.engine.scheduler.waiting_for_kv:
+            log.debug("KV landed for %s under lease %s, which is not live here: dropped", eid, landed.lease_id)
+            return []
+        self._close(self.lease_of.pop(eid))
+        h = landed.handoff
+        try:
+            out = self.engine.kv_ready(eid, h.first_token)
+        except InvalidRequest as e:   # e.g. a first token outside the vocabulary
+            return self._failed(eid, self.placements.get(eid).epoch, str(e))
+        if out is None:
+            self.started[eid] = landed.lease_id
+        p = self.placements.remove(eid) if out is not None else self.placements.get(eid)
+        item = m.TokenItem(p.request_id, p.epoch, 0, [h.first_token], out is not None,
+                           out.finish_reason if out is not None else None, h.logprobs, h.num_cached_tokens)
+        return [m.TokenBatch(self.worker_id, [item])]
 
     def _reservation(self, request_id: str, lease_id: str) -> str | None:
         """The engine id of the request's live reservation under `lease_id`."""
@@ -152,9 +193,19 @@ class DecodeSide:
             self.held[lease_id] = blocks
 
     def abort(self, eid: str) -> None:
+        self.started.pop(eid, None)
         lease = self.lease_of.pop(eid, None)
         if lease is not None:
             self._close(lease)
+
+    def poll(self) -> list[m.Message]:
+        """Between steps: start the reservations whose KV landed, then expire
+        those whose KV did not come in time (in that order: a request that
+        landed in time is not expired for having waited for this pass)."""
+        replies = []
+        for landed in self.leases.landed():
+            replies += self._landed(landed)
+        return replies + self.expire()
 
     def expire(self) -> list[m.Message]:
         """Reservations whose KV did not come in time: free them, tell the router.
@@ -181,10 +232,9 @@ class DecodeSide:
 
     def stats(self) -> dict:
         st = self.receiver.stats
-        ipc = getattr(self.receiver, "ipc", None)  # the local (test) receiver takes no cuda_ipc writers
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
                 "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held),
-                "ipc_writers": ipc.num_writers if ipc else 0}
+                "ipc_writers": self.receiver.ipc.num_writers}
 
     def close(self) -> None:
         self.receiver.close()
@@ -269,23 +319,22 @@ class PrefillSide:
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
         """The step sampled first tokens: those prompts are done, their pages all
-        handed over. The tokens go to the router now, ahead of the pages.
-        Requests running whole here stream their tokens."""
-        replies = token_batch(self.worker_id, self.placements,
-                              [o for o in outputs if o.request_id not in self.computing])
+        handed over. The tokens go to the router now, ahead of the pages, and
+        to the decode worker with the transfer's last message."""
+        replies = []
         for o in outputs:
-            if o.request_id not in self.computing:
-                continue
             self.computing.discard(o.request_id)
             first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
-            self.connector.finish(o.request_id)
+            # An injected failure (pdd.faults) withholds the start, as a lost last message would.
+            self.connector.finish(o.request_id, None if faults.fail_transfer(o.request_id) else Handoff(*first))
             p = self.placements.get(o.request_id)
             replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, *first))
         return replies
 
     def poll(self) -> list[m.Message]:
-        """Transfers that ended: PrefillDone, or PrefillFailed (the decode worker
-        then prefills the request itself)."""
+        """Transfers that ended: PrefillDone (the decode worker accepted the last
+        message: it started the request), or PrefillFailed (the router then has
+        the decode worker prefill the request itself)."""
         replies = []
         wid = self.worker_id
         for r in faults.transfer_results(self.sender.poll()):   # injected failures/delays, if set

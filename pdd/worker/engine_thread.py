@@ -1,13 +1,15 @@
 """The worker's engine thread: the one thread that touches the engine.
 
     event loop ── commands ──▶ queue ──▶ engine thread: apply commands between
-                                         steps, expire leases, poll transfers,
+                                         steps, start requests whose KV landed,
+                                         expire leases, poll transfers,
     event loop ◀── messages ── call_soon_threadsafe ◀──┘  step, publish a snapshot
 
 The thread builds the engine and its role's side (so every device object is
 made where it is used), then loops. Each pass takes the commands queued since
 the last one — blocking while the engine has nothing to do, but never longer
-than `idle_wakeup_s`, because leases expire — applies them, runs one step if
+than `idle_wakeup_s`, because leases expire; the data plane wakes it when a
+transfer ends or a request's KV lands — applies them, runs one step if
 there is work, and hands the replies to the event loop in one call. For the
 heartbeats it publishes an immutable EngineSnapshot (after each pass that
 leaves it idle, every SNAPSHOT_PERIOD_S while busy), and it sets
@@ -41,7 +43,7 @@ from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer import offered_backends
-from pdd.worker.disagg import DecodeSide, PrefillSide, admit
+from pdd.worker.disagg import DecodeSide, PrefillSide, admit, token_batch
 from pdd.worker.placements import Placement, PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
 
@@ -64,7 +66,7 @@ class _DataPlaneUnavailable(Exception):
 
 
 class _Control(enum.Enum):
-    WAKE = "wake"      # something to look at (a transfer ended)
+    WAKE = "wake"      # something to look at (a transfer ended, a request's KV landed)
     FORGET_ALL = "forget_all"   # the router holds none of our requests (it restarted, or lost us)
     DRAIN = "drain"    # take nothing new; end once the work in hand is done
     STOP = "stop"      # end now
@@ -187,7 +189,8 @@ class EngineThread(threading.Thread):
         try:
             security = data_security(self.cfg)
             if self.role != "prefill":
-                self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, security)
+                self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, self.wake,
+                                              security)
             if self.role == "prefill" or wc.prefill_for_others:
                 self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
             backends = offered_backends(wc.transfer_backend, e.device)
@@ -212,7 +215,7 @@ class EngineThread(threading.Thread):
             if self._stopping:
                 return
             if self.decode_side is not None:
-                self._replies += self.decode_side.expire()
+                self._replies += self.decode_side.poll()
             if self.prefill_side is not None:
                 self._replies += self.prefill_side.poll()
             if self.engine.has_unfinished():
@@ -308,10 +311,14 @@ class EngineThread(threading.Thread):
         # Nothing scheduled and nothing came back (e.g. waiting requests, no
         # free block): wait for a command or a wakeup instead of spinning.
         self._stalled = step.num_tokens == 0 and not outputs and self.engine.in_flight is None
-        # With a prefill side (a prefill worker, or a colocated one that prefills
-        # for others), the first tokens of prompts computed for others go out as
-        # FirstToken; every other request here streams its tokens.
-        self._replies += (self.prefill_side or self.decode_side).on_outputs(outputs)
+        own = outputs
+        if self.prefill_side is not None:   # prompts computed for others: their first tokens
+            computing = self.prefill_side.computing
+            self._replies += self.prefill_side.on_outputs([o for o in outputs if o.request_id in computing])
+            own = [o for o in outputs if o.request_id not in computing]
+        # Requests running here (on a prefill worker: whole, the last resort) stream.
+        self._replies += (self.decode_side.on_outputs(own) if self.decode_side is not None
+                          else token_batch(self.worker_id, self.placements, own))
 
     def _step_failed(self, e: Exception) -> list[m.Message]:
         self._consecutive_failures += 1

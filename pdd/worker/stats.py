@@ -102,7 +102,7 @@ class EngineStats:
 
     def snapshot(self, engine, transfer: dict) -> EngineSnapshot:
         """Called on the engine's thread, which is also the one to take the
-        hashes the prefix cache published (by steps, or by a KVReady)."""
+        hashes the prefix cache published (by steps, or by a request whose KV landed)."""
         sched, kv = engine.scheduler, engine.kv
         self.recent_hashes.extend(kv.take_recent_hashes())
         return EngineSnapshot(

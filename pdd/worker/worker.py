@@ -9,8 +9,9 @@ Two threads, and only one of them touches the engine:
   the queued commands between steps, runs the steps, and publishes snapshots.
 
 (The KV data plane has threads of its own: a receiver writes arriving pages
-into leased blocks, which no step uses before the lease is closed, and a
-sender wakes the engine thread when a transfer ends.)
+into leased blocks, which no step uses before the lease is closed, and wakes
+the engine thread when a request's KV has all landed; a sender wakes it when
+a transfer ends.)
 
 SIGTERM/SIGINT drain (take nothing new, finish what runs, say goodbye, exit);
 a second signal stops at once. If the engine or a control task cannot go on,
@@ -33,14 +34,14 @@ from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
 from pdd.security import control_security, worker_public_key
-from pdd.transfer.ipc_pool import host_id
+from pdd.transfer.ipc import host_id
 from pdd.worker.engine_thread import EngineInfo, EngineThread
 from pdd.worker.stats import HeartbeatReader
 
 log = logging.getLogger(__name__)
 
 # Router commands the engine thread applies.
-ENGINE_COMMANDS = (m.Admit, m.Abort, m.Reserve, m.KVReady, m.PrefillLocally, m.Prefill, m.KVTarget)
+ENGINE_COMMANDS = (m.Admit, m.Abort, m.Reserve, m.PrefillLocally, m.Prefill, m.KVTarget)
 # How long a stop waits for the engine thread to finish its step; past that
 # the step is taken to hang and the process exits without it.
 ENGINE_STOP_TIMEOUT_S = 10.0

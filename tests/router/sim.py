@@ -159,10 +159,10 @@ class SimCluster:
             hold = w.holds.get((msg.request_id, msg.epoch))
             if hold is not None:       # else: aborted or failed meanwhile, nothing to send
                 hold.target = msg.dst_worker
-        elif isinstance(msg, (m.KVReady, m.PrefillLocally)):
+        elif isinstance(msg, m.PrefillLocally):
             hold = w.holds.get((msg.request_id, msg.epoch))
-            if hold is not None and hold.kind == "running" and isinstance(msg, m.KVReady):
-                return True            # it started when its KV landed (below, in act)
+            if hold is not None and hold.kind == "running":
+                return True            # it started when its KV landed (below, in act): it runs on
             if hold is None or hold.kind != "reserved":
                 send(m.RequestFailed(w.worker_id, msg.request_id, msg.epoch, "no reservation", retriable=True))
                 return True

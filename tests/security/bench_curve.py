@@ -127,13 +127,14 @@ def _transfer(cfg, sizes: str, repeats: int) -> dict:
     """`pdd bench transfer`, its sockets given `cfg`'s data-plane keys."""
     from pdd.bench import transfer
     from pdd.transfer.base import TransferTarget
-    from pdd.transfer.tcp import TcpReceiver, TcpSender
+    from pdd.transfer.receiver import DataSocket
+    from pdd.transfer.tcp import TcpSender
 
     sec = data_security(cfg)
-    saved = transfer.TcpSender, transfer.TcpReceiver, transfer.TransferTarget
+    saved = transfer.TcpSender, transfer.DataSocket, transfer.TransferTarget
     if sec is not None:
         transfer.TcpSender = functools.partial(TcpSender, security=sec)
-        transfer.TcpReceiver = functools.partial(TcpReceiver, security=sec)
+        transfer.DataSocket = functools.partial(DataSocket, security=sec)
         transfer.TransferTarget = functools.partial(TransferTarget, dst_public_key=sec.public_key)
     out = Path(tempfile.mkdtemp()) / "transfer.json"
     args = argparse.Namespace(sizes=sizes, layers=32, block_size=16, kv_heads=4, head_dim=128, dtype="bfloat16",
@@ -141,7 +142,7 @@ def _transfer(cfg, sizes: str, repeats: int) -> dict:
     try:
         transfer.main(args)
     finally:
-        transfer.TcpSender, transfer.TcpReceiver, transfer.TransferTarget = saved
+        transfer.TcpSender, transfer.DataSocket, transfer.TransferTarget = saved
     out = {size: {k: r[k] for k in ("bytes", "seconds", "gb_s")}
            for size, r in json.loads(out.read_text())["sizes"].items()}
     for r in out.values():

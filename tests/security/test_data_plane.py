@@ -12,7 +12,8 @@ import zmq
 
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.tcp import TcpReceiver, TcpSender
+from pdd.transfer.receiver import DataSocket
+from pdd.transfer.tcp import TcpSender
 from pdd.transfer.wire import encode_control, encode_pages_header, tensor_bytes
 from pdd.security import data_security
 from tests.security.conftest import secure_config, wait_handshake_failure
@@ -25,7 +26,7 @@ def decode(secure_cfg):
     layout = make_layout()
     leases = LeaseTable()
     pool = make_pool(layout, seed=2)
-    receiver = TcpReceiver(pool, layout, leases, security=data_security(secure_cfg))
+    receiver = DataSocket(pool, layout, leases, security=data_security(secure_cfg))
     receiver.start()
     yield receiver, pool, leases
     receiver.close()

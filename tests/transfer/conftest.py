@@ -116,5 +116,5 @@ def free_tcp_addr() -> str:
 def no_leftover_threads():
     """Every test stops the sender and receiver threads it started."""
     yield
-    left = [t.name for t in threading.enumerate() if t.name.startswith("kv-tcp")]
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
     assert not left, f"threads still running: {left}"

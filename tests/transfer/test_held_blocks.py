@@ -25,7 +25,7 @@ def decode(tiny_model):
     mc = engine.model_config
     layout = KVLayout("tiny", "w", str(engine.dtype).removeprefix("torch."), engine.cfg.block_size,
                       mc.num_layers, mc.num_kv_heads, mc.head_dim)
-    side = DecodeSide(engine, "decode-0", WorkerConfig(role="decode"), layout, PlacementTable())
+    side = DecodeSide(engine, "decode-0", WorkerConfig(role="decode"), layout, PlacementTable(), lambda: None)
     yield side
     side.close()
 
@@ -71,7 +71,7 @@ def test_committed_transfer_frees_normally(decode, writer):
     reply = decode.handle(m.Reserve("q", 1, random_prompts([40], seed=2)[0], SamplingParams(), 30.0))[0]
     eid = engine_id("q", 1)
     assert writer("ipc_begin", request_id=eid, lease_id=reply.lease_id)["ok"]
-    assert writer("ipc_commit", request_id=eid, lease_id=reply.lease_id)["ok"]
+    assert writer("ipc_commit", request_id=eid, lease_id=reply.lease_id, handoff=None)["ok"]
     decode.abort(eid)
     decode.engine.abort_request(eid)
     assert kv.num_free_blocks == total and decode.stats()["held_leases"] == 0

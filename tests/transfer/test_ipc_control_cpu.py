@@ -65,7 +65,7 @@ def test_unopenable_pool_fails_the_request_once(cpu_ipc_sender):
 
 def test_a_dropped_connection_fails_the_write_and_unmaps_the_pool(cpu_ipc_sender, monkeypatch):
     import pdd.transfer.cuda_ipc as cuda_ipc
-    import pdd.transfer.ipc_receiver as ipc_receiver
+    import pdd.transfer.ipc as ipc_receiver
 
     layout = make_layout()
     leases = LeaseTable()
@@ -79,7 +79,7 @@ def test_a_dropped_connection_fails_the_write_and_unmaps_the_pool(cpu_ipc_sender
     cpu_ipc_sender.prepare(target)
     write = cpu_ipc_sender._writes["r"]
     assert write.granted.wait(5) and not write.error          # opened, registered as a writer
-    dest = cpu_ipc_sender._dests[receiver.address]
+    dest = cpu_ipc_sender._dests[(receiver.address, "")]   # (address, server key: none without keys)
     assert dest.pool is pool
     t0 = time.monotonic()
     receiver.close()                                          # the decode worker goes away
@@ -96,7 +96,7 @@ def test_the_pool_is_opened_only_under_a_live_lease(cpu_ipc_sender, monkeypatch)
     """ipc_open names the request's lease: a sender without a live one gets no
     export (the pool would map the decode worker's whole KV cache)."""
     import pdd.transfer.cuda_ipc as cuda_ipc
-    import pdd.transfer.ipc_receiver as ipc_receiver
+    import pdd.transfer.ipc as ipc_receiver
 
     layout = make_layout()
     leases = LeaseTable()

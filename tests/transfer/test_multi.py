@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdd.router.placement import transfer_backend
-from pdd.transfer.multi import MultiSender
+from pdd.transfer import MultiSender
 
 
 def worker(backends, host_id="boot-a"):

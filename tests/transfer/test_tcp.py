@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
-from pdd.transfer.tcp import TcpReceiver, TcpSender
-from pdd.transfer.tcp_receiver import _public_endpoint
+from pdd.transfer.receiver import DataSocket, _public_endpoint
+from pdd.transfer.tcp import TcpSender
 from pdd.transfer.wire import decode_ack, decode_reply, encode_control, encode_pages_header, tensor_bytes
 from tests.transfer.conftest import Pair, make_layout
 
@@ -47,7 +47,7 @@ def _tamper(header: bytes, **over) -> bytes:
 def _garbage(pair: Pair, lease: str) -> list[tuple[list[bytes], str]]:
     page = tensor_bytes(pair.src[0, :, :1].contiguous()).tobytes()
     return [
-        ([b"a", b"b", b"c"], "malformed message: 3 frames, expected 2 (pages) or 1 (control)"),
+        ([b"a", b"b", b"c"], "malformed message: 3 frames, expected 2 (pages) or 1 (done, control)"),
         ([b"\xc1\xc1\xc1", page], "malformed header: not msgpack"),
         ([msgpack.packb([1, 2]), page], "malformed header: expected a map, got list"),
         ([msgpack.packb({"v": 99, "request_id": "r", "seq": 4}), page], "unsupported wire version 99"),
@@ -84,7 +84,7 @@ def test_garbage_frames_are_refused_and_the_receiver_keeps_serving(pair, dealer)
 
 
 def test_control_messages_on_the_data_socket(pair, dealer):
-    """cuda_ipc bookkeeping over the tcp receiver's socket, checked on CPU: bad
+    """cuda_ipc bookkeeping over the data socket, checked on CPU: bad
     frames are answered with the reason, a CPU pool is not exported, and
     begin/commit follow the lease table."""
     ipc = pair.receiver.ipc
@@ -113,20 +113,21 @@ def test_control_messages_on_the_data_socket(pair, dealer):
     assert not r["ok"] and "not a GPU" in r["error"]
     r = ask(encode_control("ipc_begin", 7, request_id="r", lease_id=lease, pool_id="old"))
     assert not r["ok"] and "stale pool" in r["error"]
-    r = ask(encode_control("ipc_begin", 8, request_id="r", lease_id=lease, pool_id=ipc.pool_id))
+    r = ask(encode_control("ipc_begin", 8, request_id="r", lease_id=lease, pool_id=ipc.pool_id, handoff=None))
     assert r["ok"] and 29 < r["data"]["seconds"] <= 30
     assert pair.leases.close(lease) == "held"           # aborted while the writer may still store
-    r = ask(encode_control("ipc_commit", 9, request_id="r", lease_id=lease, pool_id=ipc.pool_id))
+    r = ask(encode_control("ipc_commit", 9, request_id="r", lease_id=lease, pool_id=ipc.pool_id, handoff=None))
     assert not r["ok"] and r["error"] == "unknown or revoked lease"
     assert pair.leases.released() == [lease]
     lease2 = pair.leases.grant("r2", [2], ttl_s=30)
-    assert ask(encode_control("ipc_begin", 10, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id))["ok"]
-    assert ask(encode_control("ipc_commit", 11, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id))["ok"]
+    assert ask(encode_control("ipc_begin", 10, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id, handoff=None))["ok"]
+    assert ask(encode_control("ipc_commit", 11, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id,
+                              handoff=None))["ok"]
     assert pair.leases.close(lease2) == "free"
 
 
 def test_versioned_nack_reaches_the_right_request(pair, dealer):
-    dealer.send_multipart([msgpack.packb({"v": 2, "request_id": "abc", "seq": 9}), b""])
+    dealer.send_multipart([msgpack.packb({"v": 99, "request_id": "abc", "seq": 9}), b""])
     ack = decode_ack(dealer.recv())
     assert (ack["request_id"], ack["seq"], ack["ok"]) == ("abc", 9, False)
 
@@ -149,7 +150,7 @@ def test_abort_while_receiver_absent_reports_nothing(free_tcp_addr):
 
 def test_receiver_that_comes_late_still_gets_the_pages(pair, free_tcp_addr):
     """Pages queued while the receiver is not yet listening go out once it is."""
-    late = TcpReceiver(pair.dst, make_layout(), pair.leases, free_tcp_addr)
+    late = DataSocket(pair.dst, make_layout(), pair.leases, free_tcp_addr)
     target = pair.target("r", [8], addr=free_tcp_addr)
     pair.send_all(target, [9])
     pair.sender.finish("r")
@@ -170,7 +171,7 @@ def test_addresses(pair):
 
 
 def test_bind_failure_is_a_clear_error(pair):
-    other = TcpReceiver(pair.dst, make_layout(), pair.leases, pair.receiver.address)
+    other = DataSocket(pair.dst, make_layout(), pair.leases, pair.receiver.address)
     with pytest.raises(ValueError, match="cannot bind"):
         other.start()
     other.close()

@@ -6,8 +6,9 @@ import torch
 
 from pdd.transfer import make_receiver, make_sender, offered_backends
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.wire import (WireError, bytes_to_tensor, decode_ack, decode_header, encode_ack,
-                               encode_pages_header, tensor_bytes)
+from pdd.transfer.base import Handoff
+from pdd.transfer.wire import (VERSION, WireError, bytes_to_tensor, decode_ack, decode_done, decode_header,
+                               encode_ack, encode_done, encode_pages_header, is_done, tensor_bytes)
 from tests.transfer.conftest import make_layout
 
 
@@ -21,14 +22,14 @@ def _header(**over) -> dict:
 def test_header_round_trip():
     h = decode_header(encode_pages_header(**_header()))
     assert h["dtype"] == "bfloat16" and h["dst_block_ids"] == [3, 1] and h["seq"] == 5
-    assert h["layout"] == make_layout().to_dict() and h["v"] == 1
+    assert h["layout"] == make_layout().to_dict() and h["v"] == VERSION
 
 
 @pytest.mark.parametrize("raw,expected", [
     (b"", "not msgpack"),
     (b"\xc1", "not msgpack"),
     (msgpack.packb("str"), "expected a map"),
-    (msgpack.packb({"v": 1}), "missing field 'kind'"),
+    (msgpack.packb({"v": VERSION}), "missing field 'kind'"),
     (encode_pages_header(**_header(seq=-1)), "field 'seq'"),
     (encode_pages_header(**_header(dst_block_ids=[1, -2])), "field 'dst_block_ids'"),
     (encode_pages_header(**_header(request_id=7)), "field 'request_id' must be str"),
@@ -37,6 +38,19 @@ def test_header_round_trip():
 def test_garbage_headers(raw, expected):
     with pytest.raises(WireError, match=expected):
         decode_header(raw)
+
+
+def test_done_round_trip():
+    handoff = Handoff(7, [[-0.5, [[7, -0.5]]]], 16).to_dict()
+    d = decode_done(encode_done(request_id="r", lease_id="l", seq=3, handoff=handoff))
+    assert (d["request_id"], d["lease_id"], d["seq"], d["handoff"]) == ("r", "l", 3, handoff)
+    assert decode_done(encode_done(request_id="r", lease_id="l", seq=0, handoff=None))["handoff"] is None
+    assert is_done(encode_done(request_id="r", lease_id="l", seq=0, handoff=None))
+    assert not is_done(encode_ack("r", 1, True)) and not is_done(b"\xc1")
+    for bad in ({"first_token": "x", "logprobs": None, "num_cached_tokens": 0},
+                {"first_token": 1, "logprobs": None, "num_cached_tokens": -1}, {"first_token": 1}):
+        with pytest.raises(WireError, match="field 'handoff'"):
+            decode_done(encode_done(request_id="r", lease_id="l", seq=0, handoff=bad))
 
 
 def test_ack_round_trip():
@@ -71,6 +85,8 @@ def test_offered_backends():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert offered_backends("auto", cpu) == ["tcp"]
     assert offered_backends("auto", gpu) == ["cuda_ipc", "tcp"]
-    assert offered_backends("tcp", gpu) == ["tcp"] and offered_backends("local", cpu) == ["local"]
+    assert offered_backends("tcp", gpu) == ["tcp"]
+    with pytest.raises(ValueError, match="a worker offers auto, tcp or cuda_ipc"):
+        offered_backends("local", cpu)   # it joins two engines of one process, never two workers
     with pytest.raises(ValueError, match="'cuda_ipc' needs a GPU; this worker runs on cpu"):
         offered_backends("cuda_ipc", cpu)

@@ -19,6 +19,8 @@ from pdd.engine.scheduler import Scheduler
 from pdd.kv.hashing import ROOT_HASH, block_hashes
 from pdd.kv.manager import KVCacheManager
 from pdd.protocol import messages as m
+from pdd.transfer.base import Handoff
+from pdd.transfer.wire import decode_ack, encode_done
 from pdd.worker import worker as worker_module
 from pdd.worker.engine_thread import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.engine.helpers import greedy, random_prompts
@@ -189,10 +191,27 @@ def test_one_request_id_under_two_epochs(tiny_model, offline):
     assert code == 0
 
 
+def done_message(data_addr: str, eid: str, lease_id: str, first_token: int) -> None:
+    """What a prefill worker whose request sent no pages sends last (tcp): the
+    done message with the first token. Waits for its ack."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(data_addr)
+        sock.send(encode_done(request_id=eid, lease_id=lease_id, seq=0, handoff=Handoff(first_token).to_dict()))
+        assert sock.poll(EVENT_TIMEOUT_S * 1000), "no ack to the done message"
+        assert decode_ack(sock.recv())["ok"]
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def test_decode_worker_reservation_epochs_and_a_bad_first_token(tiny_model, offline):
     prompt = random_prompts([40], seed=6)[0]
 
     async def scenario(router):
+        decode = await router.registered("decode-0")
         await router.send(m.Reserve("r", 1, prompt, greedy(5, ignore_eos=True), 30.0))
         reserved = await router.next(m.Reserved)
         # The router fell back to a local prefill and placed the request anew.
@@ -200,7 +219,8 @@ def test_decode_worker_reservation_epochs_and_a_bad_first_token(tiny_model, offl
         tokens = await router.tokens("r", 2)
         await router.send(m.Reserve("p", 1, prompt, greedy(5), 30.0))
         second = await router.next(m.Reserved)
-        await router.send(m.KVReady("p", 1, second.lease_id, first_token=10**9))
+        # A first token outside the vocabulary comes with the KV: that request fails alone.
+        await asyncio.to_thread(done_message, decode.data_addr, "p#1", second.lease_id, 10**9)
         failed = await router.next(m.RequestFailed)
         return reserved, tokens, failed, await router.idle_heartbeat()
 
@@ -335,9 +355,20 @@ def test_a_data_plane_that_cannot_start_refuses_to_run(tiny_model):
     assert code == EXIT_REFUSED
 
 
+def by_position(items: list[m.TokenItem]) -> list[int]:
+    """A request's output from items that may repeat tokens (the first token
+    comes from both workers): one copy of each position, as the router keeps."""
+    out: list[int] = []
+    for item in items:
+        out += item.token_ids[len(out) - item.position:]
+    return out
+
+
 def test_a_disaggregated_request_through_a_prefill_and_a_decode_worker(tiny_model, offline):
     """Real KV transfer (tcp) between two workers: the prefill worker sends under
-    the placement's engine id, the decode worker leased its blocks under it."""
+    the placement's engine id, the decode worker leased its blocks under it, and
+    starts when the data plane says the last page landed: the router sends it
+    nothing after the Reserve."""
     prompt = random_prompts([40], seed=10)[0]
     sampling = greedy(8, ignore_eos=True)
 
@@ -351,15 +382,46 @@ def test_a_disaggregated_request_through_a_prefill_and_a_decode_worker(tiny_mode
         first = await router.next(m.FirstToken)
         await router.send(m.KVTarget("r", 3, "decode-0", decode.data_addr, reserved.block_ids,
                                      reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
-        done = await router.next(m.PrefillDone)   # a transfer result wakes the engine thread
-        await router.send(m.KVReady("r", 3, reserved.lease_id, done.first_token), to="decode-0")
-        return first, done, await router.tokens("r", 3)
+        tokens = await router.tokens("r", 3)
+        await router.until(lambda: any(isinstance(x, m.PrefillDone) for x in router.received))
+        done = next(x for x in router.received if isinstance(x, m.PrefillDone))  # a transfer result wakes it
+        return first, done, router.items("r", 3), tokens
 
     cfgs = [worker_config(tiny_model, role="prefill"), worker_config(tiny_model, role="decode")]
-    (first, done, rest), codes = run_workers(cfgs, scenario)
+    (first, done, items, tokens), codes = run_workers(cfgs, scenario)
     assert (first.request_id, first.epoch, done.epoch) == ("r", 3, 3) and first.token == done.first_token
     assert done.transfer["blocks_sent"] == 3
-    assert [first.token] + rest == expected(offline, prompt, 8)
+    assert (items[0].position, items[0].token_ids) == (0, [first.token])   # from the data plane's last message
+    assert [item.position for item in items] == list(range(8))
+    assert tokens == expected(offline, prompt, 8)
+    assert codes == [0, 0]
+
+
+def test_prefill_locally_after_the_kv_landed_renews_the_epoch_and_runs_on(tiny_model, offline):
+    """The router fell back (say the prefill worker's ack was lost) while the
+    data plane had already started the request: the decode worker holds it under
+    the new epoch and sends nothing more about it (it runs)."""
+    prompt = random_prompts([40], seed=11)[0]
+    sampling = greedy(120, ignore_eos=True)
+
+    async def scenario(router):
+        decode = await router.registered("decode-0")
+        await router.send(m.Prefill("r", 1, prompt, sampling), to="prefill-0")
+        await router.send(m.Reserve("r", 1, prompt, sampling, 30.0), to="decode-0")
+        reserved = await router.next(m.Reserved)
+        await router.send(m.KVTarget("r", 1, "decode-0", decode.data_addr, reserved.block_ids,
+                                     reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
+        await router.next(m.TokenBatch, lambda b: b.worker_id == "decode-0" and b.items[0].position > 1)
+        await router.send(m.PrefillLocally("r", 2, reserved.lease_id, first_token=None), to="decode-0")
+        await router.until(lambda: any(item.finished for item in router.items("r", 2)))
+        failed = [x for x in router.received if isinstance(x, m.RequestFailed)]
+        return router.items("r", 1) + router.items("r", 2), failed, await router.idle_heartbeat()
+
+    cfgs = [worker_config(tiny_model, role="prefill"), worker_config(tiny_model, role="decode")]
+    (items, failed, hb), codes = run_workers(cfgs, scenario)
+    assert failed == []
+    assert by_position(items) == expected(offline, prompt, 120)
+    assert hb.free_blocks == hb.total_blocks
     assert codes == [0, 0]
 
 

@@ -1,0 +1,420 @@
+"""What every sender backend shares.
+
+For all (local too): argument checks, page staging, per-request progress,
+tombstones of failed requests, and the result queue behind poll().
+
+For the backends with sockets (tcp, cuda_ipc), `IoSender`: one I/O thread
+owns every socket (zmq sockets are not thread-safe). The engine thread hands
+it commands through a `Mailbox`; the thread keeps one `Dest` per decode
+worker (a DEALER dialing its data socket, with the frames zmq could not take
+yet and a monitor of the connection), polls them with the mailbox, sleeps
+until the backend's next deadline, and reports results. A backend says what
+its commands, incoming frames, connection events and deadlines mean.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdd import ops
+from pdd.kv.layout import KVLayout
+from pdd.transfer.base import KVSender, TransferResult, TransferTarget
+from pdd.transfer.receiver import pool_mismatch
+
+log = logging.getLogger(__name__)
+
+_MAX_WAIT_MS = 1000  # longest poll when nothing is due
+
+
+def dst_blocks_for(layout: KVLayout, target: TransferTarget, src_layer: torch.Tensor,
+                   src_block_ids: list[int], block_indices: list[int]) -> list[int]:
+    """The destination block of each source block; ValueError on a caller's mistake."""
+    err = pool_mismatch(src_layer, layout, "source layer")
+    if err:
+        raise ValueError(err)
+    if len(src_block_ids) != len(block_indices):
+        raise ValueError(f"{len(src_block_ids)} source blocks but {len(block_indices)} block indices")
+    n = len(target.dst_block_ids)
+    bad = [i for i in block_indices if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"block index {bad[0]} outside the target's {n} destination blocks")
+    return [int(target.dst_block_ids[i]) for i in block_indices]
+
+
+def index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as a long tensor on `device`, without a host sync: a plain
+    torch.tensor(..., device="cuda") copies from pageable memory and waits for
+    the whole stream, which would stall the engine behind its own forward pass."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class Staged:
+    """One layer's pages in memory the sender owns, plus how to know they are ready."""
+
+    pages: torch.Tensor
+    ready: "torch.cuda.Event | None" = None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def stage_pages(src_layer: torch.Tensor, src_block_ids: list[int], to_host: bool) -> Staged:
+    """Gather pages into a fresh contiguous tensor (on the host if `to_host`).
+
+    On CUDA the gather and the device->host copy are queued on the current
+    stream, so the engine's later writes to those blocks are ordered after
+    them; the copy lands in pinned memory and an event says when it is done.
+    """
+    pages = ops.gather_blocks(src_layer, index_tensor(src_block_ids, src_layer.device))
+    if not to_host or not pages.is_cuda:
+        return Staged(pages.contiguous())
+    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+    host.copy_(pages, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Staged(host, event)
+
+
+@dataclass
+class Progress:
+    """What has been delivered of one request so far."""
+
+    request_id: str
+    t_first: float = field(default_factory=time.perf_counter)
+    bytes: int = 0
+    blocks: set[int] = field(default_factory=set)
+    t_last: float = 0.0
+
+    def delivered(self, nbytes: int, dst: list[int]) -> None:
+        self.bytes += nbytes
+        self.blocks.update(dst)
+        self.t_last = time.perf_counter()
+
+    def result(self, ok: bool, error: str = "", blocks_skipped: int = 0) -> TransferResult:
+        end = self.t_last if ok and self.t_last else time.perf_counter()
+        return TransferResult(self.request_id, ok, error, self.bytes, max(0.0, end - self.t_first),
+                              len(self.blocks), blocks_skipped)
+
+
+class Tombstones:
+    """Requests that already failed before finish(): their later pages are
+    dropped and finish() reports nothing more. Bounded, oldest forgotten first."""
+
+    def __init__(self, cap: int = 10_000):
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._cap = cap
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        while len(self._ids) > self._cap:
+            self._ids.popitem(last=False)
+
+    def discard(self, request_id: str) -> bool:
+        if request_id not in self._ids:
+            return False
+        del self._ids[request_id]
+        return True
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+
+class Mailbox:
+    """Commands from the engine thread to a sender's I/O thread, plus a pipe
+    the I/O thread polls next to its sockets so a command wakes it up."""
+
+    def __init__(self) -> None:
+        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()
+        self.closed = False
+        self._idle = False  # set by the I/O thread just before it polls
+
+    @property
+    def fd(self) -> int:
+        return self._wake_r
+
+    def put(self, cmd: tuple) -> bool:
+        """Queue a command; False once a ("close",) was queued. The lock keeps a
+        late put() from writing to the pipe as it is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = cmd[0] == "close"
+            self._cmds.put(cmd)
+            # Wake the I/O thread only if it is (about to be) asleep: a busy one
+            # drains the queue before it sleeps again. Fewer syscalls in the
+            # engine thread, fewer GIL hand-offs to the I/O thread.
+            if self._idle:
+                self._idle = False
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:  # pipe full: a wake-up is pending anyway
+                    pass
+            return True
+
+    def going_idle(self) -> bool:
+        """Announce sleep, then look: True if commands wait (do not sleep). A
+        command queued after the look finds the flag set and writes to the pipe."""
+        self._idle = True
+        return not self._cmds.empty()
+
+    def woken(self, readable: bool) -> None:
+        """After the poll; `readable`: the poll reported our fd."""
+        self._idle = False
+        if not readable:
+            return
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def take(self) -> list[tuple]:
+        out = []
+        while True:
+            try:
+                out.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close_fds(self) -> None:
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+class SenderBase(KVSender):
+    """The result queue: backends call _emit(), the engine calls poll()."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.layout_dict = layout.to_dict()  # sent with every message: build it once
+        self._results: list[TransferResult] = []
+        self._results_lock = threading.Lock()
+
+    def poll(self) -> list[TransferResult]:
+        with self._results_lock:
+            out, self._results = self._results, []
+        return out
+
+    def _emit(self, result: TransferResult) -> None:
+        with self._results_lock:
+            self._results.append(result)
+        self._wake()
+
+
+@dataclass
+class Outgoing:
+    """Frames for a destination, from when they are queued until zmq takes them."""
+
+    request_id: str
+    frames: list
+
+    def ready(self) -> None:
+        """Wait until the frames' memory holds what they send (a backend's staging)."""
+
+
+class Dest:
+    """One DEALER dialing one decode worker's data socket, the frames zmq
+    could not take yet, and (if `monitor_events`) a monitor of the connection."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, security=None, server_key: str = "", monitor_events: int = 0):
+        self.addr = addr
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Queue only onto a live connection: with no receiver, sends fail with
+        # Again and the frames stay in `pending`, where a deadline can drop them.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)   # bounded by what we hold anyway
+        if security is not None:
+            security.dial(self.sock, server_key)
+        self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
+        self.sock.connect(addr)
+        self.pending: deque[Outgoing] = deque()
+
+    def events(self) -> set[int]:
+        """The monitor's events since the last look."""
+        seen = set()
+        while True:
+            try:
+                seen.add(recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)["event"])
+            except zmq.Again:
+                return seen
+
+    def flush(self, poller: zmq.Poller) -> None:
+        """Hand zmq what it takes now; poll for writability while frames wait."""
+        while self.pending:
+            out = self.pending[0]
+            out.ready()
+            try:
+                self.sock.send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.pending.popleft()
+        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if self.pending else 0))
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request's frames zmq has not taken."""
+        if self.pending:
+            self.pending = deque(out for out in self.pending if out.request_id != request_id)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+DestKey = tuple[str, str]   # (address, the server key dialed: "" without security)
+
+
+class IoSender(SenderBase):
+    """A sender whose I/O thread owns its sockets (see the module docstring).
+    Subclasses set their state up before calling this __init__ (it starts the
+    thread) and implement the hooks at the end of the class."""
+
+    thread_name = "kv-sender"
+    monitor_events = 0           # connection events a Dest's monitor reports to _on_monitor
+    dest_class = Dest
+
+    def __init__(self, layout: KVLayout, timeout_s: float, security=None):
+        super().__init__(layout)
+        self.timeout_s = timeout_s
+        self.security = security   # pdd.security.Curve (data), None: plaintext
+        self._mail = Mailbox()
+        # I/O-thread state from here on.
+        self._ctx = zmq.Context()
+        self._dests: dict[DestKey, Dest] = {}
+        self._poller = zmq.Poller()
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    # -- engine side ---------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._mail.closed or not self._thread.is_alive():
+            raise RuntimeError("sender is closed" if self._mail.closed else "kv sender I/O thread died (see log)")
+
+    def _put(self, cmd: tuple) -> None:
+        if not self._mail.put(cmd):
+            raise RuntimeError("sender is closed")
+
+    def close(self) -> None:
+        if not self._mail.put(("close",)):
+            return  # already closed
+        self._thread.join()
+        self._mail.close_fds()
+
+    # -- I/O thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        self._poller.register(self._mail.fd, zmq.POLLIN)
+        try:
+            while True:
+                timeout = 0 if self._mail.going_idle() else self._wait_ms()
+                events = dict(self._poller.poll(timeout))
+                self._mail.woken(self._mail.fd in events)
+                cmds = self._mail.take()
+                for cmd in cmds:
+                    if cmd[0] == "close":
+                        return
+                    self._command(cmd)
+                for key, dest in list(self._dests.items()):
+                    if events.get(dest.sock, 0) & zmq.POLLIN:
+                        self._recv(dest)
+                    if dest.monitor is not None and events.get(dest.monitor, 0) & zmq.POLLIN \
+                            and not self._on_monitor(key, dest, dest.events()):
+                        continue   # the backend closed it
+                    dest.flush(self._poller)
+                self._expire(time.perf_counter())
+        except Exception:  # never expected; make it loud, fail what is in flight
+            log.exception("%s I/O thread crashed", self.thread_name)
+            self._crashed("kv sender I/O thread crashed")
+        finally:
+            for dest in self._dests.values():
+                dest.close()
+            self._ctx.term()
+
+    def _wait_ms(self) -> int:
+        due = self._next_deadline()
+        if due is None:
+            return _MAX_WAIT_MS
+        return max(1, min(_MAX_WAIT_MS, int((due - time.perf_counter()) * 1000) + 1))
+
+    def _recv(self, dest: Dest) -> None:
+        while True:
+            try:
+                frames = dest.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(dest, frames)
+
+    def _dest_key(self, target: TransferTarget) -> DestKey:
+        return target.dst_addr, target.dst_public_key if self.security is not None else ""
+
+    def _dest(self, target: TransferTarget) -> Dest:
+        """The destination of `target`, dialed on first use."""
+        key = self._dest_key(target)
+        dest = self._dests.get(key)
+        if dest is None:
+            dest = self._dests[key] = self.dest_class(self._ctx, key[0], self.security, key[1],
+                                                      self.monitor_events)
+            self._poller.register(dest.sock, zmq.POLLIN)
+            if dest.monitor is not None:
+                self._poller.register(dest.monitor, zmq.POLLIN)
+        return dest
+
+    def _missing_key(self, target: TransferTarget) -> str | None:
+        """Why `target` cannot be dialed securely, or None."""
+        if self.security is not None and not target.dst_public_key:
+            return "the decode worker registered no data-socket key (it runs without keys?)"
+        return None
+
+    def _close_dest(self, key: DestKey) -> None:
+        dest = self._dests.pop(key)
+        self._poller.unregister(dest.sock)
+        if dest.monitor is not None:
+            self._poller.unregister(dest.monitor)
+        dest.close()
+
+    # -- what a backend says -------------------------------------------------
+
+    @abc.abstractmethod
+    def _command(self, cmd: tuple) -> None:
+        """Apply one engine call (in the order they were made)."""
+
+    @abc.abstractmethod
+    def _on_frames(self, dest: Dest, frames: list[bytes]) -> None:
+        """One message from `dest` (an ack, a reply)."""
+
+    def _on_monitor(self, key: DestKey, dest: Dest, events: set[int]) -> bool:
+        """Connection events of `dest`; False if the backend closed it."""
+        return True
+
+    @abc.abstractmethod
+    def _next_deadline(self) -> float | None:
+        """The next time (perf_counter) _expire has something to do, or None."""
+
+    @abc.abstractmethod
+    def _expire(self, now: float) -> None:
+        """Fail what waited past its deadline."""
+
+    @abc.abstractmethod
+    def _crashed(self, error: str) -> None:
+        """The I/O thread is going down: fail everything in flight with `error`."""
