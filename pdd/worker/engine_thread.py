@@ -313,9 +313,9 @@ class EngineThread(threading.Thread):
         self._stalled = step.num_tokens == 0 and not outputs and self.engine.in_flight is None
         own = outputs
         if self.prefill_side is not None:   # prompts computed for others: their first tokens
-            computing = self.prefill_side.computing
-            self._replies += self.prefill_side.on_outputs([o for o in outputs if o.request_id in computing])
-            own = [o for o in outputs if o.request_id not in computing]
+            firsts = [o for o in outputs if o.request_id in self.prefill_side.computing]
+            own = [o for o in outputs if o.request_id not in self.prefill_side.computing]
+            self._replies += self.prefill_side.on_outputs(firsts)
         # Requests running here (on a prefill worker: whole, the last resort) stream.
         self._replies += (self.decode_side.on_outputs(own) if self.decode_side is not None
                           else token_batch(self.worker_id, self.placements, own))
