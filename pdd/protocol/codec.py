@@ -50,33 +50,107 @@ def decode(data: bytes) -> Message:
 
 def _build(cls, raw: dict, where: str):
     """An instance of dataclass `cls` from a decoded map, every field checked."""
+    try:
+        return _builder(cls)(raw)
+    except _Mismatch as e:
+        raise ProtocolError(f"{where}{''.join(reversed(e.path))}: {e.message}") from None
+
+
+class _Mismatch(Exception):
+    """A value that does not conform; `path` grows (innermost first) as it unwinds."""
+
+    def __init__(self, message: str):
+        self.message, self.path = message, []
+
+
+# The checks are compiled once per type: a TokenBatch of a whole decode step
+# carries hundreds of items, and the router decodes one per worker per step.
+
+@lru_cache(maxsize=None)
+def _builder(cls):
     spec = _fields(cls)
-    missing = [name for name, (_, required) in spec.items() if required and name not in raw]
-    if missing:
-        raise ProtocolError(f"{where}: missing field(s) {missing}")
-    unknown = set(raw) - set(spec)
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {sorted(unknown)}")
-    for name, value in raw.items():
-        raw[name] = _convert(value, spec[name][0], f"{where}.{name}")
-    return cls(**raw)
+    names = frozenset(spec)
+    required = [name for name, (_, req) in spec.items() if req]
+    convert = {name: _converter(hint) for name, (hint, _) in spec.items()}
+
+    def build(raw):
+        if not isinstance(raw, dict):
+            raise _Mismatch(f"expected a {cls.__name__} map, got {type(raw).__name__}")
+        missing = [name for name in required if name not in raw]
+        if missing:
+            raise _Mismatch(f"missing field(s) {missing}")
+        if not names.issuperset(raw):
+            raise _Mismatch(f"unknown field(s) {sorted(set(raw) - names)}")
+        for name, value in raw.items():
+            try:
+                raw[name] = convert[name](value)
+            except _Mismatch as e:
+                e.path.append(f".{name}")
+                raise
+        return cls(**raw)
+    return build
 
 
-def _convert(value, hint, where: str):
-    """`value` checked against `hint`; nested dataclass maps become instances."""
+@lru_cache(maxsize=None)
+def _converter(hint):
+    """A function: the value checked against `hint` (raising _Mismatch), nested
+    dataclass maps made instances."""
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a {hint.__name__} map, got {type(value).__name__}")
-        return _build(hint, value, where)
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if dataclasses.is_dataclass(item):
+        return _builder(hint)
+    if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        item = _builder(typing.get_args(hint)[0])
+
+        def items(value):
             if not isinstance(value, list):
-                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-            return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if not _conforms(value, hint):
-        raise ProtocolError(f"{where}: expected {_describe(hint)}, got {type(value).__name__}")
-    return value
+                raise _Mismatch(f"expected a list, got {type(value).__name__}")
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(item(v))
+                except _Mismatch as e:
+                    e.path.append(f"[{i}]")
+                    raise
+            return out
+        return items
+    ok = _predicate(hint)
+
+    def check(value):
+        if not ok(value):
+            raise _Mismatch(f"expected {_describe(hint)}, got {type(value).__name__}")
+        return value
+    return check
+
+
+@lru_cache(maxsize=None)
+def _predicate(hint):
+    """value -> whether it conforms to `hint` (exact msgpack types: bool is no int)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        alternatives = [_predicate(h) for h in args]
+        return lambda v: any(p(v) for p in alternatives)
+    if hint is type(None):
+        return lambda v: v is None
+    if hint is typing.Any:
+        return lambda v: True
+    if hint is bool:
+        return lambda v: isinstance(v, bool)
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is str:
+        return lambda v: isinstance(v, str)
+    if hint is bytes:
+        return lambda v: isinstance(v, bytes)
+    if hint is list[int]:   # the hot one: token ids
+        return lambda v: type(v) is list and all(type(x) is int for x in v)
+    if origin is list or hint is list:
+        element = _predicate(args[0]) if args else None
+        return lambda v: isinstance(v, list) and (element is None or all(element(x) for x in v))
+    if origin is dict or hint is dict:
+        key, val = (_predicate(args[0]), _predicate(args[1])) if args else (None, None)
+        return lambda v: isinstance(v, dict) and (key is None or all(key(k) and val(x) for k, x in v.items()))
+    return lambda v: True
 
 
 @lru_cache(maxsize=None)
@@ -87,37 +161,6 @@ def _fields(cls) -> dict[str, tuple[object, bool]]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         out[f.name] = (hints[f.name], required)
     return out
-
-
-def _conforms(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or type(hint).__name__ == "UnionType":
-        return any(_conforms(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is typing.Any:
-        return True
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is bytes:
-        return isinstance(value, bytes)
-    if origin is list or hint is list:
-        if not isinstance(value, list):
-            return False
-        args = typing.get_args(hint)
-        return not args or all(_conforms(v, args[0]) for v in value)
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            return False
-        args = typing.get_args(hint)
-        return not args or all(_conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
-    return True
 
 
 def _describe(hint) -> str:

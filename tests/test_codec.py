@@ -1,0 +1,44 @@
+"""The wire codec: every field checked on decode, errors naming the field."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pdd.engine.sampling_params import SamplingParams
+from pdd.protocol import messages as m
+from pdd.protocol.codec import ProtocolError, decode, encode
+
+
+def test_typed_messages_round_trip():
+    batch = m.TokenBatch("w", [m.TokenItem("r", 2, 5, [7, 8], True, "length", [[-0.5, [[7, -0.5]]]] * 2, 16)])
+    admit = m.Admit("r", 3, [1, 2, 3], SamplingParams(max_tokens=4, seed=2**63 - 1), 1, [2**64 - 1])
+    hb = m.Heartbeat("w", 1, 0, 10, 20, faults={"transfer.fail_rate": 0.5})
+    for msg in (batch, admit, hb):
+        assert decode(encode(msg)) == msg
+
+
+def raw(kind: str, **fields) -> bytes:
+    return msgpack.packb({"t": kind, "v": m.PROTOCOL_VERSION, **fields})
+
+
+ITEM = {"request_id": "r", "epoch": 1, "position": 0, "token_ids": [1]}
+
+
+@pytest.mark.parametrize("data,error", [
+    (raw("tokens", worker_id="w", items=[ITEM, {**ITEM, "token_ids": [1, "x"]}]),
+     "tokens.items[1].token_ids: expected list[int], got list"),
+    (raw("tokens", worker_id="w", items=[{**ITEM, "epoch": True}]), "tokens.items[0].epoch: expected int, got bool"),
+    (raw("tokens", worker_id="w", items=[{"request_id": "r"}]),
+     "tokens.items[0]: missing field(s) ['epoch', 'position', 'token_ids']"),
+    (raw("tokens", worker_id="w", items=[3]), "tokens.items[0]: expected a TokenItem map, got int"),
+    (raw("tokens", worker_id="w", items=5), "tokens.items: expected a list, got int"),
+    (raw("tokens", worker_id="w", items=[], extra=1), "tokens: unknown field(s) ['extra']"),
+    (raw("heartbeat", worker_id="w", running=1, waiting=0, free_blocks=1, total_blocks=1, faults={"a": "b"}),
+     "heartbeat.faults: expected dict[str, float], got dict"),
+    (raw("nope"), "unknown message type 'nope'"),
+    (b"\xc1", "not a msgpack message"),
+])
+def test_bad_messages_name_what_is_wrong(data, error):
+    with pytest.raises(ProtocolError) as e:
+        decode(data)
+    assert str(e.value).startswith(error)
