@@ -215,6 +215,14 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
     if not options:
         return None
     best = min(options, key=lambda o: o.rank(slo, request.max_tokens))
+    if best.excess(slo) > 0:
+        # Nothing meets the targets: run as colocated, the least loaded worker
+        # prefilling its own request. Measured on 2 H200s past saturation, that
+        # degrades most gently (docs/benchmarks.md, issue 13): a prefill side
+        # then only queues, and one decode side holds every decode.
+        worker = pick_worker(roomy or serving, request.block_hashes)
+        return Plan(worker.worker_id, kind=LOCAL_PREFILL, reason="overloaded",
+                    prefill_tokens=n - _cached(worker, request, block_size, n))
     reason = why_local.get(best.decode.worker_id) if best.prefill is None else None
     if reason is None:
         reason = _why(best, options, slo)
@@ -226,9 +234,7 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
 
 def _why(best: _Option, options: list[_Option], slo: AdaptiveConfig) -> str:
     """slo: only this kind of option (remote or local) meets the targets; cost:
-    both do and this one is cheaper; least_violation: none does."""
-    if best.excess(slo) > 0:
-        return "least_violation"
+    both do and this one is cheaper."""
     others = [o for o in options if (o.prefill is None) != (best.prefill is None)]
     return "cost" if any(o.excess(slo) == 0 for o in others) else "slo"
 

@@ -70,12 +70,19 @@ def test_a_queued_prefill_worker_misses_the_ttft_target_so_the_decode_worker_pre
     assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "slo")
 
 
-def test_when_nothing_meets_the_targets_the_least_violation_wins(static_pd):
+def test_when_nothing_meets_the_targets_it_runs_as_colocated_on_the_least_loaded(static_pd):
     workers, ests = static_pd
     ests["p0"] = est(LEAN_PREFILL, pending_tokens=100_000)
-    ests["d0"] = est(decoding=20, pending_tokens=50_000)         # both far past 2 s; the decode worker less so
+    ests["d0"] = est(decoding=20, pending_tokens=50_000)         # both far past 2 s
     plan = adaptive(prompt(2000), workers, estimates(**ests))
-    assert (plan.kind, plan.reason) == (LOCAL_PREFILL, "least_violation")
+    assert (plan.kind, plan.decode, plan.prefill, plan.reason) == (LOCAL_PREFILL, "d0", None, "overloaded")
+    # Two workers that prefill for each other, both past the targets: the less
+    # loaded one runs it whole, even the one leaning to prefill.
+    flex = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
+    flex[1].inflight = 200
+    both = estimates(c0=est(LEAN_PREFILL, pending_tokens=100_000), c1=est(decoding=200, pending_tokens=50_000))
+    plan = adaptive(prompt(2000), flex, both)
+    assert (plan.kind, plan.decode, plan.prefill, plan.reason) == (LOCAL_PREFILL, "c0", None, "overloaded")
 
 
 def test_a_prompt_mostly_cached_on_the_decode_worker_prefills_there(static_pd):
