@@ -208,3 +208,56 @@ def test_a_share_of_transfers_failing_loses_no_request(p1d1, offline):
     finally:
         c.admin("faults", "clear")
     assert_all_free(c)
+
+
+def test_the_router_killed_and_restarted(tmp_path, tiny_model, offline):
+    """kill -9 the router (under systemd it is restarted; here the test restarts
+    it on the same addresses): streams in flight end at once, none hangs; the
+    workers, told to register again, drop what they held and serve the new
+    router. No `pdd up` here: it stops the cluster when its router dies."""
+    from pdd.admin.client import call_with_config
+    from pdd.bench.load import start_cluster
+    cluster = start_cluster(tmp_path / "run", [("colocated", "colocated-0", None)], str(tiny_model), "colocated")
+    try:
+        router = next(c for c in cluster.children if c.name == "router")
+        prompts = random_prompts([6, 13, 21, 30], seed=77)
+
+        async def stream(session, prompt, started):
+            body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            try:
+                async with session.post(cluster.url + "/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            started.set()
+            except aiohttp.ClientError as e:
+                return type(e).__name__
+            return "ended"
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                started = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(stream(session, p, ev)) for p, ev in zip(prompts, started)]
+                await asyncio.gather(*(ev.wait() for ev in started))
+                os.kill(router.proc.pid, signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+        ends = asyncio.run(main())
+        assert len(ends) == len(prompts)    # every stream ended: the connection went with the router
+        router.proc.wait()
+        cluster.restart(router)
+        cluster.wait_ready(120)             # the worker registered again with the new router
+        workers = _wait_for(lambda: [w for w in call_with_config(cluster.cfg, "workers")
+                                     if w["free_blocks"] == w["num_blocks"] and w["running"] == 0], 60.0,
+                            "the worker's blocks all free after it registered again")
+        assert [w["worker_id"] for w in workers] == ["colocated-0"]
+        sp = greedy(12)
+
+        async def again():
+            async with aiohttp.ClientSession() as session:
+                body = {"model": cluster.model_name, "prompt": prompts[0], "max_tokens": 12, "temperature": 0,
+                        "ignore_eos": True}
+                async with session.post(cluster.url + "/v1/completions", json=body) as resp:
+                    return (await resp.json())["choices"][0]["text"]
+        assert asyncio.run(again()) == offline.generate([prompts[0]], sp)[0].text
+    finally:
+        cluster.stop()
