@@ -22,9 +22,13 @@ from pdd.bench.load import start_cluster
 
 
 async def _stream(session, url: str, model: str, marks: list[float], flowing: asyncio.Event) -> None:
-    body = {"model": model, "prompt": "tell me a story", "max_tokens": 100_000, "ignore_eos": True,
+    # As long as the context allows (the built-in model's is 4,096 tokens): the
+    # stream must outlast the window of big prompts.
+    body = {"model": model, "prompt": "tell me a story", "max_tokens": 4000, "ignore_eos": True,
             "stream": True, "temperature": 0}
     async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"the live stream was refused: {resp.status} {await resp.text()}")
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 marks.append(time.perf_counter())
@@ -46,7 +50,12 @@ async def _measure(url: str, model: str, headers: dict, k: int, body_bytes: int)
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as session:
         marks, flowing, done, health = [], asyncio.Event(), asyncio.Event(), []
         stream = asyncio.create_task(_stream(session, url, model, marks, flowing))
-        await flowing.wait()
+        flows = asyncio.create_task(flowing.wait())
+        await asyncio.wait([stream, flows], return_when=asyncio.FIRST_COMPLETED)
+        if stream.done():   # refused, or ended before it flowed
+            flows.cancel()
+            stream.result()
+            raise RuntimeError("the live stream ended before it flowed")
         before = len(marks)
         probe = asyncio.create_task(_probe_health(session, url, done, health))
         t0 = time.perf_counter()

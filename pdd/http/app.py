@@ -9,15 +9,16 @@ sure the router forgets the request and the worker frees its blocks.
 Access (config `[security]`): with API keys every path but `open_paths` needs
 `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); bodies
 must arrive within `http_body_timeout_s` (408); idle and slow connections and
-the connection limit are pdd.http.guard's. Large prompts are tokenized off the
-event loop, so one 1 MB prompt does not stall every stream.
+the connection limit are pdd.http.guard's. Large prompts are tokenized in a
+child process (pdd.http.tokenize), so one 4 MB prompt does not stall every stream.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-from concurrent.futures import ThreadPoolExecutor
+
+from concurrent.futures.process import BrokenProcessPool
 
 import orjson
 from aiohttp import web
@@ -28,6 +29,7 @@ from pdd.engine.text_stream import TextStream
 from pdd.http import schemas as s
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
+from pdd.http.tokenize import OffLoopTokenizer
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
 from pdd.router.router import Overloaded, Router, Unavailable
@@ -36,10 +38,6 @@ log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 GUARDS_KEY = web.AppKey("guards", Guards)
-# Texts longer than this are tokenized in a thread: inline, a large prompt
-# would hold the event loop (and every stream it serves) for its whole encode.
-TOKENIZE_INLINE_BYTES = 16 * 1024
-
 
 def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
@@ -57,8 +55,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.default_max_tokens = router.cfg.router.default_max_tokens
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
-        # One thread: tokenizations of large prompts queue instead of competing for the GIL.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.off_loop = OffLoopTokenizer(tokenizer)
 
     async def _body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -70,11 +67,6 @@ class OpenAIServer:
             raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
                            code="request_timeout") from None
 
-    async def _tokenize(self, size: int, fn, *args) -> list[int]:
-        if size <= TOKENIZE_INLINE_BYTES:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
-
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -83,14 +75,16 @@ class OpenAIServer:
                                          vocab_size=self.tokenizer.vocab_size)
         ids = req.prompt_token_ids
         if ids is None:
-            ids = await self._tokenize(len(body), self.tokenizer.encode, req.prompt)
+            ids = await self.off_loop.call(len(body), "encode", req.prompt)
         return await self._generate(request, req, ids)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size)
         try:
-            ids = await self._tokenize(len(body), self.tokenizer.encode_chat, req.messages)
+            ids = await self.off_loop.call(len(body), "encode_chat", req.messages)
+        except BrokenProcessPool:
+            raise APIError(503, "the tokenizer process died; retry", type="server_error") from None
         except Exception as e:  # template errors come from Jinja as any exception type
             raise APIError(400, f"messages: cannot apply the chat template ({e})", param="messages") from None
         return await self._generate(request, req, ids)
@@ -293,6 +287,10 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Appl
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics)
+
+    async def close_tokenizer(_app) -> None:
+        server.off_loop.close()
+    app.on_cleanup.append(close_tokenizer)
     return app
 
 

@@ -15,7 +15,7 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
-        model_dir = Path(model_dir)
+        model_dir = self.model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json")

@@ -1,0 +1,60 @@
+"""Tokenization that never holds the router's event loop.
+
+Small texts are tokenized inline (microseconds). Large ones go to a child
+process: the `tokenizers` library holds the GIL for most of a large encode
+(measured: a 4 MB text, 6 s, stalled the event loop and every stream it relays
+for 5.4 s when encoded in a thread), so a thread is not enough. The child is
+started at the first large text ('spawn': the router has ZeroMQ threads that a
+fork must not copy), loads the same tokenizer, and takes one text at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from pdd.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Texts longer than this (bytes of the request body) go to the child process.
+INLINE_BYTES = 16 * 1024
+
+_child: Tokenizer | None = None
+
+
+def _load(model_dir: str) -> None:
+    global _child
+    _child = Tokenizer(model_dir)
+
+
+def _call(method: str, arg):
+    return getattr(_child, method)(arg)
+
+
+class OffLoopTokenizer:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def call(self, size: int, method: str, arg) -> list[int]:
+        """tokenizer.<method>(arg) (encode, encode_chat); `size`: the body's bytes."""
+        if size <= INLINE_BYTES:
+            return getattr(self.tokenizer, method)(arg)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_load, initargs=(str(self.tokenizer.model_dir),))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _call, method, arg)
+        except BrokenProcessPool:
+            # The child died (killed, out of memory): the next large text starts another.
+            log.error("the tokenizer process died; a new one starts with the next large prompt")
+            self._pool = None
+            raise
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
