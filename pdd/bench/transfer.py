@@ -141,11 +141,16 @@ class _Rig:
         self.decode.close()
 
 
-def _zmq_ceiling(nbytes: int, repeats: int, messages: int = 1) -> list[float]:
+def zmq_ceiling(nbytes: int, repeats: int, messages: int = 1, security=None) -> list[float]:
     """Seconds for `nbytes` DEALER->ROUTER in `messages` equal messages, each
-    acked, all in flight at once; receiver in a thread."""
+    acked, all in flight at once; receiver in a thread. `security`: a
+    pdd.security.Curve for both ends (None: plaintext)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    if security is not None:
+        security.serve(router)
+        security.dial(dealer, security.public_key)
     router.bind("tcp://127.0.0.1:0")
     addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -158,7 +163,6 @@ def _zmq_ceiling(nbytes: int, repeats: int, messages: int = 1) -> list[float]:
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
-    dealer = ctx.socket(zmq.DEALER)
     dealer.connect(addr)
     chunk = nbytes // messages
     bufs = [torch.randint(0, 255, (chunk,), dtype=torch.uint8).numpy() for _ in range(messages)]
@@ -175,6 +179,8 @@ def _zmq_ceiling(nbytes: int, repeats: int, messages: int = 1) -> list[float]:
     th.join()
     dealer.close(0)
     router.close(0)
+    if security is not None:
+        security.release(router)
     ctx.term()
     return times[1:]
 
@@ -194,7 +200,7 @@ def measure(rig: _Rig, blocks: int, repeats: int, total_blocks: int) -> dict:
     runs = [rig.transfer(src_ids, dst_ids) for _ in range(repeats)]
     nbytes = runs[0][2]
     msgs = rig.src.shape[0]
-    ceiling, chunked = _zmq_ceiling(nbytes, repeats), _zmq_ceiling(nbytes, repeats, msgs)
+    ceiling, chunked = zmq_ceiling(nbytes, repeats), zmq_ceiling(nbytes, repeats, msgs)
     t, t_zmq, t_chunked = (statistics.median(x) for x in ([r[0] for r in runs], ceiling, chunked))
     return {"bytes": nbytes, "blocks": blocks, "messages": msgs, "seconds": t,
             "gb_s": nbytes / t / 1e9, "send_layer_ms": 1e3 * statistics.median(r[1] for r in runs),

@@ -22,7 +22,6 @@ import functools
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -81,48 +80,6 @@ async def _bus(cfg, messages: int, pings: int) -> dict:
             "rtt_p99_us": 1e6 * rtts[int(0.99 * (len(rtts) - 1))]}
 
 
-def _zmq_ceiling(cfg, nbytes: int, messages: int, repeats: int) -> float:
-    """Median seconds for `nbytes` DEALER -> ROUTER as `messages` acked messages, all in flight."""
-    import numpy as np
-
-    sec = data_security(cfg)
-    ctx = zmq.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    if sec is not None:
-        sec.serve(router)
-        sec.dial(dealer, sec.public_key)
-    router.bind("tcp://127.0.0.1:0")
-
-    def serve() -> None:
-        while True:
-            ident, body = router.recv_multipart(copy=False)
-            router.send_multipart([ident, b"ok"])
-            if len(body) == 0:
-                return
-
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
-    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-    bufs = [np.random.randint(0, 255, nbytes // messages, dtype=np.uint8) for _ in range(messages)]
-    times = []
-    for _ in range(repeats + 1):   # the first one warms the connection up
-        t0 = time.perf_counter()
-        for b in bufs:
-            dealer.send(b, copy=False)
-        for _ in bufs:
-            dealer.recv()
-        times.append(time.perf_counter() - t0)
-    dealer.send(b"")
-    dealer.recv()
-    th.join()
-    dealer.close(0)
-    router.close(0)
-    if sec is not None:
-        sec.release(router)
-    ctx.term()
-    return statistics.median(times[1:])
-
-
 def _transfer(cfg, sizes: str, repeats: int) -> dict:
     """`pdd bench transfer`, its sockets given `cfg`'s data-plane keys."""
     from pdd.bench import transfer
@@ -146,7 +103,8 @@ def _transfer(cfg, sizes: str, repeats: int) -> dict:
     out = {size: {k: r[k] for k in ("bytes", "seconds", "gb_s")}
            for size, r in json.loads(out.read_text())["sizes"].items()}
     for r in out.values():
-        r["zmq_x32_gb_s"] = r["bytes"] / _zmq_ceiling(cfg, r["bytes"], 32, repeats) / 1e9
+        r["zmq_x32_gb_s"] = r["bytes"] / statistics.median(
+            transfer.zmq_ceiling(r["bytes"], repeats, 32, sec)) / 1e9
     return out
 
 
