@@ -12,46 +12,18 @@ from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from tests.security.conftest import secure_config
 from tests.transfer.conftest import make_layout, make_pool
-from tests.transfer.ipc_peer import wait_result
+from tests.transfer.ipc_peer import serve_pool, wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def serve_secure_pool(conn, keys_dir: str, device: str) -> None:
-    """The decode side in its own process (CUDA IPC cannot open a handle where it was exported)."""
-    from pdd.security import data_security
-    from pdd.transfer import make_receiver
-    from pdd.transfer.leases import LeaseTable
-
-    layout = make_layout()
-    pool = make_pool(layout, seed=2).to(device)
-    leases = LeaseTable()
-    sec = data_security(secure_config(keys_dir))
-    receiver = make_receiver("tcp", pool, layout, leases, security=sec)
-    receiver.start()
-    conn.send((receiver.address, sec.public_key))
-    try:
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "grant":
-                conn.send(leases.grant(*args))
-            elif cmd == "pool":
-                torch.cuda.synchronize(device)
-                conn.send(pool.cpu())
-            else:
-                conn.send(None)
-                return
-    finally:
-        receiver.close()
-
-
 @pytest.fixture(scope="module")
 def peer(keys):
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_secure_pool, args=(child, str(keys), PEER), daemon=True)
+    proc = ctx.Process(target=serve_pool, args=(child, make_layout().to_dict(), PEER, 2, str(keys)), daemon=True)
     proc.start()
     assert conn.poll(120), "peer did not start"
     address, key = conn.recv()

@@ -13,13 +13,20 @@ from pdd.transfer.leases import LeaseTable
 from tests.transfer.conftest import make_pool
 
 
-def serve_pool(conn, layout: dict, device: str, seed: int) -> None:
+def serve_pool(conn, layout: dict, device: str, seed: int, keys_dir: str | None = None) -> None:
+    """Sends (address, the data socket's public key or "") once it listens;
+    `keys_dir`: the data socket runs CURVE with that cluster's keys."""
     layout = KVLayout.from_dict(layout)
     pool = make_pool(layout, seed).to(device)
     leases = LeaseTable()
-    receiver = make_receiver("tcp", pool, layout, leases)
+    security = None
+    if keys_dir is not None:
+        from pdd.security import data_security
+        from tests.security.conftest import secure_config
+        security = data_security(secure_config(keys_dir))
+    receiver = make_receiver("tcp", pool, layout, leases, security=security)
     receiver.start()
-    conn.send(receiver.address)
+    conn.send((receiver.address, security.public_key if security else ""))
     try:
         while True:
             cmd, *args = conn.recv()

@@ -28,7 +28,7 @@ class Peer:
         self.proc = ctx.Process(target=serve_pool, args=(child, self.layout.to_dict(), PEER, 2), daemon=True)
         self.proc.start()
         assert self.conn.poll(120), "peer did not start"
-        self.address = self.conn.recv()
+        self.address, _ = self.conn.recv()
 
     def __call__(self, *cmd):
         self.conn.send(cmd)
