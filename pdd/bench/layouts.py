@@ -126,11 +126,16 @@ class UpProcess:
 
     def stop(self) -> int:
         """As Ctrl-C would: the router drains, then the workers stop."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return interrupt(self.proc, 90.0)
+
+
+def interrupt(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Ctrl-C a `pdd up` and wait for it (killed if it outlives `timeout_s`); its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import zmq
 
 from pdd.admin.client import call_with_config
+from pdd.bench.layouts import interrupt
 from pdd.config import load_cluster_config
 from pdd.launcher import free_port
 from pdd.security import control_security
@@ -91,11 +91,4 @@ class UpCluster:
             time.sleep(0.05)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return interrupt(self.proc, 60.0)
