@@ -142,6 +142,12 @@ class ControlPlane:
         return place(request, workers, self.cfg.mode, exclude, estimates=estimates, slo=self.cfg.adaptive,
                      block_size=layout.block_size if layout else 16, **kw)
 
+    def _rebalance(self) -> None:
+        """Adaptive: which workers lean to prefill follows every change of the
+        workers and their load (readers such as `pdd admin status` only look)."""
+        if self.cfg.mode == "adaptive":
+            self.estimator.rebalance(self.registry.workers.values(), self.clock())
+
     def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         layout = self.registry.layout
         return block_hashes(prompt_token_ids, layout.block_size) if layout else []
@@ -189,6 +195,7 @@ class ControlPlane:
             log.info("worker %s registered (%s on %s, %d blocks)", peer, msg.role, msg.device, msg.num_blocks)
         self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
                                         heartbeat_interval_s=self.cfg.heartbeat_interval_s))
+        self._rebalance()
         if replaced is not None:
             # Its requests may move to the new process itself: it registered first.
             self._orphaned(peer, "it restarted (a new process registered under its id)")
@@ -201,6 +208,7 @@ class ControlPlane:
             return
         self.metrics.observe_heartbeat(msg)
         self.estimator.observe(msg)
+        self._rebalance()
         if msg.step_running_s > self.step_timeout_s:
             self._hung(worker, msg.step_running_s)
         elif worker.hung and steps_before is not None and msg.steps_completed > steps_before:

@@ -186,11 +186,16 @@ class Estimator:
     def snapshot(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
         """The role balance brought up to date, then every worker's estimate."""
         workers = list(workers)
+        self.rebalance(workers, now)
+        return self.estimates(workers, layout, now)
+
+    def rebalance(self, workers: Iterable[WorkerInfo], now: float) -> None:
+        """The role balance brought up to date with the registered workers and the demand."""
+        workers = list(workers)
         ids = {w.worker_id for w in workers}
         for gone in set(self.workers) - ids:       # unregistered: its measurements go with it
             del self.workers[gone]
         self._balance(workers, now)
-        return self.estimates(workers, layout, now)
 
     def estimates(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
         """Every worker's estimate as things stand (the balance as last set)."""

@@ -205,9 +205,9 @@ class Router:
                 "prefill_leaning": sorted(estimator.prefill_leaning)}
 
     def _estimates(self):
-        # Brings the role balance up to date first, as the next placement would.
-        return self.control.estimator.snapshot(self.registry.workers.values(), self.registry.layout,
-                                               time.monotonic())
+        """What placement estimates now, read only (the balance as the last event set it)."""
+        return self.control.estimator.estimates(self.registry.workers.values(), self.registry.layout,
+                                                time.monotonic())
 
     @property
     def overloaded(self) -> bool:
