@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,12 +44,14 @@ class SweepPoint:
     goodput: float | None
     slo_attainment: float | None
     result_file: str = ""
+    placements: dict[str, int] = dataclasses.field(default_factory=dict)   # "kind/reason" -> decisions at this rate
 
     @classmethod
-    def of(cls, layout: str, rate: float, result: ServeResult, path: str = "") -> "SweepPoint":
+    def of(cls, layout: str, rate: float, result: ServeResult, path: str = "",
+           placements: dict[str, int] | None = None) -> "SweepPoint":
         m = result.metrics
         return cls(layout, rate, m.completed, m.failed, result.outcome.not_sent, m.ttft_ms.p99, m.itl_ms.p99,
-                   m.tpot_ms.p99, m.goodput, m.slo_attainment, str(path))
+                   m.tpot_ms.p99, m.goodput, m.slo_attainment, str(path), dict(placements or {}))
 
     def passes(self) -> bool:
         return self.slo_attainment is not None and self.slo_attainment >= PASS_FRACTION - 1e-9
@@ -100,6 +104,24 @@ def markdown(points: list[SweepPoint], slos_ms: dict[str, float]) -> str:
     return "\n".join(rows) + "\n"
 
 
+_PLACEMENT = re.compile(r'^pdd_placement_total\{kind="([^"]*)",reason="([^"]*)"\} ([0-9.e+]+)$', re.M)
+
+
+def placement_counts(url: str) -> dict[str, int]:
+    """The router's placement decisions so far, "kind/reason" -> count (its /metrics);
+    empty when the server is not pdd or does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return {}
+    return {f"{kind}/{reason}": int(float(n)) for kind, reason, n in _PLACEMENT.findall(text)}
+
+
+def _since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n - before.get(k, 0)}
+
+
 def _sweep_layout(layout: Layout, url: str, base: ServeConfig, args, out: Path) -> list[SweepPoint]:
     cfg = dataclasses.replace(base, target=dataclasses.replace(base.target, url=url))
     runs = 0
@@ -109,12 +131,15 @@ def _sweep_layout(layout: Layout, url: str, base: ServeConfig, args, out: Path) 
         # NOTE: the k-th rate gets seed + k: prompts new to this cluster (none served from
         # its prefix cache), and the same at that rate for every layout.
         workload = dataclasses.replace(base.workload, seed=base.workload.seed + runs)
+        placed_before = placement_counts(url)
         result = run(dataclasses.replace(cfg, workload=workload, load=dataclasses.replace(cfg.load, request_rate=rate)))
         cfg = dataclasses.replace(result.config, num_warmups=0)   # warm once per cluster; the model name is known
         runs += 1
         path = save(result, out / layout.slug, f"rate-{rate:g}.json", plots=False)
-        print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}", flush=True)
-        return SweepPoint.of(layout.name, rate, result, path)
+        placed = _since(placement_counts(url), placed_before)
+        print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}" + (f"\nplacements: {placed}" if placed else ""),
+              flush=True)
+        return SweepPoint.of(layout.name, rate, result, path, placed)
 
     rates = parse_rates(args.rates)
     step = args.rate_step or (rates[-1] - rates[-2] if len(rates) > 1 else rates[-1])

@@ -82,3 +82,34 @@ def test_sweep_plot_is_written(tmp_path):
     pts[1]["goodput"] = None   # no SLOs given: that panel has a gap, not an error
     path = sweep_lines(pts, tmp_path / "s.png", "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_placement_counts_read_the_routers_metrics():
+    import http.server
+    import threading
+
+    from pdd.bench.sweep import placement_counts
+
+    text = ('# HELP pdd_placement_total Placement decisions\n# TYPE pdd_placement_total counter\n'
+            'pdd_placement_total{kind="disagg",reason="cost"} 12.0\n'
+            'pdd_placement_total{kind="local_prefill",reason="overloaded"} 3.0\n'
+            'pdd_placement_created{kind="disagg",reason="cost"} 1.7e+09\n').encode()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert placement_counts(url) == {"disagg/cost": 12, "local_prefill/overloaded": 3}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert placement_counts(url) == {}      # nobody answers: no counts, no error
