@@ -42,3 +42,23 @@ def test_bad_messages_name_what_is_wrong(data, error):
     with pytest.raises(ProtocolError) as e:
         decode(data)
     assert str(e.value).startswith(error)
+
+
+def test_generated_and_field_by_field_builders_agree():
+    """Each type's generated fast path builds what the checked path builds, and
+    leaves a bad map untouched for the checked path's error."""
+    from pdd.protocol import codec
+
+    item = {**ITEM, "finished": True, "finish_reason": "stop", "logprobs": [[-0.1, []]]}
+    fast, checked = codec._builder(m.TokenItem), codec._checked_builder(m.TokenItem)
+    assert fast(dict(item)) == checked(dict(item))
+    admit = {"request_id": "r", "epoch": 1, "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 3}}
+    built = codec._builder(m.Admit)(dict(admit))
+    assert built.sampling == SamplingParams(max_tokens=3)
+    bad = {**admit, "sampling": {"max_tokens": 3}, "prompt_token_ids": [1, None]}
+    with pytest.raises(codec._Mismatch) as e:
+        codec._builder(m.Admit)(bad)
+    assert e.value.path == [".prompt_token_ids"] and isinstance(bad["sampling"], dict)
+    for value in (None, 1.5, True):     # ints only, never a bool
+        with pytest.raises(codec._Mismatch):
+            fast({**ITEM, "position": value})

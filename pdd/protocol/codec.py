@@ -65,9 +65,16 @@ class _Mismatch(Exception):
 
 # The checks are compiled once per type: a TokenBatch of a whole decode step
 # carries hundreds of items, and the router decodes one per worker per step.
+# Each type gets generated code that checks a conforming map inline (no call
+# per field) and hands anything else to the field-by-field builder, which names
+# what is wrong.
 
 @lru_cache(maxsize=None)
 def _builder(cls):
+    return _fast_builder(cls, _checked_builder(cls))
+
+
+def _checked_builder(cls):
     spec = _fields(cls)
     names = frozenset(spec)
     required = [name for name, (_, req) in spec.items() if req]
@@ -89,6 +96,67 @@ def _builder(cls):
                 raise
         return cls(**raw)
     return build
+
+
+_MISSING = object()
+
+
+def _fast_builder(cls, checked):
+    """Generated code for `cls`: a conforming map becomes an instance; anything
+    else goes to `checked` untouched (nested values are only stored once every
+    field passed), so its error names the field."""
+    spec = _fields(cls)
+    env = {"_cls": cls, "_checked": checked, "_names": frozenset(spec), "_MISSING": _MISSING,
+           "_Mismatch": _Mismatch}
+    lines = ["def build(raw):",
+             "    if type(raw) is not dict or not _names.issuperset(raw):",
+             "        return _checked(raw)"]
+    nested = []
+    for i, (name, (hint, required)) in enumerate(spec.items()):
+        var = f"v{i}"
+        lines.append(f"    {var} = raw.get({name!r}, _MISSING)")
+        if required:
+            lines += [f"    if {var} is _MISSING:", "        return _checked(raw)"]
+        element = typing.get_args(hint)[0] if typing.get_origin(hint) is list and typing.get_args(hint) else None
+        if dataclasses.is_dataclass(hint) or dataclasses.is_dataclass(element):
+            one = dataclasses.is_dataclass(hint)
+            env[f"_b{i}"] = _builder(hint if one else element)
+            lines += [f"    if {var} is not _MISSING:",
+                      f"        if not ({'True' if one else f'type({var}) is list'}):",
+                      "            return _checked(raw)",
+                      "        try:",
+                      f"            {var} = {f'_b{i}({var})' if one else f'[_b{i}(x) for x in {var}]'}",
+                      "        except _Mismatch:",
+                      "            return _checked(raw)"]
+            nested.append((name, var))
+        else:
+            env[f"_p{i}"] = _predicate(hint)
+            test = _inline_check(hint, var) or f"_p{i}({var})"
+            lines += [f"    if not ({var} is _MISSING or {test}):", "        return _checked(raw)"]
+    for name, var in nested:
+        lines.append(f"    if {var} is not _MISSING:\n        raw[{name!r}] = {var}")
+    lines.append("    return _cls(**raw)")
+    exec("\n".join(lines), env)   # noqa: S102 -- code generated from our own type hints
+    return env["build"]
+
+
+def _inline_check(hint, var: str) -> str | None:
+    """A Python expression testing `var` against `hint` as _predicate does, for
+    the common hints; None: call the predicate."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        parts = [_inline_check(h, var) for h in args]
+        return None if None in parts else "(" + " or ".join(parts) + ")"
+    simple = {type(None): f"{var} is None", bool: f"({var} is True or {var} is False)",
+              int: f"type({var}) is int", float: f"(type({var}) is float or type({var}) is int)",
+              str: f"type({var}) is str", bytes: f"type({var}) is bytes"}
+    if hint is typing.Any:
+        return "True"
+    if hint in simple:
+        return simple[hint]
+    if hint == list[int]:
+        return f"(type({var}) is list and all([type(x) is int for x in {var}]))"
+    return None
 
 
 @lru_cache(maxsize=None)
