@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -146,6 +147,100 @@ class LLMEngine:
         req = self.make_request(request_id, prompt_token_ids, sampling, **kwargs)
         self.scheduler.add_request(req)
         return req
+
+    # ------------------------------------------------------------ warm-up
+
+    def warm_up(self) -> None:
+        """Run short synthetic requests through the engine's own steps, so the
+        Triton kernels of eager (prefill, mixed) steps are compiled before real
+        requests wait on them (seconds of TTFT on a fresh H200 worker otherwise).
+        For an idle engine that serves nothing yet.
+
+        Leaves no trace: prefix caching is off while it runs (nothing is looked
+        up, counted, published as a cached block or reported as a recent hash),
+        every block goes back to the free queue in its old order, and the
+        step and preemption counters are restored."""
+        if self.has_unfinished() or self.scheduler.requests or self.connector is not None:
+            raise RuntimeError("warm_up() is for an idle engine that serves nothing yet")
+        t0 = time.perf_counter()
+        max_tokens = max(1, min(4, self.max_model_len - 1))
+        phases = self._warm_up_plan(max_tokens)
+        if not phases:
+            log.info("engine warm-up skipped: no room for its prompts")
+            return
+        # A fixed seed: a missing one would be drawn from the process's random state.
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+        rng = random.Random(0)
+        vocab = self.model_config.vocab_size
+        pool, sched = self.kv.pool, self.scheduler
+        free_order, freed_at = list(pool.free_queue), list(pool.freed_at)
+        launched, preemptions = pool.steps_launched, sched.num_preemptions
+        prefix_caching, self.kv.enable_prefix_caching = self.kv.enable_prefix_caching, False
+        num = 0
+        try:
+            for phase in phases:
+                # Each group joins after one step of the groups before it: its
+                # prefill shares steps with their decodes (mixed steps).
+                for group in phase:
+                    for n in group:
+                        self.add_request(f"warm-up-{num}", [rng.randrange(vocab) for _ in range(n)], sp)
+                        num += 1
+                    self.step()
+                while self.has_unfinished():
+                    self.step()
+        finally:
+            self.kv.enable_prefix_caching = prefix_caching
+        self.wait_in_flight()
+        steps = pool.steps_launched - launched
+        assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"
+        # Nothing runs any more (wait_in_flight): the counters can go back.
+        pool.free_queue.clear()
+        pool.free_queue.update(dict.fromkeys(free_order))
+        pool.freed_at[:] = freed_at
+        pool.steps_launched = self.steps_done = launched
+        sched.num_preemptions = preemptions
+        self.last_step = StepStats()
+        log.info("engine warm-up: %d requests, %d steps in %.2f s", num, steps, time.perf_counter() - t0)
+
+    def _warm_up_plan(self, max_tokens: int) -> list[list[list[int]]]:
+        """Prompt lengths: phases (each runs to completion before the next) of
+        groups (each added one step after the one before, so its prefill shares
+        a step with their decodes). Empty if nothing fits."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        limit = self.max_model_len - max_tokens   # longest prompt make_request accepts
+        if limit < 1:
+            return []
+        chunk = min(cfg.chunk_size, cfg.max_num_batched_tokens)
+        n = max(1, min(cfg.max_num_batched_tokens // chunk, cfg.max_num_seqs - 1, 8))
+        # A step of full prefill chunks (lengths off the multiples of 16, as real
+        # prompts are), then their decodes beside the chunks of a prompt several
+        # chunks long: the large shapes of a busy step.
+        phases = [[[chunk - i for i in range(n)] + [3 * chunk + chunk // 2 + 1]]]
+        # Triton compiles a kernel per specialization of its arguments (a pointer
+        # 16-byte aligned or not, an int equal to 1, a multiple of 16 or neither),
+        # and the attention kernels' vary with the batch: the block-table width
+        # (1, a multiple of 16, other), the number of sequences (seq_lens sits
+        # 16-byte aligned in the step's staging buffer when it is 3 mod 4), and
+        # whether decode attention splits the KV (contexts beyond ~128 tokens).
+        # So: each context class, in prefill-only and mixed steps of 2, 3 and 4
+        # sequences.
+        for ctx in (bs - max_tokens, 6 * bs + 3, 16 * bs - max_tokens, 20 * bs + 3):
+            phases += [[[ctx] * 3, [ctx]], [[ctx] * 2, [ctx]]]
+        return [p for p in (self._fit_phase(p, limit, max_tokens) for p in phases) if p]
+
+    def _fit_phase(self, phase: list[list[int]], limit: int, max_tokens: int) -> list[list[int]]:
+        """The phase with every prompt resident at once within the free blocks (no
+        preemption, nothing waiting): lengths clipped, halved, then prompts dropped."""
+        def blocks() -> int:
+            return sum(self.kv.blocks_needed(x + max_tokens) for g in phase for x in g)
+        phase = [[max(1, min(x, limit)) for x in g] for g in phase]
+        while phase and blocks() > self.kv.num_free_blocks:
+            if any(x > 1 for g in phase for x in g):
+                phase = [[max(1, x // 2) for x in g] for g in phase]
+            else:
+                phase[-1].pop()
+                phase = [g for g in phase if g]
+        return phase
 
     # ------------------------------------------------------------ disaggregation
 

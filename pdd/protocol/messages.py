@@ -73,8 +73,11 @@ class Heartbeat(Message):
     prefill_chunks: list[int] = field(default_factory=list)
     decode_batches: list[int] = field(default_factory=list)
     # Tokens of each step of step_latencies (same order): the router fits
-    # step time ~ a + b * tokens per worker (pdd.router.estimator).
+    # step time ~ a + c * decodes + b * prefill tokens per worker (pdd.router.estimator).
     step_tokens: list[int] = field(default_factory=list)
+    # Decode tokens among each step's tokens (same order): decode and prefill
+    # tokens cost differently, and the router fits them apart.
+    step_decodes: list[int] = field(default_factory=list)
     # Prompt tokens admitted and not yet computed (waiting and partly prefilled requests).
     prefill_tokens_pending: int = 0
     # Recently computed block hashes (newest last): prefix-affinity routing.

@@ -2,7 +2,7 @@
 
 Fed by the router's events — heartbeats (step latencies and tokens, queues),
 placements (prompt tokens sent somewhere), finished transfers — it keeps per
-worker a step-time model `step ≈ a + b·tokens`, the prompt tokens it has yet to
+worker a step-time model `step ≈ a + c·decodes + b·prefill tokens`, the prompt tokens it has yet to
 compute, how many requests it decodes, and how many prefill tokens its steps
 carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
 transfer rate per backend. From the demand it sets which colocated workers
@@ -26,9 +26,16 @@ from pdd.router.registry import WorkerInfo
 # Before a worker's steps are measured: a GPU-class step (the fit moves off it
 # within a few heartbeats of work).
 PRIOR_BASE_S = 0.01
-PRIOR_TOKEN_S = 5e-5
-PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _LineFit)
-PRIOR_AT = 512
+PRIOR_TOKEN_S = 5e-5      # a prefill token
+PRIOR_DECODE_S = 5e-5     # a decode token (its attention reads the request's whole context)
+PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _StepFit)
+PRIOR_AT = 512            # ... of prefill tokens
+PRIOR_DECODES_AT = 64     # ... of decodes
+# A group measured more than this many times its prediction counts as this
+# many times it: a step that compiled kernels (seconds, once) must not become
+# the worker's cost, while a worker really slower than the fit still pulls it
+# up threefold per group.
+OUTLIER = 3.0
 # Consecutive steps fitted as one sample: with async scheduling a step's
 # latency is mostly the wait for the step before, so one step's pair of
 # (tokens, latency) is off by one; a group of them is not, but at its edges.
@@ -47,7 +54,8 @@ LEAN_PREFILL, LEAN_DECODE = "prefill", "decode"
 class WorkerEstimate:
     """One worker as placement sees it; times in seconds, work in tokens."""
     step_base_s: float              # a: a step's cost whatever it holds
-    step_token_s: float             # b: each token it computes
+    step_token_s: float             # b: each prefill token it computes
+    step_decode_s: float = PRIOR_DECODE_S   # c: each request it decodes
     pending_tokens: int = 0         # prompt tokens admitted here and not computed yet
     decoding: int = 0               # requests running here (each a decode token per step)
     prefill_per_step: float = 0.0   # prefill tokens its recent steps carried, on average
@@ -56,8 +64,8 @@ class WorkerEstimate:
     leaning: str = LEAN_DECODE      # which work the router steers here first
     samples: int = 0                # step groups measured so far
 
-    def step_s(self, tokens: float) -> float:
-        return self.step_base_s + self.step_token_s * tokens
+    def step_s(self, decodes: float, prefill: float = 0.0) -> float:
+        return self.step_base_s + self.step_decode_s * decodes + self.step_token_s * prefill
 
     def prefill_s(self, tokens: int, behind: int = 0) -> float:
         """Until `tokens` more prompt tokens are computed here, queued behind
@@ -69,15 +77,26 @@ class WorkerEstimate:
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
         return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
 
+    @property
+    def riding(self) -> float:
+        """Prefill tokens its steps carry now: lately, or a chunk of what is pending."""
+        return min(max(self.prefill_per_step, min(self.pending_tokens, self.chunk)),
+                   max(0, self.budget - self.decoding))
+
     def chunk_step_s(self) -> float:
-        """A step that carries a prefill chunk beside this worker's decodes: the
-        gap its running requests see between two tokens."""
-        return self.step_s(self.decoding + max(1, min(self.chunk, self.budget - self.decoding)))
+        """A step that carries one more prefill chunk beside this worker's decodes
+        and the prefill already riding: the gap its running requests see."""
+        room = max(0, self.budget - self.decoding)
+        return self.step_s(self.decoding, min(room, self.riding + max(1, min(self.chunk, room))))
+
+    def tpot_s(self) -> float:
+        """A step of this worker with one more request decoding, beside the prefill it carries."""
+        return self.step_s(self.decoding + 1, self.riding)
 
     @property
     def prefill_rate(self) -> float:
         """Prompt tokens per second in full prefill steps."""
-        return self.budget / self.step_s(self.budget)
+        return self.budget / self.step_s(0, self.budget)
 
 
 @dataclass(frozen=True)
@@ -90,38 +109,55 @@ class Estimates:
         return tokens * self.transfer_s_per_token.get(backend, 0.0)
 
 
-class _LineFit:
-    """Weighted least squares of y = a + b·x with exponential forgetting, held
-    toward the prior (a0, b0) by a ridge worth PRIOR_WEIGHT samples: a at x = 0,
-    b at x = PRIOR_AT. Steps of one size only (a worker that just decodes) fit
-    a and leave b at the prior instead of inventing a slope from noise."""
+class _StepFit:
+    """Weighted least squares of y = a + c·decodes + b·prefill with exponential
+    forgetting, held toward the prior (a0, c0, b0) by a ridge worth PRIOR_WEIGHT
+    samples. A worker that only decodes fits a and c and keeps the prior b; one
+    that only prefills keeps the prior c: a slope is never invented from noise."""
+
+    PRIOR = (PRIOR_BASE_S, PRIOR_DECODE_S, PRIOR_TOKEN_S)
+    RIDGE = (PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_DECODES_AT ** 2, PRIOR_WEIGHT * PRIOR_AT ** 2)
 
     def __init__(self):
-        self.s = [0.0] * 5      # Σw, Σwx, Σwx², Σwy, Σwxy
+        self.xx = [[0.0] * 3 for _ in range(3)]     # Σw·x·xᵀ, x = (1, decodes, prefill)
+        self.xy = [0.0] * 3                          # Σw·x·y
         self.n = 0
 
-    def add(self, x: float, y: float) -> None:
-        self.s = [v * FORGET for v in self.s]
-        for i, v in enumerate((1.0, x, x * x, y, x * y)):
-            self.s[i] += v
+    def predict(self, decodes: float, prefill: float) -> float:
+        a, c, b = self.solve()
+        return a + c * decodes + b * prefill
+
+    def add(self, decodes: float, prefill: float, y: float) -> None:
+        y = min(y, OUTLIER * self.predict(decodes, prefill))
+        x = (1.0, decodes, prefill)
+        for i in range(3):
+            self.xy[i] = self.xy[i] * FORGET + x[i] * y
+            for j in range(3):
+                self.xx[i][j] = self.xx[i][j] * FORGET + x[i] * x[j]
         self.n += 1
 
-    def solve(self) -> tuple[float, float]:
-        w, sx, sxx, sy, sxy = self.s
-        ra, rb = PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_AT ** 2
-        # [w + ra, sx; sx, sxx + rb] [a, b] = [sy + ra·a0, sxy + rb·b0]
-        m00, m01, m11 = w + ra, sx, sxx + rb
-        r0, r1 = sy + ra * PRIOR_BASE_S, sxy + rb * PRIOR_TOKEN_S
-        det = m00 * m11 - m01 * m01
-        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
+    def solve(self) -> tuple[float, float, float]:
+        m = [row[:] + [self.xy[i] + self.RIDGE[i] * self.PRIOR[i]] for i, row in enumerate(self.xx)]
+        for i in range(3):
+            m[i][i] += self.RIDGE[i]
+        # Gaussian elimination; the ridge keeps the matrix positive definite.
+        for i in range(3):
+            for k in range(i + 1, 3):
+                f = m[k][i] / m[i][i]
+                for j in range(i, 4):
+                    m[k][j] -= f * m[i][j]
+        sol = [0.0] * 3
+        for i in (2, 1, 0):
+            sol[i] = (m[i][3] - sum(m[i][j] * sol[j] for j in range(i + 1, 3))) / m[i][i]
+        a, c, b = sol
         # Noise must not make a token free, or a step cost less than nothing.
-        return max(a, 0.0), max(b, PRIOR_TOKEN_S * 1e-3)
+        return max(a, 0.0), max(c, PRIOR_DECODE_S * 1e-3), max(b, PRIOR_TOKEN_S * 1e-3)
 
 
 @dataclass
 class _Worker:
-    fit: _LineFit = field(default_factory=_LineFit)
-    group: list = field(default_factory=list)     # (tokens, latency) of steps not yet a full group
+    fit: _StepFit = field(default_factory=_StepFit)
+    group: list = field(default_factory=list)     # (decodes, prefill tokens, latency) of steps not yet a group
     pending: int = 0                  # from the last heartbeat ...
     decoding: int = 0
     placed_tokens: int = 0            # ... plus what was placed here since
@@ -142,10 +178,12 @@ class Estimator:
 
     def observe(self, hb: m.Heartbeat) -> None:
         w = self.workers.setdefault(hb.worker_id, _Worker())
-        for pair in zip(hb.step_tokens, hb.step_latencies):
-            w.group.append(pair)
+        # A worker that does not say which tokens decoded counts them all as prefill.
+        decodes = hb.step_decodes if len(hb.step_decodes) == len(hb.step_tokens) else [0] * len(hb.step_tokens)
+        for d, t, latency in zip(decodes, hb.step_tokens, hb.step_latencies):
+            w.group.append((d, t - d, latency))
             if len(w.group) == GROUP:
-                w.fit.add(sum(t for t, _ in w.group) / GROUP, sum(s for _, s in w.group) / GROUP)
+                w.fit.add(*(sum(g[i] for g in w.group) / GROUP for i in range(3)))
                 w.group.clear()
         steps = len(hb.step_latencies)
         recent = sum(hb.prefill_chunks) / steps if steps else 0.0     # an idle worker carries none
@@ -205,12 +243,12 @@ class Estimator:
 
     def _estimate(self, info: WorkerInfo) -> WorkerEstimate:
         w = self.workers.setdefault(info.worker_id, _Worker())
-        a, b = w.fit.solve()
+        a, c, b = w.fit.solve()
         if info.role == "prefill" or info.worker_id in self.prefill_leaning:
             leaning = LEAN_PREFILL
         else:
             leaning = LEAN_DECODE
-        return WorkerEstimate(a, b, w.pending + w.placed_tokens, w.decoding + w.placed_decodes, w.prefill_per_step,
+        return WorkerEstimate(a, b, c, w.pending + w.placed_tokens, w.decoding + w.placed_decodes, w.prefill_per_step,
                               info.max_num_batched_tokens or 2048, info.chunk_size or 512, leaning, w.fit.n)
 
     def _balance(self, workers: list[WorkerInfo], now: float) -> None:
@@ -248,6 +286,7 @@ class Estimator:
         """Per worker, for `pdd admin status`: the fitted model, queue and leaning."""
         return {wid: {"leaning": e.leaning, "prefill_tokens_per_s": round(e.prefill_rate, 1),
                       "step_base_ms": round(e.step_base_s * 1e3, 3), "step_token_us": round(e.step_token_s * 1e6, 3),
+                      "step_decode_us": round(e.step_decode_s * 1e6, 3),
                       "pending_prefill_tokens": e.pending_tokens, "decoding": e.decoding,
                       "prefill_tokens_per_step": round(e.prefill_per_step, 1), "step_groups_measured": e.samples}
                 for wid, e in estimates.workers.items()}

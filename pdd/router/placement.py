@@ -184,12 +184,18 @@ class _Option:
         """Request-seconds: the new request's latency and what it adds to others'."""
         return self.ttft_s + max_tokens * self.tpot_s + self.harm_s
 
+    def queued(self, slo: AdaptiveConfig) -> bool:
+        """A prefill worker's queue past the share of the TTFT target placement
+        plans for (the rest is the margin that keeps the tail within it)."""
+        return self.prefill is not None and self.ttft_s > slo.ttft_headroom * slo.ttft_slo_s
+
     def rank(self, slo: AdaptiveConfig, max_tokens: int) -> tuple:
         """Options that meet the SLOs first, decoding on a decode-leaning worker
-        first, cheapest first; if none meets them, the least excess."""
+        first, then not waiting in a queued prefill worker, cheapest first; if
+        none meets them, the least excess."""
         excess = self.excess(slo)
         if excess == 0.0:
-            return 0, self.decode_leans_prefill, self.cost(max_tokens), self.decode.worker_id
+            return 0, self.decode_leans_prefill, self.queued(slo), self.cost(max_tokens), self.decode.worker_id
         return 1, excess, self.cost(max_tokens), self.decode.worker_id
 
 
@@ -233,10 +239,15 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
 
 
 def _why(best: _Option, options: list[_Option], slo: AdaptiveConfig) -> str:
-    """slo: only this kind of option (remote or local) meets the targets; cost:
-    both do and this one is cheaper."""
-    others = [o for o in options if (o.prefill is None) != (best.prefill is None)]
-    return "cost" if any(o.excess(slo) == 0 for o in others) else "slo"
+    """slo: only this kind of option (remote or local) meets the targets;
+    prefill_queue: a prefill worker would too, but its queue is past the
+    planned share of the TTFT target; cost: both do and this one is cheaper."""
+    others = [o for o in options if (o.prefill is None) != (best.prefill is None) and o.excess(slo) == 0]
+    if not others:
+        return "slo"
+    if best.prefill is None and all(o.queued(slo) for o in others):
+        return "prefill_queue"
+    return "cost"
 
 
 def _cached(w: WorkerInfo, request: PlaceRequest, block_size: int, n: int) -> int:
@@ -247,7 +258,7 @@ def _cached(w: WorkerInfo, request: PlaceRequest, block_size: int, n: int) -> in
 def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, block_size: int, n: int) -> _Option:
     e = est.workers[d.worker_id]
     new = n - _cached(d, request, block_size, n)
-    return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens), _tpot(e),
+    return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens), e.tpot_s(),
                    e.chunk_step_s() if e.decoding else 0.0, e.decoding * e.step_token_s * new,
                    e.leaning == LEAN_PREFILL)
 
@@ -276,12 +287,9 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         e = est.workers[p.worker_id]
         new = n - _cached(p, request, block_size, n)
         tail = est.transfer_s(backend, min(to_send, e.chunk))
-        options.append(_Option(d, p, backend, new, e.prefill_s(new, behind=e.pending_tokens) + tail, _tpot(e_d),
-                               e.chunk_step_s() if e.decoding else 0.0, e.decoding * e.step_token_s * new,
-                               e_d.leaning == LEAN_PREFILL))
+        # The gaps a prefill-leaning worker's chunks give its own few decodes
+        # count in the cost (harm), not as a target: they are why it leans so.
+        itl = e.chunk_step_s() if e.decoding and e.leaning != LEAN_PREFILL else 0.0
+        options.append(_Option(d, p, backend, new, e.prefill_s(new, behind=e.pending_tokens) + tail, e_d.tpot_s(),
+                               itl, e.decoding * e.step_token_s * new, e_d.leaning == LEAN_PREFILL))
     return options, None
-
-
-def _tpot(e: WorkerEstimate) -> float:
-    """A step of the decode worker with this request added, and the prefill its steps carry lately."""
-    return e.step_s(e.decoding + 1 + e.prefill_per_step)

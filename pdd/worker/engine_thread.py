@@ -179,6 +179,10 @@ class EngineThread(threading.Thread):
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
         e = self.engine = LLMEngine(engine_cfg)
+        if engine_cfg.warm_up and e.device.type == "cuda":
+            # Before registering: the router's first requests must not pay the
+            # Triton compilation of eager steps (on CPU nothing is compiled).
+            e.warm_up()
         layout = KVLayout(
             model_id=self.cfg.served_model_name(e.model_dir),
             weights_hash=weights_fingerprint(e.model_dir, e.cfg.load_format),

@@ -72,6 +72,7 @@ class EngineSnapshot:
     steps_completed: int = 0
     step_latencies: JournalView = JournalView()
     step_tokens: JournalView = JournalView()      # entry i: tokens of step_latencies' entry i
+    step_decodes: JournalView = JournalView()     # entry i: decode tokens among them
     prefill_tokens_pending: int = 0
     prefill_chunks: JournalView = JournalView()
     decode_batches: JournalView = JournalView()
@@ -85,7 +86,8 @@ class EngineStats:
     def __init__(self):
         self.steps_completed = 0
         self.step_latencies = Journal(_MAX_SAMPLES)
-        self.step_tokens = Journal(_MAX_SAMPLES)   # appended with step_latencies: the two stay aligned
+        self.step_tokens = Journal(_MAX_SAMPLES)   # appended with step_latencies: the three stay aligned
+        self.step_decodes = Journal(_MAX_SAMPLES)
         self.prefill_chunks = Journal(_MAX_SAMPLES)
         self.decode_batches = Journal(_MAX_SAMPLES)
         self.recent_hashes = Journal(_MAX_HASHES)
@@ -96,6 +98,7 @@ class EngineStats:
             return  # it only took the results of the step before
         self.step_latencies.extend((step.latency_s,))
         self.step_tokens.extend((step.num_tokens,))
+        self.step_decodes.extend((step.num_decodes,))
         self.prefill_chunks.extend(step.prefill_chunks)
         if step.num_decodes:
             self.decode_batches.extend((step.num_decodes,))
@@ -110,7 +113,7 @@ class EngineStats:
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
             step_latencies=self.step_latencies.view(), step_tokens=self.step_tokens.view(),
-            prefill_tokens_pending=_prompt_tokens_pending(sched), prefill_chunks=self.prefill_chunks.view(),
+            step_decodes=self.step_decodes.view(), prefill_tokens_pending=_prompt_tokens_pending(sched), prefill_chunks=self.prefill_chunks.view(),
             decode_batches=self.decode_batches.view(), recent_hashes=self.recent_hashes.view(),
             transfer=transfer)
 
@@ -126,8 +129,8 @@ class HeartbeatReader:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
-        self._latencies, self._tokens, self._chunks, self._batches, self._hashes = (
-            JournalCursor() for _ in range(5))
+        self._latencies, self._tokens, self._decodes, self._chunks, self._batches, self._hashes = (
+            JournalCursor() for _ in range(6))
 
     def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool,
                   faults: dict[str, float] | None = None) -> m.Heartbeat:
@@ -136,7 +139,8 @@ class HeartbeatReader:
             free_blocks=snap.free_blocks, total_blocks=snap.total_blocks,
             prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
             step_latencies=self._latencies.take(snap.step_latencies),
-            step_tokens=self._tokens.take(snap.step_tokens), prefill_tokens_pending=snap.prefill_tokens_pending,
+            step_tokens=self._tokens.take(snap.step_tokens), step_decodes=self._decodes.take(snap.step_decodes),
+            prefill_tokens_pending=snap.prefill_tokens_pending,
             prefill_chunks=self._chunks.take(snap.prefill_chunks),
             decode_batches=self._batches.take(snap.decode_batches),
             recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,

@@ -70,6 +70,33 @@ def test_a_queued_prefill_worker_misses_the_ttft_target_so_the_decode_worker_pre
     assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "slo")
 
 
+def test_past_the_planned_share_of_the_ttft_target_a_long_prompt_prefills_where_it_decodes(static_pd):
+    """The prefill worker's queue predicts ~1.3 s: within the 2 s target but past
+    the half placement plans for, so the decode worker, whose steps stay within
+    the ITL target with one chunk, prefills it."""
+    workers, ests = static_pd
+    ests["p0"] = est(LEAN_PREFILL, pending_tokens=24_000)
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "prefill_queue")
+
+
+def test_a_decode_worker_already_prefilling_does_not_take_another_chunk_per_step(static_pd):
+    """100 decodes and a local prefill riding: a second chunk would make the
+    gap 10 + 100 x 0.1 + 1024 x 0.025 ms = 45.6 ms, past a 40 ms ITL target;
+    so the prompt waits in the prefill worker's queue, which still meets the TTFT."""
+    workers, ests = static_pd
+    slo = AdaptiveConfig(itl_slo_s=0.04)
+    ests["p0"] = est(LEAN_PREFILL, step_token_s=2.5e-5, pending_tokens=50_000)
+    ests["d0"] = est(decoding=100, step_decode_s=1e-4, step_token_s=2.5e-5, pending_tokens=3000)
+    plan = place(prompt(2000), workers, "adaptive", estimates=estimates(**ests), slo=slo,
+                 pair_allowed=lambda p, d: True, block_size=LAYOUT.block_size)
+    assert (plan.kind, plan.prefill, plan.decode) == (DISAGG, "p0", "d0")
+    ests["d0"] = est(decoding=100, step_decode_s=1e-4, step_token_s=2.5e-5)       # nothing riding: one chunk fits
+    plan = place(prompt(2000), workers, "adaptive", estimates=estimates(**ests), slo=slo,
+                 pair_allowed=lambda p, d: True, block_size=LAYOUT.block_size)
+    assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "prefill_queue")
+
+
 def test_when_nothing_meets_the_targets_it_runs_as_colocated_on_the_least_loaded(static_pd):
     workers, ests = static_pd
     ests["p0"] = est(LEAN_PREFILL, pending_tokens=100_000)
@@ -135,9 +162,10 @@ def test_a_colocated_worker_that_does_not_prefill_for_others_takes_no_kv():
 
 
 def heartbeat(wid: str, steps: list[tuple[int, float]], running: int = 0, pending: int = 0,
-              chunks: list[int] = ()) -> m.Heartbeat:
+              chunks: list[int] = (), decodes: list[int] | None = None) -> m.Heartbeat:
     return m.Heartbeat(wid, running, 0, 100, 100, step_latencies=[s for _, s in steps],
-                       step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending)
+                       step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending,
+                       step_decodes=list(decodes) if decodes is not None else [])
 
 
 def test_the_step_model_calibrates_from_heartbeats():
@@ -219,10 +247,37 @@ def test_a_worker_that_only_decodes_keeps_the_prior_cost_per_token():
     slope stays at the prior instead of being invented from noise."""
     e, w = Estimator(SLO), worker("d0", "decode")
     for i in range(50):
-        e.observe(heartbeat("d0", [(1, 0.3 + 0.01 * ((i + j) % 3)) for j in range(8)]))
+        e.observe(heartbeat("d0", [(1, 0.3 + 0.01 * ((i + j) % 3)) for j in range(8)], decodes=[1] * 8))
     fitted = e.snapshot([w], LAYOUT, 0.0).workers["d0"]
-    assert fitted.step_base_s == pytest.approx(0.31, rel=0.05)
+    assert fitted.step_s(1) == pytest.approx(0.31, rel=0.05)
     assert fitted.step_token_s == pytest.approx(PRIOR_TOKEN_S, rel=0.05)
+
+
+def test_decode_and_prefill_tokens_are_fitted_apart():
+    """Steps of 5 ms + 100 us a decode + 25 us a prefill token (decodes read
+    their whole context; prefill tokens are matmul-bound): all three found."""
+    e, w = Estimator(SLO), worker("c0", "colocated")
+    mixes = [(d, p) for d in (1, 32, 96, 160) for p in (0, 0, 512, 1900 - d)]
+    for _ in range(40):
+        e.observe(heartbeat("c0", [(d + p, 0.005 + 1e-4 * d + 2.5e-5 * p) for d, p in mixes for _ in range(4)],
+                            decodes=[d for d, _ in mixes for _ in range(4)]))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["c0"]
+    assert (fitted.step_base_s, fitted.step_decode_s, fitted.step_token_s) == (
+        pytest.approx(0.005, rel=0.05), pytest.approx(1e-4, rel=0.05), pytest.approx(2.5e-5, rel=0.05))
+
+
+def test_a_step_that_compiled_kernels_does_not_become_the_workers_cost():
+    """Seconds-long first steps (kernels compiling) count as at most three times
+    the prediction: the fit stays near the real cost."""
+    e, w = Estimator(SLO), worker("c0", "colocated")
+    normal = ([(2048, 0.005 + 2.5e-5 * 2048)] * 4 + [(8, 0.005 + 2.5e-5 * 8)] * 4) * 2
+    for _ in range(30):
+        e.observe(heartbeat("c0", normal))
+    e.observe(heartbeat("c0", [(2048, 5.0)] * 8))
+    for _ in range(5):
+        e.observe(heartbeat("c0", normal))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["c0"]
+    assert fitted.step_s(0, 2048) == pytest.approx(0.005 + 2.5e-5 * 2048, rel=0.1)
 
 
 def test_static_modes_count_their_decisions_too():

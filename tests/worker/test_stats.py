@@ -66,6 +66,7 @@ def test_heartbeats_carry_samples_and_hashes_once():
     assert second.steps_completed == 3 and second.step_running_s == 0.1 and second.draining
     assert again.recent_hashes == again.step_latencies == [] and again.steps_completed == 3
     assert (first.step_tokens, second.step_tokens, again.step_tokens) == ([40], [3], [])
+    assert (first.step_decodes, second.step_decodes, again.step_decodes) == ([2], [3], [])
 
 
 def test_heartbeats_count_the_prompt_tokens_not_computed_yet():

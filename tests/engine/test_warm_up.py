@@ -1,0 +1,127 @@
+"""LLMEngine.warm_up(): serving-shaped steps at start that leave no trace (no
+block held or cached, no recent hash, counters as before) and change nothing
+the engine serves afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd import LLM
+from pdd.config import EngineConfig
+from pdd.engine.engine import LLMEngine, StepStats
+from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
+
+# 3 chunks fill a step's budget; the plan's long prompt is 113 tokens.
+SHAPE = dict(chunk_size=32, max_num_batched_tokens=96, num_blocks=64)
+
+
+def _spy(engine: LLMEngine):
+    """Record the warm-up's prompts and the shape of each of its steps."""
+    prompts, steps = [], []
+    add, step = engine.add_request, engine.step
+
+    def add_request(rid, prompt, *a, **kw):
+        prompts.append(list(prompt))
+        return add(rid, prompt, *a, **kw)
+
+    def step_():
+        out = step()
+        steps.append((engine.last_step, engine.scheduler.num_preemptions))
+        return out
+
+    engine.add_request, engine.step = add_request, step_
+    return prompts, steps
+
+
+def _state(engine: LLMEngine):
+    kv, pool = engine.kv, engine.kv.pool
+    return dict(free_order=list(pool.free_queue), freed_at=list(pool.freed_at),
+                steps_launched=pool.steps_launched, steps_done=engine.steps_done,
+                queried=kv.num_queried_tokens, hit=kv.num_hit_tokens,
+                preemptions=engine.scheduler.num_preemptions)
+
+
+def test_warm_up_runs_serving_steps_and_leaves_no_trace(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), **SHAPE))
+    before = _state(engine)
+    prompts, steps = _spy(engine)
+    engine.warm_up()
+    del engine.add_request, engine.step   # the spies
+
+    # Serving-shaped: a step of several full chunks, decodes beside a chunk, a
+    # prompt of several chunks; all resident at once (nothing preempted).
+    assert max(len(s.prefill_chunks) for s, _ in steps) >= 3
+    assert max(s.num_tokens for s, _ in steps) == SHAPE["max_num_batched_tokens"]
+    assert any(s.num_decodes and s.prefill_chunks for s, _ in steps)
+    assert max(map(len, prompts)) > 3 * SHAPE["chunk_size"]
+    assert all(p == 0 for _, p in steps)
+
+    # No trace.
+    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
+    assert not engine.has_unfinished() and engine.in_flight is None
+    assert pool.num_free_blocks == pool.num_usable_blocks and pool.ref_counts[1:] == [0] * (pool.num_blocks - 1)
+    assert not pool.cached and pool.block_hash == [None] * pool.num_blocks
+    assert kv.take_recent_hashes() == []
+    assert not kv.req_blocks and not kv._num_cached_blocks
+    assert not sched.requests and not sched.waiting and not sched.running and not sched.waiting_for_kv
+    assert kv.enable_prefix_caching
+    assert _state(engine) == before
+    assert engine.last_step == StepStats()
+
+    # A warm-up prompt sent again finds nothing cached.
+    prompt = max(prompts, key=len)
+    engine.add_request("again", prompt, greedy(2))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].num_cached_tokens == 0
+    assert kv.num_hit_tokens == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_serving_after_warm_up_equals_a_fresh_engine(tiny_model, async_scheduling):
+    kw = dict(SHAPE, async_scheduling=async_scheduling)
+    fresh, warm = LLM(str(tiny_model), **kw), LLM(str(tiny_model), **kw)
+    warm.engine.warm_up()
+    shared = random_prompts([40], seed=5)[0]
+    prompts = random_prompts([3, 17, 64, 150], seed=4) + [shared + [7], shared + [8, 9]]
+
+    def run(llm):
+        outs = llm.generate(prompts, greedy(12))
+        assert_all_blocks_free(llm)
+        kv = llm.engine.kv
+        return ([(o.token_ids, o.finish_reason, o.num_cached_tokens) for o in outs],
+                kv.num_queried_tokens, kv.num_hit_tokens, sorted(kv.take_recent_hashes()),
+                llm.engine.scheduler.num_preemptions)
+
+    assert run(warm) == run(fresh)
+
+
+@pytest.mark.parametrize("num_blocks", [2, 5, 9])
+def test_warm_up_shrinks_to_a_small_pool(tiny_model, num_blocks):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), **dict(SHAPE, num_blocks=num_blocks)))
+    before = _state(engine)
+    prompts, steps = _spy(engine)
+    engine.warm_up()
+    assert prompts and all(p == 0 for _, p in steps)   # shrunk to fit: nothing preempted
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_usable_blocks
+    assert _state(engine) == before
+
+
+def test_warm_up_refuses_a_busy_engine(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), **SHAPE))
+    engine.add_request("r", [1, 2, 3], greedy(2))
+    with pytest.raises(RuntimeError):
+        engine.warm_up()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_on_gpu_equals_a_fresh_engine(tiny_model):
+    kw = dict(SHAPE, device="cuda", dtype="float32", num_blocks=None, kv_cache_bytes=256 * 2**20)
+    fresh, warm = LLM(str(tiny_model), **kw), LLM(str(tiny_model), **kw)
+    warm.engine.warm_up()
+    assert warm.engine.kv.take_recent_hashes() == [] and not warm.engine.kv.pool.cached
+    prompts = random_prompts([3, 17, 64, 150], seed=4)
+    assert ([o.token_ids for o in warm.generate(prompts, greedy(12))]
+            == [o.token_ids for o in fresh.generate(prompts, greedy(12))])
+    assert_all_blocks_free(warm)
