@@ -114,9 +114,9 @@ class AdaptiveConfig:
     # decode-leaning worker takes a local prefill only while its steps stay
     # within what its requests are promised).
     itl_slo_s: float = 0.05
-    # A prefill worker's queue is used while it predicts a TTFT within this share
-    # of ttft_slo_s; past it a long prompt prefills where it decodes if that
-    # meets the targets. The rest of the target is the margin for the tail
+    # A prefill worker's queue is used while the wait in it is predicted within
+    # this share of ttft_slo_s; past it a long prompt prefills where it decodes
+    # if that meets the targets. The rest of the target is the margin for the tail
     # (the H200 sweep: TTFT p99 2.5 s at 16 req/s when queues filled to 2 s).
     ttft_headroom: float = 0.5
     # Prompts with at most this many uncached tokens prefill where they decode:

@@ -36,6 +36,9 @@ PRIOR_DECODES_AT = 64     # ... of decodes
 # the worker's cost, while a worker really slower than the fit still pulls it
 # up threefold per group.
 OUTLIER = 3.0
+# A worker whose prefill evidence is below this share of the best-measured
+# worker of its device type uses that worker's prefill token cost.
+SHARED_EVIDENCE = 0.1
 # Consecutive steps fitted as one sample: with async scheduling a step's
 # latency is mostly the wait for the step before, so one step's pair of
 # (tokens, latency) is off by one; a group of them is not, but at its edges.
@@ -122,6 +125,11 @@ class _StepFit:
         self.xx = [[0.0] * 3 for _ in range(3)]     # Σw·x·xᵀ, x = (1, decodes, prefill)
         self.xy = [0.0] * 3                          # Σw·x·y
         self.n = 0
+
+    @property
+    def prefill_evidence(self) -> float:
+        """Σw·prefill²: how much its prefill slope rests on measurements."""
+        return self.xx[2][2]
 
     def predict(self, decodes: float, prefill: float) -> float:
         a, c, b = self.solve()
@@ -238,12 +246,33 @@ class Estimator:
     def estimates(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
         """Every worker's estimate as things stand (the balance as last set)."""
         per_token = _bytes_per_token(layout)
-        return Estimates({w.worker_id: self._estimate(w) for w in workers},
+        workers = list(workers)
+        shared = self._shared_token_cost(workers)
+        return Estimates({w.worker_id: self._estimate(w, shared) for w in workers},
                          {b: per_token / rate for b, rate in self.transfer_rate.items()}, self.demand(now))
 
-    def _estimate(self, info: WorkerInfo) -> WorkerEstimate:
+    def _shared_token_cost(self, workers: list[WorkerInfo]) -> dict[str, tuple[float, float]]:
+        """Per device type, the prefill token cost of the worker that measured it
+        best, and how much evidence it has."""
+        best: dict[str, tuple[float, float]] = {}
+        for info in workers:
+            fit = self.workers.setdefault(info.worker_id, _Worker()).fit
+            kind = _device_type(info)
+            if fit.prefill_evidence > best.get(kind, (0.0, 0.0))[1]:
+                best[kind] = (fit.solve()[2], fit.prefill_evidence)
+        return best
+
+    def _estimate(self, info: WorkerInfo, shared: dict[str, tuple[float, float]] | None = None) -> WorkerEstimate:
         w = self.workers.setdefault(info.worker_id, _Worker())
         a, c, b = w.fit.solve()
+        # A worker that has hardly prefilled (one leaning to decode) takes the
+        # prefill token cost another worker of its kind measured: a prompt token
+        # costs the same on the same GPU, and its own slope would still be the
+        # prior (50 us, twice an H200's, on the first sweep: local prefills then
+        # looked too slow to ever take).
+        b_best, evidence = (shared or {}).get(_device_type(info), (b, 0.0))
+        if w.fit.prefill_evidence < SHARED_EVIDENCE * evidence:
+            b = b_best
         if info.role == "prefill" or info.worker_id in self.prefill_leaning:
             leaning = LEAN_PREFILL
         else:
@@ -261,7 +290,8 @@ class Estimator:
         self.prefill_leaning &= {w.worker_id for w in flex}
         if not flex:
             return
-        rate = {w.worker_id: self._estimate(w).prefill_rate for w in workers}
+        shared = self._shared_token_cost(workers)
+        rate = {w.worker_id: self._estimate(w, shared).prefill_rate for w in workers}
         fixed = sum(rate[w.worker_id] for w in workers if w.role == "prefill" and w.accepting)
         has_decoders = any(w.role == "decode" and w.accepting for w in workers)
         k_min = 1 if len(flex) >= 2 and not fixed else 0
@@ -290,6 +320,11 @@ class Estimator:
                       "pending_prefill_tokens": e.pending_tokens, "decoding": e.decoding,
                       "prefill_tokens_per_step": round(e.prefill_per_step, 1), "step_groups_measured": e.samples}
                 for wid, e in estimates.workers.items()}
+
+
+def _device_type(info: WorkerInfo) -> str:
+    """"cuda:1" -> "cuda": workers that share a prefill cost (a homogeneous cluster per type)."""
+    return (info.device or "").split(":")[0]
 
 
 def _bytes_per_token(layout: KVLayout | None) -> float:

@@ -174,6 +174,7 @@ class _Option:
     itl_s: float                   # the gap its prefill chunks give requests decoding where it computes
     harm_s: float                  # request-seconds its prefill adds to those requests
     decode_leans_prefill: bool
+    wait_s: float = 0.0            # of ttft_s, the wait behind prompts queued before it
 
     def excess(self, slo: AdaptiveConfig) -> float:
         """How far past the SLO targets, relative; 0 when it meets them all."""
@@ -185,9 +186,11 @@ class _Option:
         return self.ttft_s + max_tokens * self.tpot_s + self.harm_s
 
     def queued(self, slo: AdaptiveConfig) -> bool:
-        """A prefill worker's queue past the share of the TTFT target placement
-        plans for (the rest is the margin that keeps the tail within it)."""
-        return self.prefill is not None and self.ttft_s > slo.ttft_headroom * slo.ttft_slo_s
+        """A prefill worker whose queue alone takes more than the share of the
+        TTFT target placement plans for (the rest is the margin that keeps the
+        tail within it). The prompt's own compute is not counted: a long prompt
+        takes as long on either worker."""
+        return self.prefill is not None and self.wait_s > slo.ttft_headroom * slo.ttft_slo_s
 
     def rank(self, slo: AdaptiveConfig, max_tokens: int) -> tuple:
         """Options that meet the SLOs first, decoding on a decode-leaning worker
@@ -290,6 +293,7 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         # The gaps a prefill-leaning worker's chunks give its own few decodes
         # count in the cost (harm), not as a target: they are why it leans so.
         itl = e.chunk_step_s() if e.decoding and e.leaning != LEAN_PREFILL else 0.0
-        options.append(_Option(d, p, backend, new, e.prefill_s(new, behind=e.pending_tokens) + tail, e_d.tpot_s(),
-                               itl, e.decoding * e.step_token_s * new, e_d.leaning == LEAN_PREFILL))
+        ttft = e.prefill_s(new, behind=e.pending_tokens) + tail
+        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), itl, e.decoding * e.step_token_s * new,
+                               e_d.leaning == LEAN_PREFILL, ttft - tail - e.prefill_s(new)))
     return options, None

@@ -290,3 +290,18 @@ def test_static_modes_count_their_decisions_too():
     placements = c.control.metrics.placements
     assert placements.labels("disagg", "static")._value.get() == 1
     assert placements.labels("local_prefill", "no_prefill_worker")._value.get() == 1
+
+
+def test_a_worker_that_only_decodes_takes_the_prefill_cost_its_peer_measured():
+    """Same GPUs: the decode-leaning worker's prompt-token cost is the one the
+    prefill-leaning worker measured, not its own prior."""
+    e = Estimator(SLO)
+    workers = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
+    for _ in range(40):
+        e.observe(heartbeat("c0", [(t, 0.005 + 2.5e-5 * t) for t in [2048] * 4 + [512] * 4]))
+        e.observe(heartbeat("c1", [(d, 0.004 + 1e-4 * d) for d in [20] * 4 + [90] * 4], decodes=[20] * 4 + [90] * 4))
+    ests = e.snapshot(workers, LAYOUT, 0.0).workers
+    assert ests["c0"].step_token_s == pytest.approx(2.5e-5, rel=0.05)
+    assert ests["c1"].step_token_s == pytest.approx(2.5e-5, rel=0.05)
+    assert (ests["c1"].step_base_s, ests["c1"].step_decode_s) == (pytest.approx(0.004, rel=0.05),
+                                                                  pytest.approx(1e-4, rel=0.05))
