@@ -193,12 +193,14 @@ class _Option:
         return self.prefill is not None and self.wait_s > slo.ttft_headroom * slo.ttft_slo_s
 
     def rank(self, slo: AdaptiveConfig, max_tokens: int) -> tuple:
-        """Options that meet the SLOs first, decoding on a decode-leaning worker
-        first, then not waiting in a queued prefill worker, cheapest first; if
-        none meets them, the least excess."""
+        """Options that meet the SLOs first; among them decoding on a
+        decode-leaning worker first, then not waiting in a queued prefill
+        worker, then not putting prefill chunks beside running decodes,
+        cheapest first; if none meets them, the least excess."""
         excess = self.excess(slo)
         if excess == 0.0:
-            return 0, self.decode_leans_prefill, self.queued(slo), self.cost(max_tokens), self.decode.worker_id
+            return (0, self.decode_leans_prefill, self.queued(slo), self.itl_s > 0, self.cost(max_tokens),
+                    self.decode.worker_id)
         return 1, excess, self.cost(max_tokens), self.decode.worker_id
 
 

@@ -97,6 +97,17 @@ def test_a_decode_worker_already_prefilling_does_not_take_another_chunk_per_step
     assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "prefill_queue")
 
 
+def test_a_prefill_worker_within_its_headroom_keeps_chunks_away_from_running_decodes(static_pd):
+    """~0.6 s of queue on the prefill worker costs more request-seconds than the
+    local prefill's harm to two decodes, but it is within the planned share of
+    the TTFT target: the prompt waits there, and the decodes see no chunk."""
+    workers, ests = static_pd
+    ests["p0"] = est(LEAN_PREFILL, pending_tokens=10_000)
+    ests["d0"] = est(decoding=2)
+    plan = adaptive(prompt(2000), workers, estimates(**ests))
+    assert (plan.kind, plan.prefill, plan.decode) == (DISAGG, "p0", "d0")
+
+
 def test_when_nothing_meets_the_targets_it_runs_as_colocated_on_the_least_loaded(static_pd):
     workers, ests = static_pd
     ests["p0"] = est(LEAN_PREFILL, pending_tokens=100_000)
