@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdd.config import AdaptiveConfig
-from pdd.router.estimator import LEAN_PREFILL, Estimates, WorkerEstimate
+from pdd.router.estimator import LEAN_PREFILL, Estimates
 from pdd.router.registry import WorkerInfo
 
 PREFIX_WEIGHT = 0.5   # a fully cached prompt is worth this much extra load
