@@ -38,6 +38,12 @@ class EngineConfig:
     chunk_size: int = 512                # longest prefill chunk of one request per step
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Torch threads of an engine on the CPU; 0: torch's default (one per core).
+    # Workers sharing a host's cores each spinning a thread per core run slower
+    # together (1P+1D on 2 cores: bursts up to twice as long as with one thread
+    # each), so `pdd up` gives each of its N CPU workers cores // (N + 1),
+    # leaving the router a share.
+    cpu_threads: int = 0
     # Schedule and launch step N+1 before waiting for step N's tokens, so the
     # host's per-step work overlaps the GPU's (off: every step waits for itself).
     async_scheduling: bool = True
@@ -58,6 +64,8 @@ class EngineConfig:
             bad("chunk_size", "must be >= 1")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "must be >= 1")
+        if self.cpu_threads < 0:
+            bad("cpu_threads", "must be >= 0 (0: torch's default)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:

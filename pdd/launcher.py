@@ -48,6 +48,21 @@ class Child:
     restarts: int = 0
 
 
+def cpu_threads_each(cfg: ClusterConfig, workers: list[tuple[str, str, str | None]],
+                     cores: int | None = None) -> int:
+    """Torch threads for each worker that runs on the CPU: this host's cores
+    shared among them and the router, which relays every token and must not
+    wait for a core (0: leave torch's default, as the config or the
+    environment already set it, or no worker is on the CPU)."""
+    if cfg.engine.cpu_threads or "PDD_ENGINE__CPU_THREADS" in os.environ or cfg.engine.device.startswith("cuda"):
+        return 0
+    on_cpu = [w for w in workers if not (w[2] or "cpu").startswith("cuda")]
+    if not on_cpu:
+        return 0
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // (len(on_cpu) + 1))
+
+
 class Cluster:
     def __init__(self, cfg: ClusterConfig, workers: list[tuple[str, str, str | None]], run_dir: Path):
         """workers: (role, worker_id, device or None)."""
@@ -80,8 +95,11 @@ class Cluster:
         self.cfg = self._with_secrets(self.cfg)
         write_private(self.config_path, dump_toml(self.cfg))
         self._spawn("router", ["--role", "router"])
+        threads = cpu_threads_each(self.cfg, self.workers)
         for role, wid, device in self.workers:
             env = {"PDD_ENGINE__DEVICE": device} if device else {}
+            if threads and not (device or "cpu").startswith("cuda"):
+                env["PDD_ENGINE__CPU_THREADS"] = str(threads)
             if role == "colocated" and self.cfg.router.mode == "adaptive":
                 # Adaptive placement moves these between prefill and decode work.
                 env["PDD_WORKER__PREFILL_FOR_OTHERS"] = "true"

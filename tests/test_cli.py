@@ -37,3 +37,41 @@ def test_keys_generate_refuses_to_overwrite(tmp_path):
     assert pdd("keys", "generate", str(tmp_path / "k")).returncode == 0
     r = pdd("keys", "generate", str(tmp_path / "k"))
     assert r.returncode == 2 and "never overwritten" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_workers_on_the_cpu_share_the_cores(monkeypatch):
+    """`pdd up` gives each of its N CPU workers cores // (N + 1) torch threads,
+    a share left to the router (each would spin a thread per core otherwise);
+    GPU workers and a setting the user made are left alone."""
+    import dataclasses
+
+    from pdd.config import load_cluster_config
+    from pdd.launcher import cpu_threads_each
+
+    monkeypatch.delenv("PDD_ENGINE__CPU_THREADS", raising=False)
+    cfg = load_cluster_config()
+    pd = [("prefill", "prefill-0", None), ("decode", "decode-0", None)]
+    assert cpu_threads_each(cfg, pd, cores=2) == 1
+    assert cpu_threads_each(cfg, pd + [("decode", "decode-1", None)], cores=16) == 4
+    assert cpu_threads_each(cfg, [("colocated", "colocated-0", None)], cores=2) == 1
+    assert cpu_threads_each(cfg, [("colocated", "colocated-0", None)], cores=16) == 8
+    assert cpu_threads_each(cfg, [(r, w, f"cuda:{i}") for i, (r, w, _) in enumerate(pd)], cores=2) == 0
+    assert cpu_threads_each(cfg, pd, cores=1) == 1
+    pinned = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads=2))
+    assert cpu_threads_each(pinned, pd, cores=8) == 0
+    monkeypatch.setenv("PDD_ENGINE__CPU_THREADS", "3")
+    assert cpu_threads_each(cfg, pd, cores=8) == 0
+
+
+def test_an_engine_on_the_cpu_takes_its_thread_count():
+    import torch
+
+    from pdd.config import EngineConfig
+    from pdd.engine.engine import LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        LLMEngine(EngineConfig(device="cpu", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

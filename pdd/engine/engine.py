@@ -81,6 +81,8 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)   # process-wide: one engine per worker process
         self._use_device()
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         torch.manual_seed(cfg.seed)
