@@ -47,7 +47,7 @@ from pdd.transfer.ipc import PoolOpenError, open_pool
 from pdd.transfer.receiver import pool_mismatch
 from pdd.transfer.sender import (Dest, DestKey, IoSender, Outgoing, Progress, Tombstones, dst_blocks_for,
                                  index_tensor)
-from pdd.transfer.wire import WireError, decode_reply, encode_control
+from pdd.transfer.wire import decode_reply, encode_control
 
 log = logging.getLogger(__name__)
 # Stop launching copies this long before the lease the decode worker granted
@@ -124,6 +124,7 @@ class CudaIpcSender(IoSender):
     # our mapping of its pool: the monitor says when its connection drops.
     monitor_events = zmq.EVENT_DISCONNECTED
     dest_class = _PoolDest
+    decode_answer = staticmethod(decode_reply)
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
                  layer_group: int = 0, copy_ctas: int | None = None, security=None):
@@ -386,12 +387,7 @@ class CudaIpcSender(IoSender):
         dest.pending.append(Outgoing(request_id, [frame]))
         dest.flush(self._poller)
 
-    def _on_frames(self, dest: _PoolDest, frames: list[bytes]) -> None:
-        try:
-            reply = decode_reply(frames[-1])
-        except WireError as e:
-            log.warning("kv ipc sender: dropped a malformed reply: %s", e)
-            return
+    def _on_answer(self, dest: _PoolDest, reply: dict) -> None:
         asked = self._asked.pop(reply["token"], None)
         if asked is not None:
             self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])

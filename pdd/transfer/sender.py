@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from pdd import ops
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import KVSender, TransferResult, TransferTarget
 from pdd.transfer.receiver import pool_mismatch
+from pdd.transfer.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +294,7 @@ class IoSender(SenderBase):
     thread_name = "kv-sender"
     monitor_events = 0           # connection events a Dest's monitor reports to _on_monitor
     dest_class = Dest
+    decode_answer: Callable[[bytes], dict]   # the backend's wire decoder for what destinations send back
 
     def __init__(self, layout: KVLayout, timeout_s: float, security=None):
         super().__init__(layout)
@@ -363,7 +366,12 @@ class IoSender(SenderBase):
                 frames = dest.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_frames(dest, frames)
+            try:
+                answer = self.decode_answer(frames[-1])
+            except WireError as e:
+                log.warning("%s: dropped a malformed answer: %s", type(self).__name__, e)
+                continue
+            self._on_answer(dest, answer)
 
     def _dest_key(self, target: TransferTarget) -> DestKey:
         return target.dst_addr, target.dst_public_key if self.security is not None else ""
@@ -400,8 +408,8 @@ class IoSender(SenderBase):
         """Apply one engine call (in the order they were made)."""
 
     @abc.abstractmethod
-    def _on_frames(self, dest: Dest, frames: list[bytes]) -> None:
-        """One message from `dest` (an ack, a reply)."""
+    def _on_answer(self, dest: Dest, answer: dict) -> None:
+        """One message from `dest` (an ack, a reply), decoded by `decode_answer`."""
 
     def _on_monitor(self, key: DestKey, dest: Dest, events: set[int]) -> bool:
         """Connection events of `dest`; False if the backend closed it."""

@@ -28,7 +28,7 @@ from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.sender import (Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones, dst_blocks_for,
                                  stage_pages)
-from pdd.transfer.wire import WireError, decode_ack, encode_done, encode_pages_header, tensor_bytes
+from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class _Req:
 
 class TcpSender(IoSender):
     thread_name = "kv-tcp-sender"
+    decode_answer = staticmethod(decode_ack)
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, security=None):
         self._reqs: dict[str, _Req] = {}
@@ -160,12 +161,7 @@ class TcpSender(IoSender):
                            handoff=handoff.to_dict() if handoff is not None else None)
         self._send(req, _Msg(rid, [done], req.next_seq, [], None, time.perf_counter()))
 
-    def _on_frames(self, dest: Dest, frames: list[bytes]) -> None:
-        try:
-            ack = decode_ack(frames[-1])
-        except WireError as e:
-            log.warning("kv sender: dropped a malformed ack: %s", e)
-            return
+    def _on_answer(self, dest: Dest, ack: dict) -> None:
         req = self._reqs.get(ack["request_id"])
         msg = req.outstanding.pop(ack["seq"], None) if req is not None else None
         if msg is None:  # aborted, already failed, or a duplicate
