@@ -145,11 +145,17 @@ def test_prefill_failure_after_first_token_keeps_that_token():
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
 
 
-def test_decode_worker_lost_mid_stream_continues_elsewhere_without_gap():
+def running_on_c0(max_tokens: int):
+    """Two colocated workers (c1 small, so c0 gets the request), the request admitted on c0."""
     c = SimCluster()
     c0, c1 = c.add_worker("c0", "colocated"), c.add_worker("c1", "colocated", num_blocks=8)
-    s = c.submit(max_tokens=6)
+    s = c.submit(max_tokens=max_tokens)
     c.step_inbox(c0)
+    return c, c0, c1, s
+
+
+def test_decode_worker_lost_mid_stream_continues_elsewhere_without_gap():
+    c, c0, c1, s = running_on_c0(6)
     for _ in range(3):
         c.act(c0, (s.request_id, 1))
     c.kill("c0")
@@ -175,11 +181,7 @@ def test_restart_under_the_same_id_moves_the_old_process_requests():
 
 
 def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
-    c = SimCluster()
-    c0 = c.add_worker("c0", "colocated")
-    c.add_worker("c1", "colocated", num_blocks=8)
-    s = c.submit(max_tokens=4)
-    c.step_inbox(c0)
+    c, c0, _, s = running_on_c0(4)
     c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "no room", retriable=True))
     assert s.epoch == 2
     c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, 0, [999])]))
@@ -188,11 +190,7 @@ def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
 
 
 def test_tokens_are_kept_once_by_position_and_a_gap_places_the_request_again():
-    c = SimCluster()
-    c0 = c.add_worker("c0", "colocated")
-    c.add_worker("c1", "colocated", num_blocks=8)
-    s = c.submit(max_tokens=6)
-    c.step_inbox(c0)
+    c, c0, _, s = running_on_c0(6)
     for position, tokens in ((0, [10, 11]), (1, [11, 12]), (3, [13])):   # an overlap, then in order
         c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, position, tokens)]))
     assert s.output_token_ids == [10, 11, 12, 13]

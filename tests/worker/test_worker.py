@@ -364,6 +364,21 @@ def by_position(items: list[m.TokenItem]) -> list[int]:
     return out
 
 
+async def disaggregate(router, rid: str, epoch: int, prompt: list[int], sampling,
+                       target_after_first_token: bool = False):
+    """As the router does: the prompt to prefill-0 and the reservation to
+    decode-0 at once, then the KV target from the Reserved (after the first
+    token, if asked). Returns (Reserved, FirstToken or None)."""
+    decode = await router.registered("decode-0")
+    await router.send(m.Prefill(rid, epoch, prompt, sampling), to="prefill-0")
+    await router.send(m.Reserve(rid, epoch, prompt, sampling, 30.0), to="decode-0")
+    reserved = await router.next(m.Reserved)
+    first = await router.next(m.FirstToken) if target_after_first_token else None
+    await router.send(m.KVTarget(rid, epoch, "decode-0", decode.data_addr, reserved.block_ids,
+                                 reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
+    return reserved, first
+
+
 def test_a_disaggregated_request_through_a_prefill_and_a_decode_worker(tiny_model, offline):
     """Real KV transfer (tcp) between two workers: the prefill worker sends under
     the placement's engine id, the decode worker leased its blocks under it, and
@@ -373,15 +388,8 @@ def test_a_disaggregated_request_through_a_prefill_and_a_decode_worker(tiny_mode
     sampling = greedy(8, ignore_eos=True)
 
     async def scenario(router):
-        decode = await router.registered("decode-0")
-        # As the router does: the prompt and the reservation at once. The target is
-        # held back until the prompt is computed: its blocks wait, held, then go.
-        await router.send(m.Prefill("r", 3, prompt, sampling), to="prefill-0")
-        await router.send(m.Reserve("r", 3, prompt, sampling, 30.0), to="decode-0")
-        reserved = await router.next(m.Reserved)
-        first = await router.next(m.FirstToken)
-        await router.send(m.KVTarget("r", 3, "decode-0", decode.data_addr, reserved.block_ids,
-                                     reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
+        # The target is held back until the prompt is computed: its blocks wait, held, then go.
+        _, first = await disaggregate(router, "r", 3, prompt, sampling, target_after_first_token=True)
         tokens = await router.tokens("r", 3)
         await router.until(lambda: any(isinstance(x, m.PrefillDone) for x in router.received))
         done = next(x for x in router.received if isinstance(x, m.PrefillDone))  # a transfer result wakes it
@@ -405,12 +413,7 @@ def test_prefill_locally_after_the_kv_landed_renews_the_epoch_and_runs_on(tiny_m
     sampling = greedy(120, ignore_eos=True)
 
     async def scenario(router):
-        decode = await router.registered("decode-0")
-        await router.send(m.Prefill("r", 1, prompt, sampling), to="prefill-0")
-        await router.send(m.Reserve("r", 1, prompt, sampling, 30.0), to="decode-0")
-        reserved = await router.next(m.Reserved)
-        await router.send(m.KVTarget("r", 1, "decode-0", decode.data_addr, reserved.block_ids,
-                                     reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
+        reserved, _ = await disaggregate(router, "r", 1, prompt, sampling)
         await router.next(m.TokenBatch, lambda b: b.worker_id == "decode-0" and b.items[0].position > 1)
         await router.send(m.PrefillLocally("r", 2, reserved.lease_id, first_token=None), to="decode-0")
         await router.until(lambda: any(item.finished for item in router.items("r", 2)))
