@@ -21,16 +21,25 @@ def raw(kind: str, **fields) -> bytes:
     return msgpack.packb({"t": kind, "v": m.PROTOCOL_VERSION, **fields})
 
 
-ITEM = {"request_id": "r", "epoch": 1, "position": 0, "token_ids": [1]}
+ITEM = ["r", 1, 0, [1]]     # request_id, epoch, position, token_ids: a nested dataclass is an array
+
+
+def item(**changes) -> list:
+    fields = dict(zip(("request_id", "epoch", "position", "token_ids"), ITEM)) | changes
+    return list(fields.values())
 
 
 @pytest.mark.parametrize("data,error", [
-    (raw("tokens", worker_id="w", items=[ITEM, {**ITEM, "token_ids": [1, "x"]}]),
+    (raw("tokens", worker_id="w", items=[ITEM, item(token_ids=[1, "x"])]),
      "tokens.items[1].token_ids: expected list[int], got list"),
-    (raw("tokens", worker_id="w", items=[{**ITEM, "epoch": True}]), "tokens.items[0].epoch: expected int, got bool"),
-    (raw("tokens", worker_id="w", items=[{"request_id": "r"}]),
+    (raw("tokens", worker_id="w", items=[item(epoch=True)]), "tokens.items[0].epoch: expected int, got bool"),
+    (raw("tokens", worker_id="w", items=[["r"]]),
      "tokens.items[0]: missing field(s) ['epoch', 'position', 'token_ids']"),
-    (raw("tokens", worker_id="w", items=[3]), "tokens.items[0]: expected a TokenItem map, got int"),
+    (raw("tokens", worker_id="w", items=[ITEM + [False, None, None, 0, "extra"]]),
+     "tokens.items[0]: 9 fields, a TokenItem has 8"),
+    (raw("tokens", worker_id="w", items=[3]), "tokens.items[0]: expected a TokenItem array of fields, got int"),
+    (raw("tokens", worker_id="w", items=[{"request_id": "r"}]),
+     "tokens.items[0]: expected a TokenItem array of fields, got dict"),
     (raw("tokens", worker_id="w", items=5), "tokens.items: expected a list, got int"),
     (raw("tokens", worker_id="w", items=[], extra=1), "tokens: unknown field(s) ['extra']"),
     (raw("heartbeat", worker_id="w", running=1, waiting=0, free_blocks=1, total_blocks=1, faults={"a": "b"}),
@@ -49,16 +58,18 @@ def test_generated_and_field_by_field_builders_agree():
     leaves a bad map untouched for the checked path's error."""
     from pdd.protocol import codec
 
-    item = {**ITEM, "finished": True, "finish_reason": "stop", "logprobs": [[-0.1, []]]}
-    fast, checked = codec._builder(m.TokenItem), codec._checked_builder(m.TokenItem)
-    assert fast(dict(item)) == checked(dict(item))
-    admit = {"request_id": "r", "epoch": 1, "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 3}}
-    built = codec._builder(m.Admit)(dict(admit))
+    full = ITEM + [True, "stop", [[-0.1, []]], 3]
+    fast, checked = codec._builder(m.TokenItem, True), codec._checked_builder(m.TokenItem, True)
+    assert fast(list(full)) == checked(list(full)) == m.TokenItem("r", 1, 0, [1], True, "stop", [[-0.1, []]], 3)
+    assert fast(list(ITEM)) == m.TokenItem("r", 1, 0, [1])     # a shorter array: the defaults
+    sampling = list(codec._as_fields(SamplingParams(max_tokens=3)))   # as msgpack unpacks it
+    admit = {"request_id": "r", "epoch": 1, "prompt_token_ids": [1, 2], "sampling": sampling}
+    built = codec._builder(m.Admit, False)(dict(admit))
     assert built.sampling == SamplingParams(max_tokens=3)
-    bad = {**admit, "sampling": {"max_tokens": 3}, "prompt_token_ids": [1, None]}
+    bad = {**admit, "prompt_token_ids": [1, None]}
     with pytest.raises(codec._Mismatch) as e:
-        codec._builder(m.Admit)(bad)
-    assert e.value.path == [".prompt_token_ids"] and isinstance(bad["sampling"], dict)
+        codec._builder(m.Admit, False)(bad)
+    assert e.value.path == [".prompt_token_ids"] and bad["sampling"] is sampling
     for value in (None, 1.5, True):     # ints only, never a bool
         with pytest.raises(codec._Mismatch):
-            fast({**ITEM, "position": value})
+            fast(item(position=value))

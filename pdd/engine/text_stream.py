@@ -39,11 +39,15 @@ class TextStream:
         return self.stopped_on is not None
 
     def _release(self, final: bool) -> str:
+        if not self.stop:   # the common case, once per token: nothing to look for or hold back
+            out, self.pending = self.pending, ""
+            self.text += out
+            return out
         hit = min(((self.pending.find(s), s) for s in self.stop if s in self.pending), default=None)
         if hit is not None:
             idx, self.stopped_on = hit
             out, self.pending = self.pending[:idx], ""
-        elif final or not self.stop:
+        elif final:
             out, self.pending = self.pending, ""
         else:
             cut = len(self.pending) - self.hold

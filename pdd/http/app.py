@@ -139,21 +139,32 @@ class OpenAIServer:
         finally:
             await self.router.abort(state)  # no-op when it already finished
 
-    async def _tokens(self, req: s.GenerateRequest, state, text: TextStream, lp: s.LogprobsBuilder | None):
-        """(text delta, logprobs fragment, finish_reason) per token; the last one finishes."""
-        async for ev in state.stream():
-            lps = ev.logprobs or [None] * len(ev.token_ids)
-            for tok, tok_lp in zip(ev.token_ids, lps):
-                offset = len(text.text)
-                delta = text.add([tok])
-                frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
-                if text.stopped:
-                    yield delta, frag, "stop"
+    async def _pieces(self, state, text: TextStream, lp: s.LogprobsBuilder | None):
+        """Lists of (text delta, logprobs fragment, finish_reason), one per token,
+        a list for whatever arrived since the last one; the last piece finishes.
+        Raises RequestError when the request fails (after the pieces before it)."""
+        while True:
+            pieces = []
+            for ev in await state.take_events():
+                if isinstance(ev, RequestError):
+                    if pieces:
+                        yield pieces
+                    raise ev
+                lps = ev.logprobs or [None] * len(ev.token_ids)
+                for tok, tok_lp in zip(ev.token_ids, lps):
+                    offset = len(text.text)
+                    delta = text.add([tok])
+                    frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
+                    if text.stopped:
+                        pieces.append((delta, frag, "stop"))
+                        yield pieces
+                        return
+                    pieces.append((delta, frag, None))
+                if ev.finished:
+                    pieces.append((text.finish(), None, ev.finish_reason))
+                    yield pieces
                     return
-                yield delta, frag, None
-            if ev.finished:
-                yield text.finish(), None, ev.finish_reason
-                return
+            yield pieces
 
     def _builders(self, req: s.GenerateRequest):
         text = TextStream(self.tokenizer, req.sampling.stop)
@@ -163,8 +174,9 @@ class OpenAIServer:
     async def _complete(self, req: s.GenerateRequest, state, num_prompt: int) -> web.Response:
         text, lp = self._builders(req)
         finish = None
-        async for _, _, reason in self._tokens(req, state, text, lp):
-            finish = reason or finish
+        async for pieces in self._pieces(state, text, lp):
+            for _, _, reason in pieces:
+                finish = reason or finish
         usage = s.usage(num_prompt, len(state.output_token_ids), state.num_cached_tokens)
         build = s.chat_response if req.kind == "chat" else s.completion_response
         return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
@@ -184,9 +196,11 @@ class OpenAIServer:
             await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None)))
         text, lp = self._builders(req)
         try:
-            async for delta, frag, reason in self._tokens(req, state, text, lp):
-                if delta or frag or reason:
-                    await resp.write(chunk(delta, reason, frag))
+            async for pieces in self._pieces(state, text, lp):
+                out = b"".join([chunk(delta, reason, frag) for delta, frag, reason in pieces
+                                if delta or frag or reason])
+                if out:
+                    await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
             await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))

@@ -7,6 +7,7 @@ message naming what is wrong, which the socket layer logs before dropping it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import typing
 from functools import lru_cache
 
@@ -22,14 +23,24 @@ class ProtocolError(ValueError):
 def encode(msg: Message) -> bytes:
     payload = {"t": msg.TYPE, "v": PROTOCOL_VERSION}
     payload.update(msg.__dict__)
-    return msgpack.packb(payload, use_bin_type=True, default=_as_map)
+    return msgpack.packb(payload, use_bin_type=True, default=_as_fields)
 
 
-def _as_map(obj):
-    """Nested dataclasses (TokenItem, SamplingParams) travel as maps of their fields."""
+def _as_fields(obj):
+    """Nested dataclasses (TokenItem, SamplingParams) travel as arrays of their
+    fields in declaration order: a step's TokenBatch holds hundreds of items,
+    and an array is a quarter of the bytes of a map and packs and unpacks
+    several times faster (no key strings)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return obj.__dict__
+        return _field_values(type(obj))(obj)
     raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+@lru_cache(maxsize=None)
+def _field_values(cls):
+    """obj -> the tuple of its field values (msgpack packs a tuple as an array)."""
+    get = operator.attrgetter(*_fields(cls))
+    return get if len(_fields(cls)) > 1 else (lambda obj: (get(obj),))
 
 
 def decode(data: bytes) -> Message:
@@ -49,9 +60,9 @@ def decode(data: bytes) -> Message:
 
 
 def _build(cls, raw: dict, where: str):
-    """An instance of dataclass `cls` from a decoded map, every field checked."""
+    """An instance of message class `cls` from a decoded map, every field checked."""
     try:
-        return _builder(cls)(raw)
+        return _builder(cls, False)(raw)
     except _Mismatch as e:
         raise ProtocolError(f"{where}{''.join(reversed(e.path))}: {e.message}") from None
 
@@ -65,23 +76,32 @@ class _Mismatch(Exception):
 
 # The checks are compiled once per type: a TokenBatch of a whole decode step
 # carries hundreds of items, and the router decodes one per worker per step.
-# Each type gets generated code that checks a conforming map inline (no call
+# Each type gets generated code that checks a conforming value inline (no call
 # per field) and hands anything else to the field-by-field builder, which names
-# what is wrong.
+# what is wrong. A message is a map; a dataclass inside one is an array of its
+# fields (`positional`).
 
 @lru_cache(maxsize=None)
-def _builder(cls):
-    return _fast_builder(cls, _checked_builder(cls))
+def _builder(cls, positional: bool):
+    checked = _checked_builder(cls, positional)
+    return (_fast_positional_builder if positional else _fast_builder)(cls, checked)
 
 
-def _checked_builder(cls):
+def _checked_builder(cls, positional: bool = False):
     spec = _fields(cls)
     names = frozenset(spec)
+    order = list(spec)
     required = [name for name, (_, req) in spec.items() if req]
     convert = {name: _converter(hint) for name, (hint, _) in spec.items()}
 
     def build(raw):
-        if not isinstance(raw, dict):
+        if positional:
+            if not isinstance(raw, list):
+                raise _Mismatch(f"expected a {cls.__name__} array of fields, got {type(raw).__name__}")
+            if len(raw) > len(order):
+                raise _Mismatch(f"{len(raw)} fields, a {cls.__name__} has {len(order)}")
+            raw = dict(zip(order, raw))
+        elif not isinstance(raw, dict):
             raise _Mismatch(f"expected a {cls.__name__} map, got {type(raw).__name__}")
         missing = [name for name in required if name not in raw]
         if missing:
@@ -120,7 +140,7 @@ def _fast_builder(cls, checked):
         element = typing.get_args(hint)[0] if typing.get_origin(hint) is list and typing.get_args(hint) else None
         if dataclasses.is_dataclass(hint) or dataclasses.is_dataclass(element):
             one = dataclasses.is_dataclass(hint)
-            env[f"_b{i}"] = _builder(hint if one else element)
+            env[f"_b{i}"] = _builder(hint if one else element, True)
             lines += [f"    if {var} is not _MISSING:",
                       f"        if not ({'True' if one else f'type({var}) is list'}):",
                       "            return _checked(raw)",
@@ -140,6 +160,32 @@ def _fast_builder(cls, checked):
     return env["build"]
 
 
+def _fast_positional_builder(cls, checked):
+    """Generated code for a nested `cls` sent as an array of all its fields
+    (what `encode` sends); a shorter array or anything else goes to `checked`."""
+    spec = _fields(cls)
+    env = {"_cls": cls, "_checked": checked}
+    names = [f"v{i}" for i in range(len(spec))]
+    lines = ["def build(raw):",
+             f"    if type(raw) is not list or len(raw) != {len(spec)}:",
+             "        return _checked(raw)",
+             f"    {', '.join(names)}{',' if len(names) == 1 else ''} = raw"]
+    for i, (var, (hint, _)) in enumerate(zip(names, spec.values())):
+        if dataclasses.is_dataclass(hint) or _nested_list(hint):
+            return checked    # no nesting below a nested dataclass today: the checked path suffices
+        env[f"_p{i}"] = _predicate(hint)
+        test = _inline_check(hint, var) or f"_p{i}({var})"
+        lines += [f"    if not {test}:", "        return _checked(raw)"]
+    lines.append(f"    return _cls({', '.join(names)})")
+    exec("\n".join(lines), env)   # noqa: S102 -- code generated from our own type hints
+    return env["build"]
+
+
+def _nested_list(hint) -> bool:
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) is list and bool(args) and dataclasses.is_dataclass(args[0])
+
+
 def _inline_check(hint, var: str) -> str | None:
     """A Python expression testing `var` against `hint` as _predicate does, for
     the common hints; None: call the predicate."""
@@ -149,7 +195,8 @@ def _inline_check(hint, var: str) -> str | None:
         return None if None in parts else "(" + " or ".join(parts) + ")"
     simple = {type(None): f"{var} is None", bool: f"({var} is True or {var} is False)",
               int: f"type({var}) is int", float: f"(type({var}) is float or type({var}) is int)",
-              str: f"type({var}) is str", bytes: f"type({var}) is bytes"}
+              str: f"type({var}) is str", bytes: f"type({var}) is bytes",
+              list: f"type({var}) is list", dict: f"type({var}) is dict"}
     if hint is typing.Any:
         return "True"
     if hint in simple:
@@ -162,11 +209,11 @@ def _inline_check(hint, var: str) -> str | None:
 @lru_cache(maxsize=None)
 def _converter(hint):
     """A function: the value checked against `hint` (raising _Mismatch), nested
-    dataclass maps made instances."""
+    dataclass arrays made instances."""
     if dataclasses.is_dataclass(hint):
-        return _builder(hint)
-    if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
-        item = _builder(typing.get_args(hint)[0])
+        return _builder(hint, True)
+    if _nested_list(hint):
+        item = _builder(typing.get_args(hint)[0], True)
 
         def items(value):
             if not isinstance(value, list):

@@ -4,8 +4,9 @@ Each message is a dataclass with a `TYPE` tag. On the wire it is a msgpack map
 {"t": TYPE, "v": PROTOCOL_VERSION, <fields>} (see codec.py). Field types are
 checked on receipt, so a malformed message is refused at the socket, with an
 error naming the field, before any handler sees it. Fields that are themselves
-dataclasses (TokenItem, SamplingParams) travel as nested maps, checked the same
-way.
+dataclasses (TokenItem, SamplingParams) travel as arrays of their fields in
+declaration order (compact: a step's TokenBatch holds hundreds of items),
+checked the same way.
 
 Every message about one request carries its `epoch`: the router bumps it each
 time it places the request anew (migration, fallback), a worker holds a
@@ -19,7 +20,7 @@ from typing import ClassVar
 
 from pdd.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass

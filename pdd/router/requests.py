@@ -65,7 +65,10 @@ class RequestState:
     finished: bool = False
     finish_reason: str | None = None
     num_migrations: int = 0
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # What the router produced and the client's handler has not taken yet
+    # (TokenEvents, then at most one RequestError); see take_events.
+    events: list = field(default_factory=list)
+    _waiter: asyncio.Future | None = field(default=None, repr=False)
 
     @property
     def owners(self) -> tuple[str, ...]:
@@ -80,21 +83,29 @@ class RequestState:
         self.last_token_at = now
         if event.finished:
             self.finished, self.finish_reason = True, event.finish_reason
-        self.events.put_nowait(event)
+        self._post(event)
 
     def fail(self, error: str) -> None:
         self.finished, self.finish_reason = True, "error"
-        self.events.put_nowait(RequestError(error))
+        self._post(RequestError(error))
 
-    async def stream(self):
-        """Token events until the request finishes; raises RequestError on failure."""
-        while True:
-            event = await self.events.get()
-            if isinstance(event, RequestError):
-                raise event
-            yield event
-            if event.finished:
-                return
+    def _post(self, event) -> None:
+        self.events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take_events(self) -> list:
+        """Every event posted since the last call, in order, waiting for one if
+        there is none. Under load a handler wakes once for several tokens and
+        writes them to its client at once."""
+        while not self.events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        taken, self.events = self.events, []
+        return taken
 
     def cached_block_hashes(self, block_size: int) -> list[int]:
         """Blocks whose KV the decoding worker holds at the end: the prompt and

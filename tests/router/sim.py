@@ -221,7 +221,7 @@ class SimCluster:
     def outcome(self, rid: str) -> tuple[str, list[int]]:
         """('done', tokens) | ('error', tokens) | ('open', tokens); at most one terminal event."""
         state = self.states[rid]
-        events = list(state.events._queue)
+        events = list(state.events)
         terminal = [e for e in events if isinstance(e, RequestError) or e.finished]
         assert len(terminal) <= 1, f"{rid} ended {len(terminal)} times"
         assert not terminal or events[-1] is terminal[0], f"{rid}: events after its end"
