@@ -36,6 +36,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     chunk_size: int = 512                # longest prefill chunk of one request per step
+    # Chunking bounds the gap a prompt gives the requests decoding beside it. In
+    # a step where nothing decodes there is no gap to bound: a prompt may then
+    # take the whole max_num_batched_tokens (a lone 16k prompt in 8 steps of
+    # 2048, not 32 of 512: a prefill worker's usual case). Off: chunk_size always.
+    chunk_only_beside_decodes: bool = True
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     # Torch threads of an engine on the CPU; 0: torch's default (one per core).

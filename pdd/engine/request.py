@@ -81,6 +81,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt and generating here (a prefill-only request never is)."""
+        return not self.prefill_only and self.num_computed_tokens >= self.num_prompt_tokens
+
     def stops_after_in_flight(self) -> bool:
         """The token in flight ends the request whatever its value (a prefill-only
         request, or the last of max_tokens): nothing to schedule after it."""

@@ -5,7 +5,8 @@ There is no prefill phase and no decode phase: a request has
 step gives it some of the difference under one token budget. Running requests
 go first (their decodes keep TPOT steady), then waiting requests are admitted
 while budget, sequence slots and blocks last. A prompt longer than
-`chunk_size` is spread over several steps. When blocks run out, the newest
+`chunk_size` is spread over several steps (with `chunk_only_beside_decodes`,
+only while requests decode in the step). When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
 cache) and it is recomputed later.
 
@@ -60,6 +61,7 @@ class Scheduler:
         # scheduled (and never preempted) until the KV is there.
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._chunk = cfg.chunk_size    # this step's longest prompt chunk of one request
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -124,6 +126,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        self._chunk = self.cfg.chunk_size
+        if self.cfg.chunk_only_beside_decodes and not any(r.decoding for r in self.running):
+            self._chunk = budget   # nothing decodes: no gap to bound
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -134,7 +139,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            n = min(req.num_tokens_with_in_flight - req.num_computed_tokens, self.cfg.chunk_size, budget)
+            n = min(req.num_tokens_with_in_flight - req.num_computed_tokens, self._chunk, budget)
             if n <= 0 or req.stops_after_in_flight():
                 continue  # its last token is in flight; the request ends when it lands
             while self.kv.allocate_slots(req, n) is None:
@@ -153,7 +158,7 @@ class Scheduler:
             computed, num_cached = [], 0
             if req.num_computed_tokens == 0:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - req.num_computed_tokens - num_cached, self.cfg.chunk_size, budget)
+            n = min(req.num_tokens - req.num_computed_tokens - num_cached, self._chunk, budget)
             if self.kv.allocate_slots(req, n, computed) is None:
                 break
             self.waiting.popleft()

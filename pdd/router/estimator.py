@@ -76,7 +76,8 @@ class WorkerEstimate:
         if tokens <= 0 and behind <= 0:
             return 0.0
         room = max(1, self.budget - self.decoding)           # prefill tokens a step takes
-        own = max(1, min(self.chunk, room))                   # ... of one request
+        own = max(1, min(self.chunk, room) if self.decoding else room)   # ... of one request (the engine
+        # chunks a prompt only beside decodes: EngineConfig.chunk_only_beside_decodes)
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
         return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
 

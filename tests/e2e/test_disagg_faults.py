@@ -24,13 +24,13 @@ LONG_PROMPT = long_prompt(0)
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, tiny_model):
-    # Prefill crawls (16-token chunks, 0.25 s per step) and every page message
+    # Prefill crawls (16-token chunks even alone, 0.25 s per step) and every page message
     # waits 0.1 s: a long prompt spends seconds computing, then seconds
     # transferring. One sequence at a time: a second prompt queues.
     c = UpCluster(tmp_path_factory.mktemp("slow"), tiny_model, "--mode", "disagg",
                   env={"PDD_FAULTS": "prefill.step_delay_s=0.25,transfer.send_delay_s=0.1",
-                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
-                       "PDD_ENGINE__MAX_NUM_SEQS": "1"}).start()
+                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__CHUNK_ONLY_BESIDE_DECODES": "false",
+                       "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64", "PDD_ENGINE__MAX_NUM_SEQS": "1"}).start()
     yield c
     assert c.stop() == 0, c.logs()
 
@@ -139,7 +139,7 @@ def test_lease_expiry_frees_blocks_and_rejects_the_late_transfer(tmp_path, tiny_
     # itself, and the prefill worker's late pages are refused, never written.
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg",
                   env={"PDD_FAULTS": "prefill.step_delay_s=0.25", "PDD_ENGINE__CHUNK_SIZE": "16",
-                       "PDD_ROUTER__KV_LEASE_TTL_S": "1.0"}).start()
+                       "PDD_ENGINE__CHUNK_ONLY_BESIDE_DECODES": "false", "PDD_ROUTER__KV_LEASE_TTL_S": "1.0"}).start()
     try:
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         prompt = long_prompt(4)

@@ -83,7 +83,8 @@ SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=3, ignore
 @pytest.mark.parametrize("chunk_size", [16, 7, 4096])
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_disaggregated_equals_colocated(tiny_model, colocated, chunk_size, sp):
-    pair = Pair(tiny_model, chunk_size=chunk_size, max_num_batched_tokens=64)
+    pair = Pair(tiny_model, chunk_size=chunk_size, max_num_batched_tokens=64,
+                chunk_only_beside_decodes=False)   # pages of every chunk shape, prefill-only requests too
     prompts = random_prompts([1, 15, 16, 17, 40, 130], seed=6)
     expected = colocated.generate(prompts, sp)
     got = pair.generate(prompts, sp)

@@ -53,7 +53,8 @@ def llama_case(model_factory):
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "nocache"])
 def test_chunked_prefill_and_prefix_cache_keep_output(llama_case, chunk_size, prefix_caching):
     model_dir, prompts, expected = llama_case
-    llm = LLM(str(model_dir), chunk_size=chunk_size, enable_prefix_caching=prefix_caching)
+    llm = LLM(str(model_dir), chunk_size=chunk_size, enable_prefix_caching=prefix_caching,
+              chunk_only_beside_decodes=False)     # a lone prompt chunked too
     # One at a time, then all together: chunks of several prompts share steps.
     for prompt, ref in zip(prompts, expected):
         assert llm.generate([prompt], greedy(NEW_TOKENS))[0].token_ids == ref

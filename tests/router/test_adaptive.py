@@ -316,3 +316,11 @@ def test_a_worker_that_only_decodes_takes_the_prefill_cost_its_peer_measured():
     assert ests["c1"].step_token_s == pytest.approx(2.5e-5, rel=0.05)
     assert (ests["c1"].step_base_s, ests["c1"].step_decode_s) == (pytest.approx(0.004, rel=0.05),
                                                                   pytest.approx(1e-4, rel=0.05))
+
+
+def test_an_idle_worker_prefills_a_lone_prompt_in_budget_sized_steps():
+    """The engine chunks a prompt only beside decodes (chunk_only_beside_decodes):
+    an idle worker's 16k prompt is 8 steps of 2048, one beside 20 decodes 32 of 512."""
+    idle, busy = est(), est(decoding=20)
+    assert idle.prefill_s(16_384) == pytest.approx(8 * idle.step_s(0) + 16_384 * idle.step_token_s)
+    assert busy.prefill_s(16_384) == pytest.approx(32 * busy.step_s(20) + 16_384 * busy.step_token_s)

@@ -1,0 +1,50 @@
+"""Chunked prefill bounds the gap a prompt gives requests decoding beside it;
+with nothing decoding, a prompt takes the whole step budget."""
+from __future__ import annotations
+
+import pytest
+
+from pdd import LLM
+from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
+
+SHAPE = dict(chunk_size=32, max_num_batched_tokens=96, num_blocks=128, async_scheduling=False)
+
+
+@pytest.mark.parametrize("beside_decodes_only", [True, False])
+def test_a_lone_prompt_takes_the_budget_and_one_beside_decodes_a_chunk(tiny_model, beside_decodes_only):
+    llm = LLM(str(tiny_model), chunk_only_beside_decodes=beside_decodes_only, **SHAPE)
+    engine = llm.engine
+    short, long_a, long_b = random_prompts([8, 200, 200], seed=11)
+    alone = engine.add_request("alone", long_a, greedy(2, ignore_eos=True))
+    engine.step()
+    assert alone.num_computed_tokens == (96 if beside_decodes_only else 32)
+    while engine.has_unfinished():
+        engine.step()
+
+    decoder = engine.add_request("decoder", short, greedy(40, ignore_eos=True))
+    engine.step()                                   # its prompt in one step; from now on it decodes
+    assert decoder.decoding
+    beside = engine.add_request("beside", long_b, greedy(2, ignore_eos=True))
+    engine.step()
+    assert beside.num_computed_tokens == 32         # a chunk: the decoder's gap stays one chunk long
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("prefill_only", [True, False])
+def test_a_prefill_only_request_does_not_count_as_decoding(tiny_model, prefill_only):
+    """A prefill worker's requests end at their first token: while it is in
+    flight (async scheduling) they do not make the next prompt's chunks small."""
+    llm = LLM(str(tiny_model), **{**SHAPE, "async_scheduling": True})
+    engine = llm.engine
+    first, second = random_prompts([40, 200], seed=12)
+    a = engine.add_request("a", first, greedy(1 if prefill_only else 5, ignore_eos=True), prefill_only=prefill_only)
+    engine.step()                                   # a's prompt launched; its first token in flight
+    b = engine.add_request("b", second, greedy(2, ignore_eos=True))
+    engine.step()
+    assert a.decoding is not prefill_only
+    assert b.num_computed_tokens == (96 if prefill_only else 32)
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)
