@@ -23,7 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU, 2048 on the CPU")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next")

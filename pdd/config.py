@@ -34,7 +34,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Tokens one step computes at most; None: 8192 on a GPU (an H200 runs a
+    # 2048-token prefill step well below its peak; vLLM's serving default is
+    # 8192 too), 2048 on the CPU.
+    max_num_batched_tokens: int | None = None
     chunk_size: int = 512                # longest prefill chunk of one request per step
     # Chunking bounds the gap a prompt gives the requests decoding beside it. In
     # a step where nothing decodes there is no gap to bound: a prompt may then
@@ -63,7 +66,7 @@ class EngineConfig:
             raise ConfigError(f"engine.{key}: {why}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             bad("block_size", f"must be a power of two, got {self.block_size}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "must be >= 1")
         if self.chunk_size < 1:
             bad("chunk_size", "must be >= 1")

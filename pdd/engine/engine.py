@@ -67,6 +67,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def default_step_budget(device: torch.device) -> int:
+    """max_num_batched_tokens when the config leaves it out (see EngineConfig)."""
+    return 8192 if device.type == "cuda" else 2048
+
+
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
@@ -81,6 +86,8 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(cfg.device)
+        if cfg.max_num_batched_tokens is None:
+            self.cfg = cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_step_budget(self.device))
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)   # process-wide: one engine per worker process
         self._use_device()

@@ -3,8 +3,10 @@ with nothing decoding, a prompt takes the whole step budget."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdd import LLM
+from pdd.engine.engine import default_step_budget
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 SHAPE = dict(chunk_size=32, max_num_batched_tokens=96, num_blocks=128, async_scheduling=False)
@@ -48,3 +50,9 @@ def test_a_prefill_only_request_does_not_count_as_decoding(tiny_model, prefill_o
     while engine.has_unfinished():
         engine.step()
     assert_all_blocks_free(llm)
+
+
+def test_the_step_budget_defaults_by_device(tiny_model):
+    assert LLM(str(tiny_model), num_blocks=64).engine.cfg.max_num_batched_tokens == 2048   # on the CPU
+    assert default_step_budget(torch.device("cuda")) == 8192
+    assert LLM(str(tiny_model), num_blocks=64, max_num_batched_tokens=100).engine.cfg.max_num_batched_tokens == 100
