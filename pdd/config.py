@@ -135,8 +135,10 @@ class AdaptiveConfig:
     # if that meets the targets. The rest of the target is the margin for the tail
     # (the H200 sweep: TTFT p99 2.5 s at 16 req/s when queues filled to 2 s).
     ttft_headroom: float = 0.5
-    # Prompts with at most this many uncached tokens prefill where they decode:
-    # a chunk this small rides along a bandwidth-bound decode step nearly for free.
+    # Prompts with at most this many uncached tokens prefill where they decode
+    # without pricing the alternatives when that worker decodes nothing (a
+    # transfer would only add its latency) or caches most of the prompt; beside
+    # running decodes a short prompt is priced like any other.
     local_prefill_tokens: int = 256
     # Prefill demand a prefill-leaning worker is meant to carry, as a share of its
     # measured prefill rate; above it another colocated worker leans to prefill.

@@ -217,8 +217,14 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
         local = _local_option(d, request, est, block_size, n)
         options.append(local)
         if local.new_tokens <= slo.local_prefill_tokens:
-            why_local[d.worker_id] = "cached" if 2 * (n - local.new_tokens) >= n else "short_prompt"
-            continue
+            cached = 2 * (n - local.new_tokens) >= n
+            # A mostly cached prompt stays: elsewhere it is computed or sent whole.
+            # A short one stays only where nothing decodes: measured on 2×H200
+            # (short-only prompts, 40 req/s), short chunks beside the decodes took
+            # ITL p99 from 9 ms (all disaggregated) to 27 ms, colocated's level.
+            if cached or not local.itl_s:
+                why_local[d.worker_id] = "cached" if cached else "short_prompt"
+                continue
         remote, why = _remote_options(d, prefillers, request, est, pair_allowed, block_size, n)
         options += remote
         if why:

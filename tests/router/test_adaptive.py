@@ -48,10 +48,25 @@ def static_pd():
     return [worker("p0", "prefill"), worker("d0", "decode")], dict(p0=est(LEAN_PREFILL), d0=est(decoding=20))
 
 
-def test_a_short_prompt_prefills_where_it_decodes(static_pd):
+def test_a_short_prompt_prefills_where_nothing_decodes(static_pd):
     workers, ests = static_pd
+    ests["d0"] = est()
     plan = adaptive(prompt(100), workers, estimates(**ests))
     assert (plan.kind, plan.decode, plan.prefill, plan.reason) == (LOCAL_PREFILL, "d0", None, "short_prompt")
+
+
+def test_beside_running_decodes_a_short_prompt_goes_to_an_idle_prefill_worker(static_pd):
+    """Even a 100-token chunk widens the gap of the 20 requests decoding on d0."""
+    workers, ests = static_pd
+    plan = adaptive(prompt(100), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.prefill) == (DISAGG, "d0", "p0")
+
+
+def test_a_short_prompt_stays_beside_decodes_when_the_prefill_worker_is_queued(static_pd):
+    workers, ests = static_pd
+    ests["p0"] = est(LEAN_PREFILL, pending_tokens=25_000)   # ~1.4 s: within the target, past its headroom
+    plan = adaptive(prompt(100), workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "prefill_queue")
 
 
 def test_a_long_prompt_goes_to_an_idle_prefill_worker(static_pd):
@@ -146,14 +161,15 @@ def test_an_idle_decode_worker_prefills_itself_rather_than_pay_a_transfer(static
 
 def test_colocated_workers_split_by_leaning_and_decodes_avoid_the_prefill_side():
     """Two colocated workers that prefill for others: a long prompt computes on
-    the one leaning to prefill and decodes on the other; a short one decodes on
-    the decode-leaning worker even though the other runs fewer requests."""
+    the one leaning to prefill and decodes on the other; so does a short one
+    (its chunk would widen the gaps of c1's 30 decodes): it decodes on the
+    decode-leaning worker even though the other runs fewer requests."""
     workers = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
     ests = estimates(c0=est(LEAN_PREFILL, decoding=1, prefill_per_step=400), c1=est(decoding=30))
     long = adaptive(prompt(4000), workers, ests)
     assert (long.kind, long.prefill, long.decode) == (DISAGG, "c0", "c1")
     short = adaptive(prompt(50), workers, ests)
-    assert (short.kind, short.decode) == (LOCAL_PREFILL, "c1")
+    assert (short.kind, short.prefill, short.decode) == (DISAGG, "c0", "c1")
 
 
 def test_a_decode_leaning_worker_past_its_tpot_target_sends_decodes_to_the_prefill_side():
