@@ -205,12 +205,12 @@ class Estimator:
 
     def placed(self, prefill_worker: str, decode_worker: str, prompt_tokens: int, now: float) -> None:
         """A request placed: its prompt tokens queue on the worker that computes
-        them. Prompts short enough to prefill where they decode are no demand on
-        the prefill side."""
+        them. A short prompt prefilled where it decodes is no demand on the
+        prefill side (one sent to a prefill worker is)."""
         p = self.workers.setdefault(prefill_worker, _Worker())
         p.placed_tokens += prompt_tokens
         self.workers.setdefault(decode_worker, _Worker()).placed_decodes += 1
-        if prompt_tokens > self.cfg.local_prefill_tokens:
+        if prompt_tokens > self.cfg.local_prefill_tokens or prefill_worker != decode_worker:
             self._demand = self.demand(now) + prompt_tokens / self.cfg.demand_window_s
             self._demand_at = now
 

@@ -340,3 +340,11 @@ def test_an_idle_worker_prefills_a_lone_prompt_in_budget_sized_steps():
     idle, busy = est(), est(decoding=20)
     assert idle.prefill_s(16_384) == pytest.approx(8 * idle.step_s(0) + 16_384 * idle.step_token_s)
     assert busy.prefill_s(16_384) == pytest.approx(32 * busy.step_s(20) + 16_384 * busy.step_token_s)
+
+
+def test_a_short_prompt_is_prefill_demand_only_when_sent_to_a_prefill_worker():
+    e = Estimator(SLO)
+    e.placed("c1", "c1", 200, 0.0)          # prefilled where it decodes
+    assert e.demand(0.0) == 0.0
+    e.placed("c0", "c1", 200, 0.0)          # computed by a prefill worker
+    assert e.demand(0.0) == pytest.approx(200 / SLO.demand_window_s)
