@@ -44,6 +44,12 @@ class EngineConfig:
     # take the whole max_num_batched_tokens (a lone 16k prompt in 8 steps of
     # 2048, not 32 of 512: a prefill worker's usual case). Off: chunk_size always.
     chunk_only_beside_decodes: bool = True
+    # Prompt tokens of all requests together in a step where requests decode
+    # (None: up to max_num_batched_tokens). With a large budget, a busy
+    # colocated worker's step can carry many prompt chunks beside its decodes;
+    # this bounds that step (Sarathi-Serve's token budget) and leaves steps
+    # without decodes the whole budget.
+    prefill_tokens_beside_decodes: int | None = None
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     # Torch threads of an engine on the CPU; 0: torch's default (one per core).
@@ -70,6 +76,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= 1")
         if self.chunk_size < 1:
             bad("chunk_size", "must be >= 1")
+        if self.prefill_tokens_beside_decodes is not None and self.prefill_tokens_beside_decodes < 1:
+            bad("prefill_tokens_beside_decodes", "must be >= 1 (unset: the step budget)")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "must be >= 1")
         if self.cpu_threads < 0:

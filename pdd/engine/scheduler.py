@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
         self._chunk = cfg.chunk_size    # this step's longest prompt chunk of one request
+        self._prefill_left = 0          # prompt tokens this step may still take
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -126,9 +127,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        decoding = any(r.decoding for r in self.running)
         self._chunk = self.cfg.chunk_size
-        if self.cfg.chunk_only_beside_decodes and not any(r.decoding for r in self.running):
+        if self.cfg.chunk_only_beside_decodes and not decoding:
             self._chunk = budget   # nothing decodes: no gap to bound
+        self._prefill_left = budget
+        if decoding and self.cfg.prefill_tokens_beside_decodes is not None:
+            self._prefill_left = self.cfg.prefill_tokens_beside_decodes
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -139,9 +144,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            n = min(req.num_tokens_with_in_flight - req.num_computed_tokens, self._chunk, budget)
+            n = self._chunk_of(req.num_tokens_with_in_flight - req.num_computed_tokens, budget)
             if n <= 0 or req.stops_after_in_flight():
-                continue  # its last token is in flight; the request ends when it lands
+                continue  # no prompt room left this step, or its last token is in flight (it ends when that lands)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()  # newest admitted; never one already scheduled
                 self._preempt(victim)
@@ -158,8 +163,8 @@ class Scheduler:
             computed, num_cached = [], 0
             if req.num_computed_tokens == 0:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - req.num_computed_tokens - num_cached, self._chunk, budget)
-            if self.kv.allocate_slots(req, n, computed) is None:
+            n = self._chunk_of(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
                 break
             self.waiting.popleft()
             if num_cached:
@@ -170,9 +175,18 @@ class Scheduler:
             self._take(out, req, n)
             budget -= n
 
-    @staticmethod
-    def _take(out: SchedulerOutput, req: Request, n: int) -> None:
+    def _chunk_of(self, wanted: int, budget: int) -> int:
+        """Tokens a request wanting `wanted` more gets this step: a decode its
+        one; a prompt at most a chunk, within the budget and what is left of
+        the prompt tokens allowed beside decodes."""
+        if wanted <= 1:
+            return min(wanted, budget)
+        return min(wanted, self._chunk, budget, self._prefill_left)
+
+    def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Put n of req's tokens in this step, and count them as computed."""
+        if n > 1:
+            self._prefill_left -= n
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens_with_in_flight
         out.scheduled.append((req, n))

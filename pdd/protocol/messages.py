@@ -54,9 +54,11 @@ class Register(Message):
     public_key: str = ""  # CURVE public key of its data socket (z85), "" when insecure
     # A colocated worker that also prefills for others (worker.prefill_for_others).
     prefills_for_others: bool = False
-    # Its scheduler's step budget and per-request chunk: the router's prefill-time model.
+    # Its scheduler's step budget, per-request chunk and prompt tokens per step
+    # beside decodes (0: the budget): the router's prefill-time model.
     max_num_batched_tokens: int = 0
     chunk_size: int = 0
+    prefill_tokens_beside_decodes: int = 0
 
 
 @dataclass

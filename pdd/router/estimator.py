@@ -64,6 +64,7 @@ class WorkerEstimate:
     prefill_per_step: float = 0.0   # prefill tokens its recent steps carried, on average
     budget: int = 2048              # max_num_batched_tokens
     chunk: int = 512                # the most prompt tokens of one request per step
+    beside: int = 0                 # the most prompt tokens per step beside decodes (0: the budget)
     leaning: str = LEAN_DECODE      # which work the router steers here first
     samples: int = 0                # step groups measured so far
 
@@ -75,22 +76,28 @@ class WorkerEstimate:
         `behind` others (FIFO; the running decodes ride in every step)."""
         if tokens <= 0 and behind <= 0:
             return 0.0
-        room = max(1, self.budget - self.decoding)           # prefill tokens a step takes
+        room = max(1, self.prefill_room)                     # prefill tokens a step takes
         own = max(1, min(self.chunk, room) if self.decoding else room)   # ... of one request (the engine
         # chunks a prompt only beside decodes: EngineConfig.chunk_only_beside_decodes)
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
         return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
 
     @property
+    def prefill_room(self) -> int:
+        """Prompt tokens one of its steps can take beside its decodes."""
+        room = self.budget - self.decoding
+        return min(room, self.beside) if self.beside and self.decoding else room
+
+    @property
     def riding(self) -> float:
         """Prefill tokens its steps carry now: lately, or a chunk of what is pending."""
         return min(max(self.prefill_per_step, min(self.pending_tokens, self.chunk)),
-                   max(0, self.budget - self.decoding))
+                   max(0, self.prefill_room))
 
     def chunk_step_s(self) -> float:
         """A step that carries one more prefill chunk beside this worker's decodes
         and the prefill already riding: the gap its running requests see."""
-        room = max(0, self.budget - self.decoding)
+        room = max(0, self.prefill_room)
         return self.step_s(self.decoding, min(room, self.riding + max(1, min(self.chunk, room))))
 
     def tpot_s(self) -> float:
@@ -279,7 +286,8 @@ class Estimator:
         else:
             leaning = LEAN_DECODE
         return WorkerEstimate(a, b, c, w.pending + w.placed_tokens, w.decoding + w.placed_decodes, w.prefill_per_step,
-                              info.max_num_batched_tokens or 2048, info.chunk_size or 512, leaning, w.fit.n)
+                              info.max_num_batched_tokens or 2048, info.chunk_size or 512,
+                              info.prefill_tokens_beside_decodes, leaning, w.fit.n)
 
     def _balance(self, workers: list[WorkerInfo], now: float) -> None:
         """Lean as many colocated workers to prefill as the demand needs, at

@@ -56,3 +56,24 @@ def test_the_step_budget_defaults_by_device(tiny_model):
     assert LLM(str(tiny_model), num_blocks=64).engine.cfg.max_num_batched_tokens == 2048   # on the CPU
     assert default_step_budget(torch.device("cuda")) == 8192
     assert LLM(str(tiny_model), num_blocks=64, max_num_batched_tokens=100).engine.cfg.max_num_batched_tokens == 100
+
+
+def test_prompt_tokens_beside_decodes_can_be_capped_for_the_whole_step(tiny_model):
+    """Three prompts arrive while one request decodes: each may take a chunk (32),
+    but together at most prefill_tokens_beside_decodes (40) of the step's 96."""
+    llm = LLM(str(tiny_model), prefill_tokens_beside_decodes=40, **SHAPE)
+    engine = llm.engine
+    short, *longs = random_prompts([8, 100, 100, 100], seed=13)
+    decoder = engine.add_request("decoder", short, greedy(40, ignore_eos=True))
+    engine.step()
+    prompts = [engine.add_request(f"p{i}", p, greedy(2, ignore_eos=True)) for i, p in enumerate(longs)]
+    engine.step()
+    assert [p.num_computed_tokens for p in prompts] == [32, 8, 0]
+    assert decoder.num_output_tokens == 2            # the decode was not held back
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)
+    alone = LLM(str(tiny_model), prefill_tokens_beside_decodes=40, **SHAPE).engine
+    lone = alone.add_request("lone", longs[0], greedy(2, ignore_eos=True))
+    alone.step()
+    assert lone.num_computed_tokens == 96            # nothing decodes: the whole budget

@@ -348,3 +348,11 @@ def test_a_short_prompt_is_prefill_demand_only_when_sent_to_a_prefill_worker():
     assert e.demand(0.0) == 0.0
     e.placed("c0", "c1", 200, 0.0)          # computed by a prefill worker
     assert e.demand(0.0) == pytest.approx(200 / SLO.demand_window_s)
+
+
+def test_a_cap_on_prompt_tokens_beside_decodes_slows_a_prefill_there_not_on_an_idle_worker():
+    """engine.prefill_tokens_beside_decodes, as the worker registered it."""
+    capped, idle = est(decoding=20, beside=256), est(beside=256)
+    assert capped.prefill_room == 256 and idle.prefill_room == 2048
+    assert capped.prefill_s(2048) == pytest.approx(8 * capped.step_s(20) + 2048 * capped.step_token_s)
+    assert capped.chunk_step_s() == pytest.approx(capped.step_s(20, 256))
