@@ -133,3 +133,27 @@ def test_layout_mismatch_refuses_to_open_the_pool(peer):
         assert s.cannot_reach(peer.address)
     finally:
         s.close()
+
+
+def test_a_commit_waits_for_its_own_copies_not_a_later_steps(peer, sender):
+    """The prefill worker reads a step's first tokens after launching the next
+    step, whose copies (another request's) queue on the side stream behind that
+    step's compute. The finished request's commit must not wait for them: it
+    completes while the later step still runs."""
+    src = make_pool(peer.layout, seed=7).cuda()
+    first, later = (TransferTarget(rid, peer("grant", rid, [blk], 30), "d", peer.address, (blk,), backend="cuda_ipc")
+                    for rid, blk in (("r6", 8), ("r7", 11)))
+    sender.prepare(first)
+    sender.prepare(later)
+    send(sender, first, src, [0])                  # step N: r6's last pages
+    torch.cuda._sleep(10_000_000_000)             # step N+1's compute: ~5 s of GPU time
+    step_done = torch.cuda.Event()
+    step_done.record()
+    send(sender, later, src, [1])                  # step N+1's pages of r7, queued behind it
+    sender.finish("r6")
+    r = wait_result(sender, "r6")
+    assert r.ok, r.error
+    assert not step_done.query()                  # committed while step N+1 still ran
+    sender.finish("r7")
+    assert wait_result(sender, "r7").ok
+    assert peer("close", first.lease_id) == peer("close", later.lease_id) == "free"
