@@ -41,8 +41,9 @@ class EngineConfig:
     chunk_size: int = 512                # longest prefill chunk of one request per step
     # Chunking bounds the gap a prompt gives the requests decoding beside it. In
     # a step where nothing decodes there is no gap to bound: a prompt may then
-    # take the whole max_num_batched_tokens (a lone 16k prompt in 8 steps of
-    # 2048, not 32 of 512: a prefill worker's usual case). Off: chunk_size always.
+    # take the whole max_num_batched_tokens (on a GPU a lone 16k prompt in 2
+    # steps of 8192, not 32 of 512: a prefill worker's usual case). Off:
+    # chunk_size always.
     chunk_only_beside_decodes: bool = True
     # Prompt tokens of all requests together in a step where requests decode
     # (None: up to max_num_batched_tokens). With a large budget, a busy

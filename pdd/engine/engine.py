@@ -225,6 +225,10 @@ class LLMEngine:
         # prompts are), then their decodes beside the chunks of a prompt several
         # chunks long: the large shapes of a busy step.
         phases = [[[chunk - i for i in range(n)] + [3 * chunk + chunk // 2 + 1]]]
+        # The largest step: a prompt of the whole budget alone (a prefill
+        # worker's usual step, chunk_only_beside_decodes): memory it lacks shows
+        # at start, not on the first long prompt in service.
+        phases.append([[cfg.max_num_batched_tokens]])
         # Triton compiles a kernel per specialization of its arguments (a pointer
         # 16-byte aligned or not, an int equal to 1, a multiple of 16 or neither),
         # and the attention kernels' vary with the batch: the block-table width

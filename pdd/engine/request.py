@@ -83,8 +83,10 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Past its prompt and generating here (a prefill-only request never is)."""
-        return not self.prefill_only and self.num_computed_tokens >= self.num_prompt_tokens
+        """Past its prompt, with tokens still to generate here (a prefill-only
+        request never is; one whose last token is in flight is done)."""
+        return (not self.prefill_only and self.num_computed_tokens >= self.num_prompt_tokens
+                and not self.stops_after_in_flight())
 
     def stops_after_in_flight(self) -> bool:
         """The token in flight ends the request whatever its value (a prefill-only

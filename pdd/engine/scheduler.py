@@ -178,7 +178,8 @@ class Scheduler:
     def _chunk_of(self, wanted: int, budget: int) -> int:
         """Tokens a request wanting `wanted` more gets this step: a decode its
         one; a prompt at most a chunk, within the budget and what is left of
-        the prompt tokens allowed beside decodes."""
+        the prompt tokens allowed beside decodes. (A prompt's last single token
+        is scheduled like a decode, outside that allowance.)"""
         if wanted <= 1:
             return min(wanted, budget)
         return min(wanted, self._chunk, budget, self._prefill_left)

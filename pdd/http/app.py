@@ -161,7 +161,8 @@ class OpenAIServer:
                         return
                     pieces.append((delta, frag, None))
                 if ev.finished:
-                    pieces.append((text.finish(), None, ev.finish_reason))
+                    last = text.finish()   # may complete a stop string the held-back text began
+                    pieces.append((last, None, "stop" if text.stopped else ev.finish_reason))
                     yield pieces
                     return
             yield pieces

@@ -164,6 +164,8 @@ def _fast_positional_builder(cls, checked):
     """Generated code for a nested `cls` sent as an array of all its fields
     (what `encode` sends); a shorter array or anything else goes to `checked`."""
     spec = _fields(cls)
+    if any(f.kw_only or not f.init for f in dataclasses.fields(cls)):
+        return checked    # built by keyword (cls(**fields)) there
     env = {"_cls": cls, "_checked": checked}
     names = [f"v{i}" for i in range(len(spec))]
     lines = ["def build(raw):",

@@ -54,10 +54,12 @@ class Register(Message):
     public_key: str = ""  # CURVE public key of its data socket (z85), "" when insecure
     # A colocated worker that also prefills for others (worker.prefill_for_others).
     prefills_for_others: bool = False
-    # Its scheduler's step budget, per-request chunk and prompt tokens per step
-    # beside decodes (0: the budget): the router's prefill-time model.
+    # Its scheduler's step budget, per-request chunk (whether only beside
+    # decodes) and prompt tokens per step beside decodes (0: the budget): the
+    # router's prefill-time model.
     max_num_batched_tokens: int = 0
     chunk_size: int = 0
+    chunk_only_beside_decodes: bool = True
     prefill_tokens_beside_decodes: int = 0
 
 
@@ -83,6 +85,9 @@ class Heartbeat(Message):
     step_decodes: list[int] = field(default_factory=list)
     # Prompt tokens admitted and not yet computed (waiting and partly prefilled requests).
     prefill_tokens_pending: int = 0
+    # Of `running`, the requests past their prompt that decode (a prefill
+    # worker's prompts and prefill-only requests are not): the steps' decode load.
+    decoding: int = 0
     # Recently computed block hashes (newest last): prefix-affinity routing.
     recent_hashes: list[int] = field(default_factory=list)
     transfer: dict = field(default_factory=dict)

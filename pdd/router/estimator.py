@@ -60,11 +60,12 @@ class WorkerEstimate:
     step_token_s: float             # b: each prefill token it computes
     step_decode_s: float = PRIOR_DECODE_S   # c: each request it decodes
     pending_tokens: int = 0         # prompt tokens admitted here and not computed yet
-    decoding: int = 0               # requests running here (each a decode token per step)
+    decoding: int = 0               # requests decoding here (each a decode token per step)
     prefill_per_step: float = 0.0   # prefill tokens its recent steps carried, on average
     budget: int = 2048              # max_num_batched_tokens
     chunk: int = 512                # the most prompt tokens of one request per step
     beside: int = 0                 # the most prompt tokens per step beside decodes (0: the budget)
+    chunk_alone: bool = False       # a prompt gets `chunk` even in a step where nothing decodes
     leaning: str = LEAN_DECODE      # which work the router steers here first
     samples: int = 0                # step groups measured so far
 
@@ -77,8 +78,9 @@ class WorkerEstimate:
         if tokens <= 0 and behind <= 0:
             return 0.0
         room = max(1, self.prefill_room)                     # prefill tokens a step takes
-        own = max(1, min(self.chunk, room) if self.decoding else room)   # ... of one request (the engine
-        # chunks a prompt only beside decodes: EngineConfig.chunk_only_beside_decodes)
+        # ... of one request: a chunk beside decodes; alone, the whole step
+        # (EngineConfig.chunk_only_beside_decodes) unless the worker chunks always
+        own = max(1, min(self.chunk, room) if self.decoding or self.chunk_alone else room)
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
         return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
 
@@ -207,7 +209,7 @@ class Estimator:
         # The heartbeat counts what reached the worker before it; what was
         # placed since counts again from here (a placement in flight at that
         # moment is missed until the next one, 0.5 s later).
-        w.pending, w.decoding = hb.prefill_tokens_pending, hb.running
+        w.pending, w.decoding = hb.prefill_tokens_pending, hb.decoding
         w.placed_tokens = w.placed_decodes = 0
 
     def placed(self, prefill_worker: str, decode_worker: str, prompt_tokens: int, now: float) -> None:
@@ -285,9 +287,12 @@ class Estimator:
             leaning = LEAN_PREFILL
         else:
             leaning = LEAN_DECODE
-        return WorkerEstimate(a, b, c, w.pending + w.placed_tokens, w.decoding + w.placed_decodes, w.prefill_per_step,
-                              info.max_num_batched_tokens or 2048, info.chunk_size or 512,
-                              info.prefill_tokens_beside_decodes, leaning, w.fit.n)
+        return WorkerEstimate(
+            step_base_s=a, step_token_s=b, step_decode_s=c, pending_tokens=w.pending + w.placed_tokens,
+            decoding=w.decoding + w.placed_decodes, prefill_per_step=w.prefill_per_step,
+            budget=info.max_num_batched_tokens or 2048, chunk=info.chunk_size or 512,
+            beside=info.prefill_tokens_beside_decodes, chunk_alone=not info.chunk_only_beside_decodes,
+            leaning=leaning, samples=w.fit.n)
 
     def _balance(self, workers: list[WorkerInfo], now: float) -> None:
         """Lean as many colocated workers to prefill as the demand needs, at

@@ -73,7 +73,6 @@ class IpcWrite:
     error: str = ""                     # why it failed; no more copies
     closed: bool = False                # no more copies (finishing or failed)
     begun: bool = False                 # the decode worker counts us as a writer
-    copies: int = 0                     # kernels launched
     # Recorded on the side stream right after its last copy: it completes when
     # this request's pages are there, not behind copies launched for later steps.
     copied: "torch.cuda.Event | None" = None
@@ -216,6 +215,9 @@ class CudaIpcSender(IoSender):
         compute = torch.cuda.current_stream(self.device)
         with self._lock:
             if w.error or w.closed:
+                if w.finished and not w.error:   # its commit may be out: these pages would be missing
+                    log.error("kv ipc sender: a copy for %s launched after it finished; not copied",
+                              w.target.request_id)
                 return
             if time.perf_counter() > w.deadline:
                 self._fail_locked(w, "the KV lease would expire before the transfer completes")
@@ -226,7 +228,6 @@ class CudaIpcSender(IoSender):
                                       self.copy_ctas)
             w.copied = torch.cuda.Event()
             w.copied.record(self._side)
-            w.copies += 1
             if not w.progress.bytes:
                 w.progress.t_first = time.perf_counter()
             if not ids.counted:

@@ -64,6 +64,7 @@ class JournalCursor:
 @dataclass(frozen=True)
 class EngineSnapshot:
     running: int = 0
+    decoding: int = 0
     waiting: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
@@ -109,7 +110,8 @@ class EngineStats:
         sched, kv = engine.scheduler, engine.kv
         self.recent_hashes.extend(kv.take_recent_hashes())
         return EngineSnapshot(
-            running=len(sched.running), waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
+            running=len(sched.running), decoding=sum(1 for r in sched.running if r.decoding),
+            waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
             step_latencies=self.step_latencies.view(), step_tokens=self.step_tokens.view(),
@@ -140,7 +142,7 @@ class HeartbeatReader:
             prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
             step_latencies=self._latencies.take(snap.step_latencies),
             step_tokens=self._tokens.take(snap.step_tokens), step_decodes=self._decodes.take(snap.step_decodes),
-            prefill_tokens_pending=snap.prefill_tokens_pending,
+            prefill_tokens_pending=snap.prefill_tokens_pending, decoding=snap.decoding,
             prefill_chunks=self._chunks.take(snap.prefill_chunks),
             decode_batches=self._batches.take(snap.decode_batches),
             recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,

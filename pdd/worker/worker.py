@@ -154,7 +154,8 @@ class Worker:
             max_model_len=i.max_model_len, data_addr=i.data_addr, transfer_backends=i.transfer_backends,
             host_id=host_id(), incarnation=self.incarnation, public_key=worker_public_key(self.cfg),
             prefills_for_others=i.prefills_for_others, max_num_batched_tokens=i.max_num_batched_tokens,
-            chunk_size=i.chunk_size, prefill_tokens_beside_decodes=i.prefill_tokens_beside_decodes)
+            chunk_size=i.chunk_size, chunk_only_beside_decodes=i.chunk_only_beside_decodes,
+            prefill_tokens_beside_decodes=i.prefill_tokens_beside_decodes)
 
     async def _register_loop(self) -> None:
         """(Re-)register until the router answers; the router may start after us."""

@@ -190,7 +190,7 @@ def test_a_colocated_worker_that_does_not_prefill_for_others_takes_no_kv():
 
 def heartbeat(wid: str, steps: list[tuple[int, float]], running: int = 0, pending: int = 0,
               chunks: list[int] = (), decodes: list[int] | None = None) -> m.Heartbeat:
-    return m.Heartbeat(wid, running, 0, 100, 100, step_latencies=[s for _, s in steps],
+    return m.Heartbeat(wid, running, 0, 100, 100, decoding=running, step_latencies=[s for _, s in steps],
                        step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending,
                        step_decodes=list(decodes) if decodes is not None else [])
 
@@ -356,3 +356,18 @@ def test_a_cap_on_prompt_tokens_beside_decodes_slows_a_prefill_there_not_on_an_i
     assert capped.prefill_room == 256 and idle.prefill_room == 2048
     assert capped.prefill_s(2048) == pytest.approx(8 * capped.step_s(20) + 2048 * capped.step_token_s)
     assert capped.chunk_step_s() == pytest.approx(capped.step_s(20, 256))
+
+
+def test_a_prefill_workers_running_prompts_are_no_decodes():
+    """Its heartbeat's `running` counts the prompts it computes; only `decoding`
+    is decode load: it is priced with whole-budget steps, not chunks beside decodes."""
+    e, p = Estimator(SLO), worker("p0", "prefill")
+    e.observe(m.Heartbeat("p0", 6, 0, 100, 100, decoding=0, prefill_tokens_pending=20_000))
+    w = e.snapshot([p], LAYOUT, 0.0).workers["p0"]
+    assert w.decoding == 0 and w.prefill_room == 2048
+    assert w.prefill_s(4096) == pytest.approx(w.prefill_s(0, behind=4096))   # 2 budget-sized steps either way
+
+
+def test_a_worker_that_chunks_even_alone_is_priced_so():
+    always = est(chunk_alone=True)
+    assert always.prefill_s(16_384) == pytest.approx(32 * always.step_s(0) + 16_384 * always.step_token_s)

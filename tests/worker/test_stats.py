@@ -71,8 +71,9 @@ def test_heartbeats_carry_samples_and_hashes_once():
 
 def test_heartbeats_count_the_prompt_tokens_not_computed_yet():
     def req(prompt, computed):
-        return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed)
+        return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed, decoding=computed >= prompt)
     # A request half prefilled, one decoding (its computed tokens pass its prompt), one waiting.
     engine = fake_engine([], running=[req(100, 60), req(10, 14)], waiting=[req(50, 0)])
     hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(engine, {}), 0.0, False)
     assert hb.prefill_tokens_pending == 40 + 50
+    assert (hb.running, hb.decoding) == (2, 1)     # the prompt being computed is no decode load
