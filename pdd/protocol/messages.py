@@ -31,6 +31,21 @@ class Message:
 # ---------------------------------------------------------------- worker -> router
 
 @dataclass
+class StepLimits:
+    """A worker's scheduler limits (pdd.config.EngineConfig), for the router's
+    prefill-time model (pdd.router.estimator)."""
+    budget: int = 0                        # max_num_batched_tokens (0: not said)
+    chunk: int = 0                         # chunk_size (0: not said)
+    chunk_only_beside_decodes: bool = True
+    prefill_beside_decodes: int = 0        # prefill_tokens_beside_decodes (0: the budget)
+
+    @classmethod
+    def of(cls, cfg) -> "StepLimits":
+        return cls(cfg.max_num_batched_tokens, cfg.chunk_size, cfg.chunk_only_beside_decodes,
+                   cfg.prefill_tokens_beside_decodes or 0)
+
+
+@dataclass
 class Register(Message):
     """A worker announces itself. `layout` is the KV layout descriptor
     (pdd.kv.layout.KVLayout as a dict): workers whose KV cannot be exchanged
@@ -54,13 +69,7 @@ class Register(Message):
     public_key: str = ""  # CURVE public key of its data socket (z85), "" when insecure
     # A colocated worker that also prefills for others (worker.prefill_for_others).
     prefills_for_others: bool = False
-    # Its scheduler's step budget, per-request chunk (whether only beside
-    # decodes) and prompt tokens per step beside decodes (0: the budget): the
-    # router's prefill-time model.
-    max_num_batched_tokens: int = 0
-    chunk_size: int = 0
-    chunk_only_beside_decodes: bool = True
-    prefill_tokens_beside_decodes: int = 0
+    step: StepLimits = field(default_factory=StepLimits)
 
 
 @dataclass

@@ -290,8 +290,8 @@ class Estimator:
         return WorkerEstimate(
             step_base_s=a, step_token_s=b, step_decode_s=c, pending_tokens=w.pending + w.placed_tokens,
             decoding=w.decoding + w.placed_decodes, prefill_per_step=w.prefill_per_step,
-            budget=info.max_num_batched_tokens or 2048, chunk=info.chunk_size or 512,
-            beside=info.prefill_tokens_beside_decodes, chunk_alone=not info.chunk_only_beside_decodes,
+            budget=info.step.budget or 2048, chunk=info.step.chunk or 512,
+            beside=info.step.prefill_beside_decodes, chunk_alone=not info.step.chunk_only_beside_decodes,
             leaning=leaning, samples=w.fit.n)
 
     def _balance(self, workers: list[WorkerInfo], now: float) -> None:

@@ -36,10 +36,7 @@ class WorkerInfo:
     incarnation: str = ""           # this process's start; another one under the same id is a new worker
     public_key: str = ""            # its data socket's CURVE key, handed to prefill workers that write to it
     prefills_for_others: bool = False   # a colocated worker that also prefills prompts and ships their KV
-    max_num_batched_tokens: int = 0     # its step budget and per-request chunk (0: not said)
-    chunk_size: int = 0
-    chunk_only_beside_decodes: bool = True   # a prompt alone takes the whole budget
-    prefill_tokens_beside_decodes: int = 0   # 0: the step budget
+    step: m.StepLimits = field(default_factory=m.StepLimits)   # its scheduler's limits
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
     heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one
@@ -122,9 +119,7 @@ class WorkerRegistry:
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
                           msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
-                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.max_num_batched_tokens,
-                          msg.chunk_size, chunk_only_beside_decodes=msg.chunk_only_beside_decodes,
-                          prefill_tokens_beside_decodes=msg.prefill_tokens_beside_decodes)
+                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step)
         if old is not None:
             # A repeated registration of the same process keeps its state.
             info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes

@@ -83,10 +83,7 @@ class EngineInfo:
     data_addr: str
     transfer_backends: list[str]
     prefills_for_others: bool
-    max_num_batched_tokens: int
-    chunk_size: int
-    chunk_only_beside_decodes: bool
-    prefill_tokens_beside_decodes: int     # 0: the step budget
+    step: m.StepLimits
 
 
 class EngineListener(Protocol):
@@ -207,9 +204,7 @@ class EngineThread(threading.Thread):
             device=str(e.device), layout=layout, num_blocks=e.kv.pool.num_usable_blocks,
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
             data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=backends,
-            prefills_for_others=wc.prefill_for_others, max_num_batched_tokens=e.cfg.max_num_batched_tokens,
-            chunk_size=e.cfg.chunk_size, chunk_only_beside_decodes=e.cfg.chunk_only_beside_decodes,
-            prefill_tokens_beside_decodes=e.cfg.prefill_tokens_beside_decodes or 0)
+            prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg))
 
     def _serve(self) -> None:
         """The loop; returns when stopped, or drained; raises EngineFailed."""

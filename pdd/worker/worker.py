@@ -153,9 +153,7 @@ class Worker:
             device=i.device, layout=i.layout.to_dict(), num_blocks=i.num_blocks, max_num_seqs=i.max_num_seqs,
             max_model_len=i.max_model_len, data_addr=i.data_addr, transfer_backends=i.transfer_backends,
             host_id=host_id(), incarnation=self.incarnation, public_key=worker_public_key(self.cfg),
-            prefills_for_others=i.prefills_for_others, max_num_batched_tokens=i.max_num_batched_tokens,
-            chunk_size=i.chunk_size, chunk_only_beside_decodes=i.chunk_only_beside_decodes,
-            prefill_tokens_beside_decodes=i.prefill_tokens_beside_decodes)
+            prefills_for_others=i.prefills_for_others, step=i.step)
 
     async def _register_loop(self) -> None:
         """(Re-)register until the router answers; the router may start after us."""

@@ -21,7 +21,7 @@ GPU = dict(step_base_s=0.01, step_token_s=5e-5)            # a GPU-class step: 1
 def worker(wid: str, role: str, flex: bool = False, num_blocks: int = 10_000) -> WorkerInfo:
     return WorkerInfo(wid, role, "h", 1, "cuda", LAYOUT, num_blocks, 256, 32_768,
                       data_addr="" if role == "prefill" else f"tcp://{wid}:1", transfer_backends=["cuda_ipc", "tcp"],
-                      host_id="h", prefills_for_others=flex, max_num_batched_tokens=2048, chunk_size=512)
+                      host_id="h", prefills_for_others=flex, step=m.StepLimits(2048, 512))
 
 
 def estimates(**per_worker: WorkerEstimate) -> Estimates:
