@@ -16,6 +16,11 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     add_serve_parser(sub, _runner)
     add_sweep_parser(sub, _runner)
 
+    b = sub.add_parser("gaps", help="a saved serve result's token gaps: first (hand-over) vs later (decode) gaps")
+    b.add_argument("files", nargs="+", help="result JSON files written by `pdd bench serve` or `sweep`")
+    b.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    b.set_defaults(func=_runner("gaps"))
+
     b = sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
     add_engine_args(b)
     b.add_argument("--num-requests", type=int, default=64)
