@@ -6,7 +6,10 @@ step gives it some of the difference under one token budget. Running requests
 go first (their decodes keep TPOT steady), then waiting requests are admitted
 while budget, sequence slots and blocks last. A prompt longer than
 `chunk_size` is spread over several steps (with `chunk_only_beside_decodes`,
-only while requests decode in the step). When blocks run out, the newest
+only while requests decode in the step). A prompt computed for another worker
+(prefill-only) is scheduled as if nothing decoded here: the router sent it to
+this worker to be computed at full speed, and it prices the gap that gives the
+few requests decoding here. When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
 cache) and it is recomputed later.
 
@@ -62,7 +65,8 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
         self._chunk = cfg.chunk_size    # this step's longest prompt chunk of one request
-        self._prefill_left = 0          # prompt tokens this step may still take
+        self._chunk_alone = cfg.chunk_size  # ... of a prompt computed for another worker
+        self._prefill_left = 0          # prompt tokens beside decodes this step may still take
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -128,9 +132,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         decoding = any(r.decoding for r in self.running)
-        self._chunk = self.cfg.chunk_size
-        if self.cfg.chunk_only_beside_decodes and not decoding:
-            self._chunk = budget   # nothing decodes: no gap to bound
+        # A prompt alone (or computed for another worker) has no decode gap to bound.
+        self._chunk_alone = budget if self.cfg.chunk_only_beside_decodes else self.cfg.chunk_size
+        self._chunk = self.cfg.chunk_size if decoding else self._chunk_alone
         self._prefill_left = budget
         if decoding and self.cfg.prefill_tokens_beside_decodes is not None:
             self._prefill_left = self.cfg.prefill_tokens_beside_decodes
@@ -144,7 +148,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            n = self._chunk_of(req.num_tokens_with_in_flight - req.num_computed_tokens, budget)
+            n = self._chunk_of(req, req.num_tokens_with_in_flight - req.num_computed_tokens, budget)
             if n <= 0 or req.stops_after_in_flight():
                 continue  # no prompt room left this step, or its last token is in flight (it ends when that lands)
             while self.kv.allocate_slots(req, n) is None:
@@ -163,7 +167,7 @@ class Scheduler:
             computed, num_cached = [], 0
             if req.num_computed_tokens == 0:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-            n = self._chunk_of(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            n = self._chunk_of(req, req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
                 break
             self.waiting.popleft()
@@ -175,18 +179,21 @@ class Scheduler:
             self._take(out, req, n)
             budget -= n
 
-    def _chunk_of(self, wanted: int, budget: int) -> int:
-        """Tokens a request wanting `wanted` more gets this step: a decode its
+    def _chunk_of(self, req: Request, wanted: int, budget: int) -> int:
+        """Tokens `req`, wanting `wanted` more, gets this step: a decode its
         one; a prompt at most a chunk, within the budget and what is left of
-        the prompt tokens allowed beside decodes. (A prompt's last single token
-        is scheduled like a decode, outside that allowance.)"""
+        the prompt tokens allowed beside decodes; a prompt computed for another
+        worker as if nothing decoded here. (A prompt's last single token is
+        scheduled like a decode, outside that allowance.)"""
         if wanted <= 1:
             return min(wanted, budget)
+        if req.prefill_only:
+            return min(wanted, self._chunk_alone, budget)
         return min(wanted, self._chunk, budget, self._prefill_left)
 
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Put n of req's tokens in this step, and count them as computed."""
-        if n > 1:
+        if n > 1 and not req.prefill_only:
             self._prefill_left -= n
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens_with_in_flight

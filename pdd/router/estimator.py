@@ -72,15 +72,18 @@ class WorkerEstimate:
     def step_s(self, decodes: float, prefill: float = 0.0) -> float:
         return self.step_base_s + self.step_decode_s * decodes + self.step_token_s * prefill
 
-    def prefill_s(self, tokens: int, behind: int = 0) -> float:
+    def prefill_s(self, tokens: int, behind: int = 0, for_others: bool = False) -> float:
         """Until `tokens` more prompt tokens are computed here, queued behind
-        `behind` others (FIFO; the running decodes ride in every step)."""
+        `behind` others (FIFO; the running decodes ride in every step).
+        `for_others`: prompts computed for other workers, which the engine
+        schedules as if nothing decoded here."""
         if tokens <= 0 and behind <= 0:
             return 0.0
-        room = max(1, self.prefill_room)                     # prefill tokens a step takes
+        beside = self.decoding and not for_others
+        room = max(1, self.prefill_room if beside else self.budget - self.decoding)   # prefill tokens a step takes
         # ... of one request: a chunk beside decodes; alone, the whole step
         # (EngineConfig.chunk_only_beside_decodes) unless the worker chunks always
-        own = max(1, min(self.chunk, room) if self.decoding or self.chunk_alone else room)
+        own = max(1, min(self.chunk, room) if beside or self.chunk_alone else room)
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
         return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
 

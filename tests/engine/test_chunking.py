@@ -77,3 +77,27 @@ def test_prompt_tokens_beside_decodes_can_be_capped_for_the_whole_step(tiny_mode
     lone = alone.add_request("lone", longs[0], greedy(2, ignore_eos=True))
     alone.step()
     assert lone.num_computed_tokens == 96            # nothing decodes: the whole budget
+
+
+@pytest.mark.parametrize("beside_decodes_only", [True, False])
+def test_a_prompt_computed_for_another_worker_is_scheduled_as_if_nothing_decoded(tiny_model, beside_decodes_only):
+    """An adaptive prefill-leaning worker may decode a few requests: the prompts it
+    computes for others keep the whole step (the router prices the gap), while a
+    prompt that decodes here still takes a chunk within the cap."""
+    llm = LLM(str(tiny_model), prefill_tokens_beside_decodes=40, chunk_only_beside_decodes=beside_decodes_only,
+              **SHAPE)
+    engine = llm.engine
+    short, for_other, local = random_prompts([8, 200, 200], seed=14)
+    decoder = engine.add_request("decoder", short, greedy(40, ignore_eos=True))
+    engine.step()
+    assert decoder.decoding
+    remote = engine.add_request("remote", for_other, greedy(1, ignore_eos=True), prefill_only=True)
+    here = engine.add_request("here", local, greedy(2, ignore_eos=True))
+    engine.step()
+    # the budget (96) less the decode; with chunks everywhere, a chunk but no cap
+    assert remote.num_computed_tokens == (95 if beside_decodes_only else 32)
+    assert here.num_computed_tokens == (0 if beside_decodes_only else 32)   # what is left of the step
+    assert decoder.num_output_tokens == 2
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)

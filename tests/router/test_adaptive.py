@@ -1,6 +1,8 @@
 """Adaptive placement on constructed cluster states, and the estimator that feeds it (no processes)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdd.config import AdaptiveConfig
@@ -371,3 +373,14 @@ def test_a_prefill_workers_running_prompts_are_no_decodes():
 def test_a_worker_that_chunks_even_alone_is_priced_so():
     always = est(chunk_alone=True)
     assert always.prefill_s(16_384) == pytest.approx(32 * always.step_s(0) + 16_384 * always.step_token_s)
+
+
+def test_prompts_computed_for_others_are_priced_without_the_chunks_beside_decodes():
+    """The engine schedules a prefill-only prompt as if nothing decoded: on a worker
+    decoding 20 requests, a 16k prompt for another worker takes 8 budget-sized steps
+    (less the decodes' room), not 32 chunks, and no cap applies."""
+    busy = est(decoding=20, beside=256)
+    room = busy.budget - 20
+    assert busy.prefill_s(16_384, for_others=True) == pytest.approx(
+        math.ceil(16_384 / room) * busy.step_s(20) + 16_384 * busy.step_token_s)
+    assert busy.prefill_s(16_384) == pytest.approx(64 * busy.step_s(20) + 16_384 * busy.step_token_s)
