@@ -130,6 +130,10 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--steps", type=int, default=60)
     b.add_argument("--prefill", default="4096,16384")
     b.add_argument("--prefill-reps", type=int, default=3)
+    b.add_argument("--mixed-chunks", default="", help="comma list of chunk sizes: a prompt computed in chunks "
+                   "beside --mixed-batch decodes, step time by depth (e.g. 128,256,512)")
+    b.add_argument("--mixed-batch", type=int, default=64)
+    b.add_argument("--mixed-prompt", type=int, default=16384)
     b.add_argument("--no-cuda-graphs", action="store_true")
     b.add_argument("--no-async-scheduling", action="store_true")
     b.add_argument("--profile", action="store_true",

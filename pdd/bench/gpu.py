@@ -4,6 +4,8 @@ decode: B requests with a context of --context tokens each, all decoding; a
 step's floor is (weight bytes + KV bytes read) / HBM bandwidth.
 prefill: one prompt of N tokens in one step; the floor is
 (2 * params * N + attention FLOPs) / matmul peak.
+mixed (--mixed-chunks): a prompt computed in chunks beside B decoding requests,
+what each chunk adds to their step by its depth in the prompt.
 Times are whole engine steps (schedule, inputs, forward, sample, outputs): the
 median gap between consecutive step() returns, steps back to back, which is
 what a decoding request waits per token.
@@ -152,6 +154,55 @@ def bench_prefill(args, engine, tokens: int) -> dict:
             "fraction_of_peak": flops / step / MATMUL_FLOP_S}
 
 
+def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
+    """What a prompt chunk costs beside running decodes: `batch` requests decode
+    at --context while one prompt of `prompt` tokens is computed `chunk` tokens a
+    step (the engine's chunk beside decodes). Steps are timed back to back and
+    grouped by how deep into the prompt the chunk is (its attention reads
+    everything before it); per_token_us is (mixed step - decode step) / chunk.
+    Mixed steps run eagerly (CUDA graphs cover decode-only batches)."""
+    import dataclasses
+
+    from pdd.engine.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    saved = sched.cfg
+    sched.cfg = dataclasses.replace(saved, chunk_size=chunk)   # the chunk beside decodes, for this run only
+    try:
+        steps_needed = -(-prompt // chunk) + args.steps
+        g = torch.Generator().manual_seed(batch + chunk)
+        vocab = min(32000, engine.model_config.vocab_size)
+        sp = SamplingParams(max_tokens=_decode_tokens_needed(args, engine.cfg.max_num_batched_tokens, batch)
+                            + steps_needed, temperature=0.0, ignore_eos=True)
+        reqs = [engine.add_request(f"m{batch}-{chunk}-{i}", torch.randint(0, vocab, (args.context,), generator=g)
+                                   .tolist(), sp) for i in range(batch)]
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or sched.waiting:
+            engine.step()
+        decode_ms = 1e3 * statistics.median(_timed_steps(engine, args.steps))
+        long = engine.add_request(f"m{batch}-{chunk}-prompt", torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+                                  SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.step()   # the pipeline holds one step: time from the next return on
+        by_depth: dict[int, list[float]] = {}
+        last = time.perf_counter()
+        while long.num_computed_tokens < prompt:
+            depth = long.num_computed_tokens   # where the chunk scheduled in the step now ending started
+            engine.step()
+            now = time.perf_counter()
+            by_depth.setdefault(depth // 4096 * 4096, []).append(now - last)
+            last = now
+        for rid in list(sched.requests):
+            engine.abort_request(rid)
+    finally:
+        sched.cfg = saved
+    groups = []
+    for depth, times in sorted(by_depth.items()):
+        step = 1e3 * statistics.median(times)
+        groups.append({"depth": depth, "steps": len(times), "step_ms": step,
+                       "per_token_us": 1e3 * (step - decode_ms) / chunk})
+    return {"batch": batch, "context": args.context, "chunk": chunk, "prompt": prompt, "decode_step_ms": decode_ms,
+            "by_depth": groups}
+
+
 def main(args) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if x and int(x) > 0]  # "0": no prefill runs
@@ -160,6 +211,11 @@ def main(args) -> int:
     max_batched = max(max(prompts, default=0), 8192)
     blocks_needed = max(batches) * (args.context + _decode_tokens_needed(args, max_batched, max(batches))) // 16
     blocks_needed = max(blocks_needed, max(prompts, default=0) // 16) + 64
+    chunks = [int(x) for x in args.mixed_chunks.split(",") if x and int(x) > 0]
+    if chunks:   # each decoding request lives through the prompt's steps at the smallest chunk
+        per_request = (args.context + _decode_tokens_needed(args, max_batched, args.mixed_batch)
+                       + -(-args.mixed_prompt // min(chunks)) + args.steps)
+        blocks_needed = max(blocks_needed, (args.mixed_batch * per_request + args.mixed_prompt) // 16 + 64)
     engine = _engine(args, max_batched, blocks_needed)
     for b in batches:
         r = bench_decode(args, engine, b, args.context)
@@ -173,6 +229,13 @@ def main(args) -> int:
         out["prefill"].append(r)
         print(f"prefill {n:>6} tokens: {r['time_ms']:.1f} ms, {r['tflop_s']:.0f} TFLOP/s, "
               f"{100 * r['fraction_of_peak']:.0f}% of peak", flush=True)
+    for c in chunks:
+        r = bench_mixed(args, engine, args.mixed_batch, c, args.mixed_prompt)
+        out.setdefault("mixed", []).append(r)
+        depths = ", ".join(f"{g['depth'] // 1024}k+: {g['step_ms']:.1f} ms ({g['per_token_us']:.0f} us/token)"
+                           for g in r["by_depth"])
+        print(f"mixed   batch {args.mixed_batch} ctx {args.context}, chunk {c} of a {args.mixed_prompt}-token prompt: "
+              f"decode step {r['decode_step_ms']:.1f} ms; with the chunk at depth {depths}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -141,9 +141,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, m_part, l_part, acc_part, num_splits, stride_ot, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          S_PAD: tl.constexpr):
+def _merge_splits_kernel(out_ptr, m_part, l_part, acc_part, num_splits, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         S_PAD: tl.constexpr):
+    """One output row and head from its split-KV partials ([rows, heads, splits]
+    for m and l, [..., HEAD_DIM] for acc): decodes, and prefill chunks over a deep
+    context alike."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -204,27 +207,34 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
         NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=d_pad, M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
         BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
     if splits > 1:
-        _decode_reduce_kernel[(nd, h)](
-            out, m_part, l_part, acc_part, splits, out.stride(0), out.stride(1),
-            NUM_HEADS=h, HEAD_DIM=d, D_PAD=_pow2(d), S_PAD=_pow2(splits),
-            num_warps=4 if _on_gpu(q) else 1)
+        _merge_splits(out, m_part, l_part, acc_part, splits, d)
+
+
+def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int) -> None:
+    rows, h = m_part.shape[0], m_part.shape[1]
+    _merge_splits_kernel[(rows, h)](
+        out, m_part, l_part, acc_part, splits, out.stride(0), out.stride(1),
+        NUM_HEADS=h, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), S_PAD=_pow2(splits),
+        num_warps=4 if _on_gpu(out) else 1)
 
 
 # ---------------------------------------------------------------------------
 # prefill: varlen causal flash attention over the paged context
 # ---------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["num_decodes"])
-def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, query_start_loc, seq_lens,
-                    num_decodes, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
+@triton.jit(do_not_specialize=["num_decodes", "num_splits"])
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
+                    block_tables, query_start_loc, seq_lens, num_decodes, num_splits,
+                    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
-                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT: tl.constexpr):
+                    SPLIT: tl.constexpr, DOT: tl.constexpr):
     head = tl.program_id(0)
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = num_decodes + tl.program_id(2)
+    seq = num_decodes + tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     m_start = m_tile * BLOCK_M
@@ -233,6 +243,12 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, query_start_
         first = seq_len - q_len + m_start            # position of the tile's first query
         hi = tl.minimum(seq_len, first + BLOCK_M)   # keys any row of the tile sees
         full = (first + 1) // BLOCK_N * BLOCK_N     # keys [0, full) every row sees
+        # This split's keys: whole tiles of [0, full), which every row sees. The
+        # diagonal tiles [full, hi) go to split 0, after its own keys: a row of
+        # a split holding only those could see none (a NaN in the online softmax).
+        per_split = tl.cdiv(tl.cdiv(full, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, full)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
@@ -248,17 +264,43 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, query_start_
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         bt_row = block_tables + seq.to(tl.int64) * stride_bt
         head_off = (head // GQA) * stride_ch
-        for n in range(0, full, BLOCK_N):
+        for n in range(start, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, n,
                                          hi, qk_scale, stride_cb, stride_cs, offs_d,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, True, DOT)
-        for n in range(full, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, n,
-                                         hi, qk_scale, stride_cb, stride_cs, offs_d,
-                                         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT)
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        if split == 0:
+            for n in range(full, hi, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, n,
+                                             hi, qk_scale, stride_cb, stride_cs, offs_d,
+                                             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT)
+        out_mask = m_mask[:, None] & d_mask[None, :]
+        if not SPLIT:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Partials by query row (the step's token index), head and split.
+            row = (tok * NUM_HEADS + head) * num_splits + split
+            tl.store(m_part + row, m_i, mask=m_mask)
+            tl.store(l_part + row, l_i, mask=m_mask)
+            tl.store(acc_part + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
+    """Key splits per query tile. A short chunk beside decodes is a few query
+    tiles per head, each reading the whole context before it one key tile after
+    another: a 128-token chunk at 12k tokens of context is 32 programs on an
+    H200's 132 SMs, and added 20 ms to an 80-decode step (~1 ms of arithmetic at
+    peak); with its keys split, 7.6 ms (docs/benchmarks.md). A grid of more
+    programs than SMs is not split (a 1024-token chunk, 256 programs, was ~2 ms
+    slower split in two); otherwise enough splits to fill the GPU about twice,
+    each at least 16 key tiles long, at most 16. Host ints only (no sync)."""
+    sms = _num_sms(device)
+    if programs > sms:
+        return 1
+    want = triton.cdiv(2 * sms, max(1, programs))
+    by_len = max(1, max_seq_len // (16 * block_n))
+    return max(1, min(want, by_len, 16))
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
@@ -282,13 +324,23 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
     cfg = _prefill_config(d, q.dtype, _on_gpu(q))
     block_m = cfg["BLOCK_M"]
     kc, vc = kv_layer[0], kv_layer[1]
-    grid = (h, triton.cdiv(max(1, meta.max_query_len), block_m), num_prefills)
-    _prefill_kernel[grid](
-        q, kc, vc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, nd,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
+    m_tiles = triton.cdiv(max(1, meta.max_query_len), block_m)
+    splits = _prefill_num_splits(h * m_tiles * num_prefills, meta.max_seq_len, cfg["BLOCK_N"], q.device)
+    if splits > 1:
+        rows = q.shape[0]    # indexed by token: the decodes' rows stay unused
+        m_part = torch.empty((rows, h, splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((rows, h, splits, d), dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = out  # unused
+    _prefill_kernel[(h, m_tiles, num_prefills * splits)](
+        q, kc, vc, out, m_part, l_part, acc_part, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        nd, splits, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
-        GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
-        DOT=_dot_mode(q), **cfg)
+        NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
+        SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+    if splits > 1:
+        _merge_splits(out[nd:], m_part[nd:], l_part[nd:], acc_part[nd:], splits, d)
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,

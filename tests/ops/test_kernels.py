@@ -237,6 +237,29 @@ def test_chunked_prefill_long_context():
     check_attention(q, kv, meta, torch.float32)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_prefill_split_counts(monkeypatch, splits):
+    """Chunks over a deep cached context with their keys split across programs
+    (as beside decodes on a GPU): splits with no keys, a chunk whose first row
+    sees no key of its diagonal tiles (first + 1 a multiple of the key tile: the
+    diagonal must stay with split 0), decodes in the same batch."""
+    monkeypatch.setattr(ta, "_prefill_num_splits", lambda *a: splits)
+    bn = ta._prefill_config(48, torch.float32, False)["BLOCK_N"]
+    seqs = [(1, 150), (1, 7), (37, 200), (5, 123), (20, 4 * bn - 1 + 20), (3, 3), (40, 41)]
+    q, kv, meta = make_batch(seqs, block_size=4, kv_heads=2, heads=8, head_dim=48, dtype=torch.float32,
+                             seed=splits)
+    check_attention(q, kv, meta, torch.float32)
+
+
+def test_prefill_splits_only_when_the_grid_is_short():
+    cpu = torch.device("cpu")   # the interpreter counts 4 "SMs"
+    assert ta._prefill_num_splits(5, 100_000, 32, cpu) == 1          # more programs than SMs: not split
+    assert ta._prefill_num_splits(4, 100_000, 32, cpu) == 2          # fill the SMs twice
+    assert ta._prefill_num_splits(1, 100_000, 32, cpu) == 8
+    assert ta._prefill_num_splits(1, 1_000, 32, cpu) == 1            # too few keys to be worth it
+    assert ta._prefill_num_splits(1, 10**7, 32, cpu) == 8
+
+
 def test_strided_query():
     """q as a view of the fused qkv projection (token stride > heads * head_dim)."""
     seqs = [(1, 20), (1, 7), (12, 30)]
