@@ -298,10 +298,10 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         e = est.workers[p.worker_id]
         new = n - _cached(p, request, block_size, n)
         tail = est.transfer_s(backend, min(to_send, e.chunk))
-        # The gaps a prefill-leaning worker's chunks give its own few decodes
-        # count in the cost (harm), not as a target: they are why it leans so.
-        itl = e.chunk_step_s() if e.decoding and e.leaning != LEAN_PREFILL else 0.0
+        # Every P here leans to prefill: the gaps its prompts give its own few
+        # decodes count in the cost (harm), not as a target (itl 0): they are why
+        # it leans so, and the engine computes prompts for others at full speed.
         ttft = e.prefill_s(new, behind=e.pending_tokens, for_others=True) + tail
-        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), itl, e.decoding * e.step_token_s * new,
+        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, e.decoding * e.step_token_s * new,
                                e_d.leaning == LEAN_PREFILL, ttft - tail - e.prefill_s(new, for_others=True)))
     return options, None
