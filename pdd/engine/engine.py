@@ -227,8 +227,13 @@ class LLMEngine:
         phases = [[[chunk - i for i in range(n)] + [3 * chunk + chunk // 2 + 1]]]
         # The largest step: a prompt of the whole budget alone (a prefill
         # worker's usual step, chunk_only_beside_decodes): memory it lacks shows
-        # at start, not on the first long prompt in service.
-        phases.append([[cfg.max_num_batched_tokens]])
+        # at start, not on the first long prompt in service. Its last 17 tokens
+        # (at least 2k deep: whole budgets before them) follow in a step of their
+        # own, a short chunk deep in a prompt, whose attention splits its keys
+        # (pdd.ops, _prefill_num_splits): compiled in service, that path stalled
+        # a worker's steps for 2 s on H200.
+        budget = cfg.max_num_batched_tokens
+        phases.append([[max(1, -(-2048 // budget)) * budget + 17]])
         # Triton compiles a kernel per specialization of its arguments (a pointer
         # 16-byte aligned or not, an int equal to 1, a multiple of 16 or neither),
         # and the attention kernels' vary with the batch: the block-table width

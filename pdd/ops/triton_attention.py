@@ -210,11 +210,14 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
         _merge_splits(out, m_part, l_part, acc_part, splits, d)
 
 
-def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int) -> None:
+def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int, max_splits: int | None = None) -> None:
+    """max_splits: pad the split axis to this (a power of two) whatever `splits` is,
+    so that one compiled merge serves every split count: a new one compiled in
+    service stalled a worker's steps for 2 s on H200."""
     rows, h = m_part.shape[0], m_part.shape[1]
     _merge_splits_kernel[(rows, h)](
         out, m_part, l_part, acc_part, splits, out.stride(0), out.stride(1),
-        NUM_HEADS=h, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), S_PAD=_pow2(splits),
+        NUM_HEADS=h, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), S_PAD=max_splits or _pow2(splits),
         num_warps=4 if _on_gpu(out) else 1)
 
 
@@ -286,6 +289,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
             tl.store(acc_part + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
 
 
+PREFILL_MAX_SPLITS = 16   # a power of two: the merge's split axis is padded to it
+
+
 def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
     """Key splits per query tile. A short chunk beside decodes is a few query
     tiles per head, each reading the whole context before it one key tile after
@@ -294,13 +300,15 @@ def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: t
     peak); with its keys split, 7.6 ms (docs/benchmarks.md). A grid of more
     programs than SMs is not split (a 1024-token chunk, 256 programs, was ~2 ms
     slower split in two); otherwise enough splits to fill the GPU about twice,
-    each at least 16 key tiles long, at most 16. Host ints only (no sync)."""
+    each at least 16 key tiles long, at most PREFILL_MAX_SPLITS. Host ints only
+    (no sync)."""
     sms = _num_sms(device)
     if programs > sms:
         return 1
     want = triton.cdiv(2 * sms, max(1, programs))
     by_len = max(1, max_seq_len // (16 * block_n))
-    return max(1, min(want, by_len, 16))
+    return max(1, min(want, by_len, PREFILL_MAX_SPLITS))
+
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
@@ -340,7 +348,7 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
         NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
         SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
     if splits > 1:
-        _merge_splits(out[nd:], m_part[nd:], l_part[nd:], acc_part[nd:], splits, d)
+        _merge_splits(out[nd:], m_part[nd:], l_part[nd:], acc_part[nd:], splits, d, PREFILL_MAX_SPLITS)
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,

@@ -108,6 +108,17 @@ def test_warm_up_shrinks_to_a_small_pool(tiny_model, num_blocks):
     assert _state(engine) == before
 
 
+def test_warm_up_computes_a_short_chunk_deep_in_a_prompt(tiny_model):
+    """On a GPU, prefill attention splits the keys of a short chunk deep in a
+    prompt (pdd.ops): the warm-up must compile that path, not the first such chunk
+    in service. Whole budgets up to 2k tokens deep, then 17 tokens alone."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), **dict(SHAPE, num_blocks=512)))
+    prompts, steps = _spy(engine)
+    engine.warm_up()
+    assert 22 * 96 + 17 in map(len, prompts)
+    assert any(s.prefill_chunks == [17] and not s.num_decodes for s, _ in steps)
+
+
 def test_warm_up_refuses_a_busy_engine(tiny_model):
     engine = LLMEngine(EngineConfig(model=str(tiny_model), **SHAPE))
     engine.add_request("r", [1, 2, 3], greedy(2))
