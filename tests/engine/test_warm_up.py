@@ -136,3 +136,45 @@ def test_warm_up_on_gpu_equals_a_fresh_engine(tiny_model):
     assert ([o.token_ids for o in warm.generate(prompts, greedy(12))]
             == [o.token_ids for o in fresh.generate(prompts, greedy(12))])
     assert_all_blocks_free(warm)
+
+
+_NOTHING_COMPILES_AFTER_WARM_UP = """
+import json, sys
+import triton
+from pdd import LLM
+from tests.engine.helpers import greedy, random_prompts
+
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_num_batched_tokens=2048, chunk_size=256,
+          kv_cache_bytes=512 << 20)
+llm.engine.warm_up()
+compiled = []
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(str(kw.get("repr", kw.get("key")))[:300])
+# Continuous batching over prompts of every depth class: decodes beside chunks,
+# short tails deep in prompts (split keys), batches of many sizes; then one alone.
+llm.generate(random_prompts([5, 40, 300, 700, 1500, 3000, 17, 2100, 64, 129, 513, 1025], seed=9),
+             greedy(24, ignore_eos=True))
+llm.generate(random_prompts([2500], seed=10), greedy(8, ignore_eos=True))
+print("COMPILED " + json.dumps(compiled))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nothing_compiles_in_service_after_the_warm_up(tiny_model, tmp_path):
+    """A Triton kernel compiled in service stalls every request of the worker for
+    seconds (2 s seen on H200 when the split prefill path was missing from the
+    warm-up). In a fresh process (empty in-memory and on-disk kernel caches), a
+    serving mix after warm_up() compiles nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    proc = subprocess.run([sys.executable, "-c", _NOTHING_COMPILES_AFTER_WARM_UP, str(tiny_model)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("COMPILED "))
+    assert json.loads(line[len("COMPILED "):]) == []
