@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from pdd.bench.gaps import anatomy
 from pdd.bench.layouts import Layout, UpProcess, parse_layouts
 from pdd.bench.serve import ServeConfig, ServeResult, command_line, config_from_args, run, save, summary
 from pdd.model.tokenizer import servable_copy
@@ -45,13 +46,16 @@ class SweepPoint:
     slo_attainment: float | None
     result_file: str = ""
     placements: dict[str, int] = dataclasses.field(default_factory=dict)   # "kind/reason" -> decisions at this rate
+    # First gaps (hand-overs) vs later ones, and the ITL tail's share of each (pdd.bench.gaps)
+    gaps: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, layout: str, rate: float, result: ServeResult, path: str = "",
            placements: dict[str, int] | None = None) -> "SweepPoint":
         m = result.metrics
+        gaps = dataclasses.asdict(anatomy([r.to_json() for r in result.outcome.records]))
         return cls(layout, rate, m.completed, m.failed, result.outcome.not_sent, m.ttft_ms.p99, m.itl_ms.p99,
-                   m.tpot_ms.p99, m.goodput, m.slo_attainment, str(path), dict(placements or {}))
+                   m.tpot_ms.p99, m.goodput, m.slo_attainment, str(path), dict(placements or {}), gaps)
 
     def passes(self) -> bool:
         return self.slo_attainment is not None and self.slo_attainment >= PASS_FRACTION - 1e-9
@@ -137,9 +141,13 @@ def _sweep_layout(layout: Layout, url: str, base: ServeConfig, args, out: Path) 
         runs += 1
         path = save(result, out / layout.slug, f"rate-{rate:g}.json", plots=False)
         placed = _since(placement_counts(url), placed_before)
-        print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}" + (f"\nplacements: {placed}" if placed else ""),
-              flush=True)
-        return SweepPoint.of(layout.name, rate, result, path, placed)
+        point = SweepPoint.of(layout.name, rate, result, path, placed)
+        g = point.gaps
+        print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}" + (f"\nplacements: {placed}" if placed else "")
+              + f"\nfirst gaps p50/p90/max {g['first_median_ms']}/{g['first_p90_ms']}/{g['first_max_ms']} ms, "
+              f"later gaps p50/p99 {g['later_median_ms']}/{g['later_p99_ms']} ms, "
+              f"first gaps among those >= ITL p99: {g['tail_first_share']}", flush=True)
+        return point
 
     rates = parse_rates(args.rates)
     step = args.rate_step or (rates[-1] - rates[-2] if len(rates) > 1 else rates[-1])
