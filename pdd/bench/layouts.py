@@ -12,6 +12,7 @@ does, including flags added later: --layout-args adds any for one layout.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -21,6 +22,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # What turns adaptive placement on for `pdd up` (router.mode = adaptive; its
 # colocated workers also prefill for others). A layout without it is static.
@@ -97,8 +100,9 @@ class UpProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work_dir / "up.log"
+        self.run_dir = work_dir / "run"
         self.cmd = [sys.executable, "-m", "pdd.cli", "up", "--port", str(self.port), "--run-dir",
-                    str(work_dir / "run"), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
+                    str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
         if model:
             self.cmd += ["--model", model]
         if api_key:
@@ -123,6 +127,21 @@ class UpProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def worker_estimates(self) -> dict[str, dict]:
+        """What the router's placement estimates of each worker now (`pdd admin
+        status`: the fitted step model, queue, leaning), by worker id; empty if
+        the admin socket does not answer."""
+        from pdd.admin.client import call_with_config
+        from pdd.config import load_cluster_config
+
+        try:
+            cfg = load_cluster_config(self.run_dir / "cluster.toml")
+            status = call_with_config(cfg, "status", timeout_s=10.0)
+        except Exception as e:   # a diagnostic: the sweep goes on without it
+            log.warning("no worker estimates from %s: %s", self.run_dir, e)
+            return {}
+        return {w["worker_id"]: w.get("estimate", {}) for w in status.get("workers", [])}
 
     def stop(self) -> int:
         """As Ctrl-C would: the router drains, then the workers stop."""

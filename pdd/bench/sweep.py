@@ -48,6 +48,8 @@ class SweepPoint:
     placements: dict[str, int] = dataclasses.field(default_factory=dict)   # "kind/reason" -> decisions at this rate
     # First gaps (hand-overs) vs later ones, and the ITL tail's share of each (pdd.bench.gaps)
     gaps: dict = dataclasses.field(default_factory=dict)
+    # What placement estimated of each worker at the rate's end (fitted step model, leaning)
+    estimates: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, layout: str, rate: float, result: ServeResult, path: str = "",
@@ -126,7 +128,8 @@ def _since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n - before.get(k, 0)}
 
 
-def _sweep_layout(layout: Layout, url: str, base: ServeConfig, args, out: Path) -> list[SweepPoint]:
+def _sweep_layout(layout: Layout, up: UpProcess, base: ServeConfig, args, out: Path) -> list[SweepPoint]:
+    url = up.url
     cfg = dataclasses.replace(base, target=dataclasses.replace(base.target, url=url))
     runs = 0
 
@@ -142,6 +145,7 @@ def _sweep_layout(layout: Layout, url: str, base: ServeConfig, args, out: Path) 
         path = save(result, out / layout.slug, f"rate-{rate:g}.json", plots=False)
         placed = _since(placement_counts(url), placed_before)
         point = SweepPoint.of(layout.name, rate, result, path, placed)
+        point.estimates = up.worker_estimates()
         g = point.gaps
         print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}" + (f"\nplacements: {placed}" if placed else "")
               + f"\nfirst gaps p50/p90/max {g['first_median_ms']}/{g['first_p90_ms']}/{g['first_max_ms']} ms, "
@@ -166,8 +170,9 @@ def main(args) -> int:
     checkpoint = args.checkpoint and str(servable_copy(args.checkpoint, out / "model"))
     points: list[SweepPoint] = []
     for layout in layouts:
-        with UpProcess(layout, out / layout.slug, checkpoint, args.api_key, args.ready_timeout) as url:
-            points += _sweep_layout(layout, url, base, args, out)
+        up = UpProcess(layout, out / layout.slug, checkpoint, args.api_key, args.ready_timeout)
+        with up:
+            points += _sweep_layout(layout, up, base, args, out)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(), "config": base.to_json(),
               "layouts": [{"name": lo.name, "up_args": list(lo.up_args), "env": lo.env} for lo in layouts],
               "until_fail": args.until_fail, "pass_fraction": PASS_FRACTION,

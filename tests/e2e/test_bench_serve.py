@@ -64,6 +64,8 @@ def test_sweep_of_one_layout(tiny_model, tmp_path):
     assert report["highest_rate_met"] == {"colocated:1": 10.0}
     # each request's first gap is told from its later ones (4 requests of 4 tokens: 3 gaps each)
     assert all(p["gaps"]["requests"] == 4 and p["gaps"]["first_median_ms"] is not None for p in report["points"])
+    # and what placement estimated of the worker at each rate's end
+    assert all(set(p["estimates"]) == {"colocated-0"} for p in report["points"])
     assert (tmp_path / "sweep.png").is_file() and "| colocated:1 | 10 | 4 | 0 |" in (tmp_path / "sweep.md").read_text()
     seeds = [json.loads((tmp_path / "colocated-1" / f"rate-{r}.json").read_text())["config"]["workload"]["seed"]
              for r in (5, 10)]
