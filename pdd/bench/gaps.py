@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-import numpy as np
+from pdd.bench.metrics_calc import latency_stats
 
 
 @dataclass
@@ -26,24 +26,25 @@ class GapAnatomy:
     tail_first_share: float | None  # of those, the share that are first gaps
 
 
-def _pct(xs: list[float], p: float) -> float | None:
-    return round(float(np.percentile(xs, p)), 2) if xs else None
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
 
 
 def anatomy(records: list[dict]) -> GapAnatomy:
     """`records`: the "requests" list of a saved result (itl_ms per request)."""
     done = [r for r in records if r.get("success") and r.get("itl_ms")]
-    first = [r["itl_ms"][0] for r in done]
-    later = [g for r in done for g in r["itl_ms"][1:]]
-    pooled = first + later
-    p99 = _pct(pooled, 99)
-    tail_first = sum(1 for g in first if p99 is not None and g >= p99)
-    tail = sum(1 for g in pooled if p99 is not None and g >= p99)
+    first = [r["itl_ms"][0] / 1e3 for r in done]
+    later = [g / 1e3 for r in done for g in r["itl_ms"][1:]]
+    # the serving metrics' own percentile definition (pdd.bench.metrics_calc), in ms
+    f, lt, pooled = latency_stats(first), latency_stats(later), latency_stats(first + later)
+    p99 = _r(pooled.p99)
+    tail = [g for g in first + later if p99 is not None and 1e3 * g >= p99]
+    tail_first = sum(1 for g in first if p99 is not None and 1e3 * g >= p99)
     return GapAnatomy(requests=len(done), itl_p99_ms=p99,
-                      first_median_ms=_pct(first, 50), first_p90_ms=_pct(first, 90),
-                      first_max_ms=round(max(first), 2) if first else None,
-                      later_median_ms=_pct(later, 50), later_p99_ms=_pct(later, 99),
-                      tail_gaps=tail, tail_first_share=round(tail_first / tail, 3) if tail else None)
+                      first_median_ms=_r(f.median), first_p90_ms=_r(f.p90),
+                      first_max_ms=_r(1e3 * max(first)) if first else None,
+                      later_median_ms=_r(lt.median), later_p99_ms=_r(lt.p99),
+                      tail_gaps=len(tail), tail_first_share=round(tail_first / len(tail), 3) if tail else None)
 
 
 def main(args) -> int:
