@@ -24,7 +24,7 @@ import torch
 
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.request import Request
+from pdd.engine.request import Request, query_key_pairs
 from pdd.engine.sampling_params import InvalidRequest, SamplingParams
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
@@ -55,6 +55,7 @@ class StepStats:
     num_tokens: int = 0
     num_decodes: int = 0
     prefill_chunks: list[int] = field(default_factory=list)
+    prefill_pairs: int = 0      # query-key pairs of its prompt chunks (pdd.protocol.messages.Heartbeat)
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -134,6 +135,9 @@ class LLMEngine:
         if not 0 <= num_prior < len(prompt_token_ids):
             raise InvalidRequest(f"num_prior_output_tokens: must be in [0, {len(prompt_token_ids)}) (they are "
                                  f"the tail of the prompt), got {num_prior}")
+        if kwargs.get("prefill_chunk", 0) < 0:
+            raise InvalidRequest(f"prefill_chunk: must be >= 0 (0: the engine's chunk_size), "
+                                 f"got {kwargs['prefill_chunk']}")
         total = len(prompt_token_ids) + sampling.max_tokens - num_prior
         if len(prompt_token_ids) >= self.max_model_len or total > self.max_model_len:
             raise InvalidRequest(
@@ -352,7 +356,9 @@ class LLMEngine:
         self.last_step = StepStats(
             latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
             num_decodes=sum(1 for _, n in out.scheduled if n == 1),
-            prefill_chunks=[n for _, n in out.scheduled if n > 1])
+            prefill_chunks=[n for _, n in out.scheduled if n > 1],
+            prefill_pairs=sum(query_key_pairs(start, n) for (_, n), start in zip(out.scheduled, out.starts)
+                              if n > 1))
         return outputs
 
     def abort_failed_step(self) -> list[str]:

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from pdd.engine.sampling_params import SamplingParams
 
 
+def query_key_pairs(start: int, n: int) -> int:
+    """The attention work of a prompt chunk: `n` tokens after `start` computed
+    ones, each query seeing the keys before it and itself. Steps report it
+    (Heartbeat.step_prefill_pairs) and the router's step model prices it."""
+    return n * start + n * (n + 1) // 2
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_KV = 1   # blocks reserved, KV arriving from a prefill worker
@@ -39,6 +46,9 @@ class Request:
     num_prior_output_tokens: int = 0
     # Prefill-only requests stop after the first sampled token (prefill role).
     prefill_only: bool = False
+    # The most of its prompt tokens one step takes beside running decodes
+    # (0: the scheduler's chunk_size); a step where nothing decodes is not capped.
+    prefill_chunk: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

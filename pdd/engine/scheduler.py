@@ -9,7 +9,9 @@ while budget, sequence slots and blocks last. A prompt longer than
 only while requests decode in the step). A prompt computed for another worker
 (prefill-only) is scheduled as if nothing decoded here: the router sent it to
 this worker to be computed at full speed, and it prices the gap that gives the
-few requests decoding here. When blocks run out, the newest
+few requests decoding here. A request may carry its own, smaller chunk beside
+decodes (`prefill_chunk`: the router sizes a long prompt's chunks where others
+decode). When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
 cache) and it is recomputed later.
 
@@ -66,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._chunk = cfg.chunk_size    # this step's longest prompt chunk of one request
         self._chunk_alone = cfg.chunk_size  # ... of a prompt computed for another worker
+        self._decoding = False          # this step holds decodes (a request's own prefill_chunk applies)
         self._prefill_left = 0          # prompt tokens beside decodes this step may still take
 
     def add_request(self, req: Request) -> None:
@@ -131,7 +134,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
-        decoding = any(r.decoding for r in self.running)
+        decoding = self._decoding = any(r.decoding for r in self.running)
         # A prompt alone (or computed for another worker) has no decode gap to bound.
         self._chunk_alone = budget if self.cfg.chunk_only_beside_decodes else self.cfg.chunk_size
         self._chunk = self.cfg.chunk_size if decoding else self._chunk_alone
@@ -181,15 +184,17 @@ class Scheduler:
 
     def _chunk_of(self, req: Request, wanted: int, budget: int) -> int:
         """Tokens `req`, wanting `wanted` more, gets this step: a decode its
-        one; a prompt at most a chunk, within the budget and what is left of
-        the prompt tokens allowed beside decodes; a prompt computed for another
-        worker as if nothing decoded here. (A prompt's last single token is
-        scheduled like a decode, outside that allowance.)"""
+        one; a prompt at most a chunk (beside decodes, its own prefill_chunk if
+        smaller), within the budget and what is left of the prompt tokens
+        allowed beside decodes; a prompt computed for another worker as if
+        nothing decoded here. (A prompt's last single token is scheduled like a
+        decode, outside that allowance.)"""
         if wanted <= 1:
             return min(wanted, budget)
         if req.prefill_only:
             return min(wanted, self._chunk_alone, budget)
-        return min(wanted, self._chunk, budget, self._prefill_left)
+        chunk = min(self._chunk, req.prefill_chunk) if req.prefill_chunk and self._decoding else self._chunk
+        return min(wanted, chunk, budget, self._prefill_left)
 
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Put n of req's tokens in this step, and count them as computed."""

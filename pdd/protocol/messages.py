@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from pdd.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Message:
 
 
 # ---------------------------------------------------------------- worker -> router
+
 
 @dataclass
 class StepLimits:
@@ -92,6 +93,9 @@ class Heartbeat(Message):
     # Decode tokens among each step's tokens (same order): decode and prefill
     # tokens cost differently, and the router fits them apart.
     step_decodes: list[int] = field(default_factory=list)
+    # Query-key pairs of each step's prompt chunks (same order; pdd.engine.request.query_key_pairs):
+    # a chunk deep in a long prompt costs more than its token count says.
+    step_prefill_pairs: list[int] = field(default_factory=list)
     # Prompt tokens admitted and not yet computed (waiting and partly prefilled requests).
     prefill_tokens_pending: int = 0
     # Of `running`, the requests past their prompt that decode (a prefill
@@ -184,6 +188,10 @@ class Admit(Message):
     # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
     # the router: the worker need not hash the prompt again.
     block_hashes: list[int] = field(default_factory=list)
+    # The most prompt tokens of this request per step beside running decodes
+    # (0: the engine's chunk_size). Adaptive placement sizes it so that a long
+    # prompt prefilled where others decode keeps their inter-token gap in bounds.
+    prefill_chunk: int = 0
 
 
 @dataclass

@@ -429,7 +429,7 @@ class ControlPlane:
         tokens = state.prompt_token_ids + state.output_token_ids
         hashes = state.hashes_of(tokens, self.registry.layout.block_size) if self.registry.layout else []
         self.send(plan.decode, m.Admit(state.request_id, state.epoch, tokens, state.sampling,
-                                       len(state.output_token_ids), hashes))
+                                       len(state.output_token_ids), hashes, plan.prefill_chunk))
 
     def _place_again(self, state: RequestState, reason: str | None, why: str,
                      exclude: frozenset[str] = frozenset()) -> None:

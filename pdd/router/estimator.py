@@ -2,8 +2,9 @@
 
 Fed by the router's events — heartbeats (step latencies and tokens, queues),
 placements (prompt tokens sent somewhere), finished transfers — it keeps per
-worker a step-time model `step ≈ a + c·decodes + b·prefill tokens`, the prompt tokens it has yet to
-compute, how many requests it decodes, and how many prefill tokens its steps
+worker a step-time model `step ≈ a + c·decodes + b·prefill tokens + e·prefill
+query-key pairs` (the last: a chunk deep in a long prompt attends to all of it
+and costs more per token), the prompt tokens it has yet to compute, how many requests it decodes, and how many prefill tokens its steps
 carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
 transfer rate per backend. From the demand it sets which colocated workers
 that prefill for others lean to prefill (the role balance). `snapshot()`
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdd.config import AdaptiveConfig
+from pdd.engine.request import query_key_pairs
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.router.registry import WorkerInfo
@@ -28,9 +30,14 @@ from pdd.router.registry import WorkerInfo
 PRIOR_BASE_S = 0.01
 PRIOR_TOKEN_S = 5e-5      # a prefill token
 PRIOR_DECODE_S = 5e-5     # a decode token (its attention reads the request's whole context)
+# A prompt token's query against one key (H200, Llama-3.1-8B shape: ~2e-9 s;
+# docs/benchmarks.md, "A prompt chunk beside decodes"). Fitted per million pairs.
+PRIOR_PAIR_S = 2e-9
+MEGA = 1e6
 PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _StepFit)
 PRIOR_AT = 512            # ... of prefill tokens
 PRIOR_DECODES_AT = 64     # ... of decodes
+PRIOR_MPAIRS_AT = 2.0     # ... of a million query-key pairs (512 tokens 4k deep)
 # A group measured more than this many times its prediction counts as this
 # many times it: a step that compiled kernels (seconds, once) must not become
 # the worker's cost, while a worker really slower than the fit still pulls it
@@ -59,9 +66,11 @@ class WorkerEstimate:
     step_base_s: float              # a: a step's cost whatever it holds
     step_token_s: float             # b: each prefill token it computes
     step_decode_s: float = PRIOR_DECODE_S   # c: each request it decodes
+    step_pair_s: float = PRIOR_PAIR_S       # e: each query-key pair of its prompt chunks
     pending_tokens: int = 0         # prompt tokens admitted here and not computed yet
     decoding: int = 0               # requests decoding here (each a decode token per step)
     prefill_per_step: float = 0.0   # prefill tokens its recent steps carried, on average
+    prefill_depth: float = 0.0      # query-key pairs per prefill token of its recent steps
     budget: int = 2048              # max_num_batched_tokens
     chunk: int = 512                # the most prompt tokens of one request per step
     beside: int = 0                 # the most prompt tokens per step beside decodes (0: the budget)
@@ -69,23 +78,28 @@ class WorkerEstimate:
     leaning: str = LEAN_DECODE      # which work the router steers here first
     samples: int = 0                # step groups measured so far
 
-    def step_s(self, decodes: float, prefill: float = 0.0) -> float:
-        return self.step_base_s + self.step_decode_s * decodes + self.step_token_s * prefill
+    def step_s(self, decodes: float, prefill: float = 0.0, pairs: float = 0.0) -> float:
+        return self.step_base_s + self.step_decode_s * decodes + self.step_token_s * prefill + self.step_pair_s * pairs
 
-    def prefill_s(self, tokens: int, behind: int = 0, for_others: bool = False) -> float:
-        """Until `tokens` more prompt tokens are computed here, queued behind
-        `behind` others (FIFO; the running decodes ride in every step).
-        `for_others`: prompts computed for other workers, which the engine
-        schedules as if nothing decoded here."""
+    def prefill_s(self, tokens: int, behind: int = 0, for_others: bool = False, cached: int = 0,
+                  chunk: int = 0) -> float:
+        """Until `tokens` more prompt tokens are computed here, after `cached`
+        ones of the same prompt, queued behind `behind` others (FIFO; the
+        running decodes ride in every step; queued prompts at the depth this
+        worker's prompts lately had). `for_others`: prompts computed for other
+        workers, which the engine schedules as if nothing decoded here.
+        `chunk`: the request's own chunk beside decodes (0: the worker's)."""
         if tokens <= 0 and behind <= 0:
             return 0.0
         beside = self.decoding and not for_others
         room = max(1, self.prefill_room if beside else self.budget - self.decoding)   # prefill tokens a step takes
         # ... of one request: a chunk beside decodes; alone, the whole step
         # (EngineConfig.chunk_only_beside_decodes) unless the worker chunks always
-        own = max(1, min(self.chunk, room) if beside or self.chunk_alone else room)
+        own = min(self.chunk, chunk) if chunk and beside else self.chunk
+        own = max(1, min(own, room) if beside or self.chunk_alone else room)
         steps = math.ceil(behind / room) + math.ceil(tokens / own)
-        return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens)
+        pairs = behind * self.prefill_depth + query_key_pairs(cached, tokens)
+        return steps * self.step_s(self.decoding) + self.step_token_s * (behind + tokens) + self.step_pair_s * pairs
 
     @property
     def prefill_room(self) -> int:
@@ -99,20 +113,26 @@ class WorkerEstimate:
         return min(max(self.prefill_per_step, min(self.pending_tokens, self.chunk)),
                    max(0, self.prefill_room))
 
-    def chunk_step_s(self) -> float:
-        """A step that carries one more prefill chunk beside this worker's decodes
-        and the prefill already riding: the gap its running requests see."""
+    def chunk_step_s(self, chunk: int = 0, start: int = 0) -> float:
+        """A step that carries one more prefill chunk (`chunk` tokens, 0: the
+        worker's; `start` tokens of its prompt before it) beside this worker's
+        decodes and the prefill already riding: the gap its running requests see."""
         room = max(0, self.prefill_room)
-        return self.step_s(self.decoding, min(room, self.riding + max(1, min(self.chunk, room))))
+        riding = self.riding
+        own = max(0, min(room, riding + max(1, min(chunk or self.chunk, room))) - riding)
+        return self.step_s(self.decoding, riding + own,
+                           riding * self.prefill_depth + query_key_pairs(start, int(own)))
 
     def tpot_s(self) -> float:
         """A step of this worker with one more request decoding, beside the prefill it carries."""
-        return self.step_s(self.decoding + 1, self.riding)
+        return self.step_s(self.decoding + 1, self.riding, self.riding * self.prefill_depth)
 
     @property
     def prefill_rate(self) -> float:
-        """Prompt tokens per second in full prefill steps."""
-        return self.budget / self.step_s(0, self.budget)
+        """Prompt tokens per second in full prefill steps (at the depth its
+        prompts lately had, or a whole-budget prompt's)."""
+        depth = max(self.prefill_depth, query_key_pairs(0, self.budget) / self.budget)
+        return self.budget / self.step_s(0, self.budget, self.budget * depth)
 
 
 @dataclass(frozen=True)
@@ -126,64 +146,72 @@ class Estimates:
 
 
 class _StepFit:
-    """Weighted least squares of y = a + c·decodes + b·prefill with exponential
-    forgetting, held toward the prior (a0, c0, b0) by a ridge worth PRIOR_WEIGHT
-    samples. A worker that only decodes fits a and c and keeps the prior b; one
-    that only prefills keeps the prior c: a slope is never invented from noise."""
+    """Weighted least squares of y = a + c·decodes + b·prefill + e·pairs with
+    exponential forgetting, held toward the prior by a ridge worth PRIOR_WEIGHT
+    samples. A worker that only decodes fits a and c and keeps the prior b and
+    e; one that only prefills keeps the prior c; prompts all at one depth leave
+    e near its prior: a slope is never invented from noise. Pairs are fitted in
+    millions (the features stay within a few orders of magnitude of each other)."""
 
-    PRIOR = (PRIOR_BASE_S, PRIOR_DECODE_S, PRIOR_TOKEN_S)
-    RIDGE = (PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_DECODES_AT ** 2, PRIOR_WEIGHT * PRIOR_AT ** 2)
+    PRIOR = (PRIOR_BASE_S, PRIOR_DECODE_S, PRIOR_TOKEN_S, PRIOR_PAIR_S * MEGA)
+    RIDGE = (PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_DECODES_AT ** 2, PRIOR_WEIGHT * PRIOR_AT ** 2,
+             PRIOR_WEIGHT * PRIOR_MPAIRS_AT ** 2)
+    N = len(PRIOR)
 
     def __init__(self):
-        self.xx = [[0.0] * 3 for _ in range(3)]     # Σw·x·xᵀ, x = (1, decodes, prefill)
-        self.xy = [0.0] * 3                          # Σw·x·y
+        self.xx = [[0.0] * self.N for _ in range(self.N)]     # Σw·x·xᵀ, x = (1, decodes, prefill, Mpairs)
+        self.xy = [0.0] * self.N                               # Σw·x·y
         self.n = 0
 
     @property
     def prefill_evidence(self) -> float:
-        """Σw·prefill²: how much its prefill slope rests on measurements."""
+        """Σw·prefill²: how much its prefill slopes rest on measurements."""
         return self.xx[2][2]
 
-    def predict(self, decodes: float, prefill: float) -> float:
-        a, c, b = self.solve()
-        return a + c * decodes + b * prefill
+    def predict(self, decodes: float, prefill: float, pairs: float = 0.0) -> float:
+        a, c, b, e = self.solve()
+        return a + c * decodes + b * prefill + e * pairs
 
-    def add(self, decodes: float, prefill: float, y: float) -> None:
-        y = min(y, OUTLIER * self.predict(decodes, prefill))
-        x = (1.0, decodes, prefill)
-        for i in range(3):
+    def add(self, decodes: float, prefill: float, pairs: float, y: float) -> None:
+        y = min(y, OUTLIER * self.predict(decodes, prefill, pairs))
+        x = (1.0, decodes, prefill, pairs / MEGA)
+        for i in range(self.N):
             self.xy[i] = self.xy[i] * FORGET + x[i] * y
-            for j in range(3):
+            for j in range(self.N):
                 self.xx[i][j] = self.xx[i][j] * FORGET + x[i] * x[j]
         self.n += 1
 
-    def solve(self) -> tuple[float, float, float]:
+    def solve(self) -> tuple[float, float, float, float]:
+        """(a, c, b, e), e per pair."""
+        n = self.N
         m = [row[:] + [self.xy[i] + self.RIDGE[i] * self.PRIOR[i]] for i, row in enumerate(self.xx)]
-        for i in range(3):
+        for i in range(n):
             m[i][i] += self.RIDGE[i]
         # Gaussian elimination; the ridge keeps the matrix positive definite.
-        for i in range(3):
-            for k in range(i + 1, 3):
+        for i in range(n):
+            for k in range(i + 1, n):
                 f = m[k][i] / m[i][i]
-                for j in range(i, 4):
+                for j in range(i, n + 1):
                     m[k][j] -= f * m[i][j]
-        sol = [0.0] * 3
-        for i in (2, 1, 0):
-            sol[i] = (m[i][3] - sum(m[i][j] * sol[j] for j in range(i + 1, 3))) / m[i][i]
-        a, c, b = sol
+        sol = [0.0] * n
+        for i in reversed(range(n)):
+            sol[i] = (m[i][n] - sum(m[i][j] * sol[j] for j in range(i + 1, n))) / m[i][i]
+        a, c, b, e = sol
         # Noise must not make a token free, or a step cost less than nothing.
-        return max(a, 0.0), max(c, PRIOR_DECODE_S * 1e-3), max(b, PRIOR_TOKEN_S * 1e-3)
+        return (max(a, 0.0), max(c, PRIOR_DECODE_S * 1e-3), max(b, PRIOR_TOKEN_S * 1e-3),
+                max(e / MEGA, PRIOR_PAIR_S * 1e-3))
 
 
 @dataclass
 class _Worker:
     fit: _StepFit = field(default_factory=_StepFit)
-    group: list = field(default_factory=list)     # (decodes, prefill tokens, latency) of steps not yet a group
+    group: list = field(default_factory=list)     # (decodes, prefill tokens, pairs, latency) of steps not yet a group
     pending: int = 0                  # from the last heartbeat ...
     decoding: int = 0
     placed_tokens: int = 0            # ... plus what was placed here since
     placed_decodes: int = 0
     prefill_per_step: float = 0.0
+    prefill_depth: float = 0.0       # query-key pairs per prefill token, smoothed
 
 
 class Estimator:
@@ -200,15 +228,20 @@ class Estimator:
     def observe(self, hb: m.Heartbeat) -> None:
         w = self.workers.setdefault(hb.worker_id, _Worker())
         # A worker that does not say which tokens decoded counts them all as prefill.
-        decodes = hb.step_decodes if len(hb.step_decodes) == len(hb.step_tokens) else [0] * len(hb.step_tokens)
-        for d, t, latency in zip(decodes, hb.step_tokens, hb.step_latencies):
-            w.group.append((d, t - d, latency))
+        steps = len(hb.step_tokens)
+        decodes = hb.step_decodes if len(hb.step_decodes) == steps else [0] * steps
+        pairs = hb.step_prefill_pairs if len(hb.step_prefill_pairs) == steps else [0] * steps
+        for d, t, p, latency in zip(decodes, hb.step_tokens, pairs, hb.step_latencies):
+            w.group.append((d, t - d, p, latency))
             if len(w.group) == GROUP:
-                w.fit.add(*(sum(g[i] for g in w.group) / GROUP for i in range(3)))
+                w.fit.add(*(sum(g[i] for g in w.group) / GROUP for i in range(4)))
                 w.group.clear()
         steps = len(hb.step_latencies)
         recent = sum(hb.prefill_chunks) / steps if steps else 0.0     # an idle worker carries none
         w.prefill_per_step += SMOOTH * (recent - w.prefill_per_step)
+        prefill = sum(t - d for d, t in zip(decodes, hb.step_tokens))
+        if prefill > 0:      # no prompt computed: the depth of its last ones stands
+            w.prefill_depth += SMOOTH * (sum(pairs) / prefill - w.prefill_depth)
         # The heartbeat counts what reached the worker before it; what was
         # placed since counts again from here (a placement in flight at that
         # moment is missed until the next one, 0.5 s later).
@@ -264,35 +297,38 @@ class Estimator:
         return Estimates({w.worker_id: self._estimate(w, shared) for w in workers},
                          {b: per_token / rate for b, rate in self.transfer_rate.items()}, self.demand(now))
 
-    def _shared_token_cost(self, workers: list[WorkerInfo]) -> dict[str, tuple[float, float]]:
-        """Per device type, the prefill token cost of the worker that measured it
-        best, and how much evidence it has."""
-        best: dict[str, tuple[float, float]] = {}
+    def _shared_token_cost(self, workers: list[WorkerInfo]) -> dict[str, tuple[float, float, float]]:
+        """Per device type, the prefill costs (per token, per query-key pair) of
+        the worker that measured them best, and how much evidence it has."""
+        best: dict[str, tuple[float, float, float]] = {}
         for info in workers:
             fit = self.workers.setdefault(info.worker_id, _Worker()).fit
             kind = _device_type(info)
-            if fit.prefill_evidence > best.get(kind, (0.0, 0.0))[1]:
-                best[kind] = (fit.solve()[2], fit.prefill_evidence)
+            if fit.prefill_evidence > best.get(kind, (0.0, 0.0, 0.0))[2]:
+                _, _, b, e = fit.solve()
+                best[kind] = (b, e, fit.prefill_evidence)
         return best
 
-    def _estimate(self, info: WorkerInfo, shared: dict[str, tuple[float, float]] | None = None) -> WorkerEstimate:
+    def _estimate(self, info: WorkerInfo, shared: dict[str, tuple[float, float, float]] | None = None
+                  ) -> WorkerEstimate:
         w = self.workers.setdefault(info.worker_id, _Worker())
-        a, c, b = w.fit.solve()
+        a, c, b, e = w.fit.solve()
         # A worker that has hardly prefilled (one leaning to decode) takes the
-        # prefill token cost another worker of its kind measured: a prompt token
-        # costs the same on the same GPU, and its own slope would still be the
+        # prefill costs another worker of its kind measured: a prompt token
+        # costs the same on the same GPU, and its own slopes would still be the
         # prior (50 us, twice an H200's, on the first sweep: local prefills then
         # looked too slow to ever take).
-        b_best, evidence = (shared or {}).get(_device_type(info), (b, 0.0))
+        b_best, e_best, evidence = (shared or {}).get(_device_type(info), (b, e, 0.0))
         if w.fit.prefill_evidence < SHARED_EVIDENCE * evidence:
-            b = b_best
+            b, e = b_best, e_best
         if info.role == "prefill" or info.worker_id in self.prefill_leaning:
             leaning = LEAN_PREFILL
         else:
             leaning = LEAN_DECODE
         return WorkerEstimate(
-            step_base_s=a, step_token_s=b, step_decode_s=c, pending_tokens=w.pending + w.placed_tokens,
+            step_base_s=a, step_token_s=b, step_decode_s=c, step_pair_s=e, pending_tokens=w.pending + w.placed_tokens,
             decoding=w.decoding + w.placed_decodes, prefill_per_step=w.prefill_per_step,
+            prefill_depth=w.prefill_depth,
             budget=info.step.budget or 2048, chunk=info.step.chunk or 512,
             beside=info.step.prefill_beside_decodes, chunk_alone=not info.step.chunk_only_beside_decodes,
             leaning=leaning, samples=w.fit.n)
@@ -334,6 +370,8 @@ class Estimator:
         return {wid: {"leaning": e.leaning, "prefill_tokens_per_s": round(e.prefill_rate, 1),
                       "step_base_ms": round(e.step_base_s * 1e3, 3), "step_token_us": round(e.step_token_s * 1e6, 3),
                       "step_decode_us": round(e.step_decode_s * 1e6, 3),
+                      "step_pair_ps": round(e.step_pair_s * 1e12, 3),
+                      "prefill_depth_tokens": round(e.prefill_depth, 1),
                       "pending_prefill_tokens": e.pending_tokens, "decoding": e.decoding,
                       "prefill_tokens_per_step": round(e.prefill_per_step, 1), "step_groups_measured": e.samples}
                 for wid, e in estimates.workers.items()}

@@ -41,12 +41,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdd.config import AdaptiveConfig
-from pdd.router.estimator import LEAN_PREFILL, Estimates
+from pdd.engine.request import query_key_pairs
+from pdd.router.estimator import LEAN_PREFILL, Estimates, WorkerEstimate
 from pdd.router.registry import WorkerInfo
 
 PREFIX_WEIGHT = 0.5   # a fully cached prompt is worth this much extra load
 SERVING_ROLES = ("colocated", "decode")
 DISAGG, LOCAL_PREFILL, COLOCATED = "disagg", "local_prefill", "colocated"
+LOCAL_CHUNK_STEP = 64  # local prefill chunks are sized in steps of this many tokens (and never smaller)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Plan:
     reason: str = ""             # why, as a short label (a metric label; place() always sets one)
     note: str = ""               # more words, for the log
     prefill_tokens: int = 0      # prompt tokens the computing worker computes (0: not estimated)
+    prefill_chunk: int = 0       # local prefill: its most prompt tokens per step beside decodes (0: the worker's)
 
     @property
     def disaggregated(self) -> bool:
@@ -175,6 +178,7 @@ class _Option:
     harm_s: float                  # request-seconds its prefill adds to those requests
     decode_leans_prefill: bool
     wait_s: float = 0.0            # of ttft_s, the wait behind prompts queued before it
+    chunk: int = 0                 # local: its own chunk beside the decodes (0: the worker's)
 
     def excess(self, slo: AdaptiveConfig) -> float:
         """How far past the SLO targets, relative; 0 when it meets them all."""
@@ -214,7 +218,7 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
     prefillers = [w for w in pool if prefills_for_others(w) and est.workers[w.worker_id].leaning == LEAN_PREFILL]
     options, why_local = [], {}
     for d in roomy or serving:
-        local = _local_option(d, request, est, block_size, n)
+        local = _local_option(d, request, est, slo, block_size, n)
         options.append(local)
         if local.new_tokens <= slo.local_prefill_tokens:
             cached = 2 * (n - local.new_tokens) >= n
@@ -244,7 +248,8 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
     if reason is None:
         reason = _why(best, options, slo)
     if best.prefill is None:
-        return Plan(best.decode.worker_id, kind=LOCAL_PREFILL, reason=reason, prefill_tokens=best.new_tokens)
+        return Plan(best.decode.worker_id, kind=LOCAL_PREFILL, reason=reason, prefill_tokens=best.new_tokens,
+                    prefill_chunk=best.chunk)
     return Plan(best.decode.worker_id, best.prefill.worker_id, best.backend, kind=DISAGG, reason=reason,
                 prefill_tokens=best.new_tokens)
 
@@ -266,12 +271,37 @@ def _cached(w: WorkerInfo, request: PlaceRequest, block_size: int, n: int) -> in
     return min(w.prefix_match(request.block_hashes) * block_size, n - 1)
 
 
-def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, block_size: int, n: int) -> _Option:
+def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, slo: AdaptiveConfig, block_size: int,
+                  n: int) -> _Option:
     e = est.workers[d.worker_id]
-    new = n - _cached(d, request, block_size, n)
-    return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens), e.tpot_s(),
-                   e.chunk_step_s() if e.decoding else 0.0, e.decoding * e.step_token_s * new,
-                   e.leaning == LEAN_PREFILL)
+    cached = _cached(d, request, block_size, n)
+    new = n - cached
+    chunk = _local_chunk(e, slo, cached, new) if e.decoding else 0
+    # The gap its deepest chunk (its last) gives the requests decoding here.
+    own = min(chunk or e.chunk, new)
+    itl = e.chunk_step_s(own, n - own) if e.decoding else 0.0
+    harm = e.decoding * (e.step_token_s * new + e.step_pair_s * query_key_pairs(cached, new))
+    return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens, cached=cached, chunk=chunk),
+                   e.tpot_s(), itl, harm, e.leaning == LEAN_PREFILL, chunk=chunk)
+
+
+def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) -> int:
+    """The chunk a prompt prefilled beside this worker's decodes gets: the
+    largest (in steps of LOCAL_CHUNK_STEP tokens) whose deepest step stays within
+    local_chunk_gap_s while the prompt still meets the TTFT target; 0 (the
+    worker's chunk) when its own chunk already does, or none does. A chunk of
+    a long prompt costs more the deeper it is (docs/design.md)."""
+    if not slo.local_chunk_gap_s:
+        return 0
+    top = min(e.chunk, max(0, e.prefill_room))
+    for chunk in range(top - top % LOCAL_CHUNK_STEP, LOCAL_CHUNK_STEP - 1, -LOCAL_CHUNK_STEP):
+        own = min(chunk, new)
+        if e.chunk_step_s(own, cached + new - own) > slo.local_chunk_gap_s:
+            continue
+        if e.prefill_s(new, behind=e.pending_tokens, cached=cached, chunk=chunk) > slo.ttft_slo_s:
+            return 0
+        return 0 if chunk >= top or own == new else chunk
+    return 0
 
 
 def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceRequest, est: Estimates,
@@ -301,7 +331,9 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         # Every P here leans to prefill: the gaps its prompts give its own few
         # decodes count in the cost (harm), not as a target (itl 0): they are why
         # it leans so, and the engine computes prompts for others at full speed.
-        ttft = e.prefill_s(new, behind=e.pending_tokens, for_others=True) + tail
-        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, e.decoding * e.step_token_s * new,
-                               e_d.leaning == LEAN_PREFILL, ttft - tail - e.prefill_s(new, for_others=True)))
+        cached = n - new
+        ttft = e.prefill_s(new, behind=e.pending_tokens, for_others=True, cached=cached) + tail
+        harm = e.decoding * (e.step_token_s * new + e.step_pair_s * query_key_pairs(cached, new))
+        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, harm, e_d.leaning == LEAN_PREFILL,
+                               ttft - tail - e.prefill_s(new, for_others=True, cached=cached)))
     return options, None

@@ -51,7 +51,8 @@ def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.
     try:
         with placements.placing(msg.request_id, msg.epoch) as eid:
             engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
-                               num_prior_output_tokens=msg.num_prior_output_tokens, block_hashes=msg.block_hashes)
+                               num_prior_output_tokens=msg.num_prior_output_tokens, block_hashes=msg.block_hashes,
+                               prefill_chunk=msg.prefill_chunk)
     except InvalidRequest as e:
         return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
     return []

@@ -74,6 +74,7 @@ class EngineSnapshot:
     step_latencies: JournalView = JournalView()
     step_tokens: JournalView = JournalView()      # entry i: tokens of step_latencies' entry i
     step_decodes: JournalView = JournalView()     # entry i: decode tokens among them
+    step_prefill_pairs: JournalView = JournalView()   # entry i: query-key pairs of its prompt chunks
     prefill_tokens_pending: int = 0
     prefill_chunks: JournalView = JournalView()
     decode_batches: JournalView = JournalView()
@@ -89,6 +90,7 @@ class EngineStats:
         self.step_latencies = Journal(_MAX_SAMPLES)
         self.step_tokens = Journal(_MAX_SAMPLES)   # appended with step_latencies: the three stay aligned
         self.step_decodes = Journal(_MAX_SAMPLES)
+        self.step_prefill_pairs = Journal(_MAX_SAMPLES)
         self.prefill_chunks = Journal(_MAX_SAMPLES)
         self.decode_batches = Journal(_MAX_SAMPLES)
         self.recent_hashes = Journal(_MAX_HASHES)
@@ -100,6 +102,7 @@ class EngineStats:
         self.step_latencies.extend((step.latency_s,))
         self.step_tokens.extend((step.num_tokens,))
         self.step_decodes.extend((step.num_decodes,))
+        self.step_prefill_pairs.extend((step.prefill_pairs,))
         self.prefill_chunks.extend(step.prefill_chunks)
         if step.num_decodes:
             self.decode_batches.extend((step.num_decodes,))
@@ -115,7 +118,8 @@ class EngineStats:
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
             step_latencies=self.step_latencies.view(), step_tokens=self.step_tokens.view(),
-            step_decodes=self.step_decodes.view(), prefill_tokens_pending=_prompt_tokens_pending(sched), prefill_chunks=self.prefill_chunks.view(),
+            step_decodes=self.step_decodes.view(), step_prefill_pairs=self.step_prefill_pairs.view(),
+            prefill_tokens_pending=_prompt_tokens_pending(sched), prefill_chunks=self.prefill_chunks.view(),
             decode_batches=self.decode_batches.view(), recent_hashes=self.recent_hashes.view(),
             transfer=transfer)
 
@@ -131,8 +135,8 @@ class HeartbeatReader:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
-        self._latencies, self._tokens, self._decodes, self._chunks, self._batches, self._hashes = (
-            JournalCursor() for _ in range(6))
+        self._latencies, self._tokens, self._decodes, self._pairs, self._chunks, self._batches, self._hashes = (
+            JournalCursor() for _ in range(7))
 
     def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool,
                   faults: dict[str, float] | None = None) -> m.Heartbeat:
@@ -142,6 +146,7 @@ class HeartbeatReader:
             prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
             step_latencies=self._latencies.take(snap.step_latencies),
             step_tokens=self._tokens.take(snap.step_tokens), step_decodes=self._decodes.take(snap.step_decodes),
+            step_prefill_pairs=self._pairs.take(snap.step_prefill_pairs),
             prefill_tokens_pending=snap.prefill_tokens_pending, decoding=snap.decoding,
             prefill_chunks=self._chunks.take(snap.prefill_chunks),
             decode_batches=self._batches.take(snap.decode_batches),

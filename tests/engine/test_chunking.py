@@ -7,6 +7,8 @@ import torch
 
 from pdd import LLM
 from pdd.engine.engine import default_step_budget
+from pdd.engine.request import query_key_pairs
+from pdd.engine.sampling_params import InvalidRequest
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 SHAPE = dict(chunk_size=32, max_num_batched_tokens=96, num_blocks=128, async_scheduling=False)
@@ -101,3 +103,33 @@ def test_a_prompt_computed_for_another_worker_is_scheduled_as_if_nothing_decoded
     while engine.has_unfinished():
         engine.step()
     assert_all_blocks_free(llm)
+
+
+def test_a_request_may_carry_a_smaller_chunk_of_its_own_beside_decodes(tiny_model):
+    """Adaptive placement sizes a long local prompt's chunks (Admit.prefill_chunk):
+    beside a decode that request takes at most its own chunk, another prompt the
+    engine's; alone it takes the whole budget. Each step reports its prompt
+    chunks' query-key pairs, which grow with the chunk's depth."""
+    llm = LLM(str(tiny_model), **SHAPE)
+    engine = llm.engine
+    short, long_a, long_b = random_prompts([8, 200, 200], seed=15)
+    decoder = engine.add_request("decoder", short, greedy(40, ignore_eos=True))
+    engine.step()
+    sized = engine.add_request("sized", long_a, greedy(2, ignore_eos=True), prefill_chunk=12)
+    plain = engine.add_request("plain", long_b, greedy(2, ignore_eos=True))
+    engine.step()
+    assert (sized.num_computed_tokens, plain.num_computed_tokens) == (12, 32)
+    assert engine.last_step.prefill_pairs == query_key_pairs(0, 12) + query_key_pairs(0, 32)
+    engine.step()
+    assert engine.last_step.prefill_pairs == query_key_pairs(12, 12) + query_key_pairs(32, 32)
+    engine.abort_request("decoder")
+    while decoder.num_computed_tokens and not decoder.status.finished:
+        engine.step()
+    before = sized.num_computed_tokens
+    engine.step()                                   # nothing decodes: no cap of its own
+    assert sized.num_computed_tokens - before > 12
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)
+    with pytest.raises(InvalidRequest, match="prefill_chunk"):
+        engine.add_request("bad", short, greedy(2), prefill_chunk=-1)

@@ -6,18 +6,20 @@ import math
 import pytest
 
 from pdd.config import AdaptiveConfig
+from pdd.engine.request import query_key_pairs
 from pdd.kv.hashing import block_hashes
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, PRIOR_TOKEN_S, Estimates, Estimator, WorkerEstimate
-from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, place
+from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, Plan, place
 from pdd.router.registry import WorkerInfo
 from tests.router.sim import SimCluster
 from tests.router.test_control import expected, run_to_end
 
 LAYOUT = KVLayout("m", "0", "bfloat16", 16, 32, 8, 128)   # Llama-3-8B's KV: 128 KiB a token
 SLO = AdaptiveConfig()
-GPU = dict(step_base_s=0.01, step_token_s=5e-5)            # a GPU-class step: 10 ms + 50 us a token
+# A GPU-class step: 10 ms + 50 us a token; a chunk's depth costs nothing unless a test says so.
+GPU = dict(step_base_s=0.01, step_token_s=5e-5, step_pair_s=0.0)
 
 
 def worker(wid: str, role: str, flex: bool = False, num_blocks: int = 10_000) -> WorkerInfo:
@@ -191,10 +193,14 @@ def test_a_colocated_worker_that_does_not_prefill_for_others_takes_no_kv():
 
 
 def heartbeat(wid: str, steps: list[tuple[int, float]], running: int = 0, pending: int = 0,
-              chunks: list[int] = (), decodes: list[int] | None = None) -> m.Heartbeat:
+              chunks: list[int] = (), decodes: list[int] | None = None, pairs: list[int] | None = None
+              ) -> m.Heartbeat:
+    """`pairs` left out: each step's prefill tokens are one prompt's first chunk."""
+    if pairs is None:
+        pairs = [query_key_pairs(0, t - d) for (t, _), d in zip(steps, decodes or [0] * len(steps))]
     return m.Heartbeat(wid, running, 0, 100, 100, decoding=running, step_latencies=[s for _, s in steps],
                        step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending,
-                       step_decodes=list(decodes) if decodes is not None else [])
+                       step_decodes=list(decodes) if decodes is not None else [], step_prefill_pairs=pairs)
 
 
 def test_the_step_model_calibrates_from_heartbeats():
@@ -367,7 +373,8 @@ def test_a_prefill_workers_running_prompts_are_no_decodes():
     e.observe(m.Heartbeat("p0", 6, 0, 100, 100, decoding=0, prefill_tokens_pending=20_000))
     w = e.snapshot([p], LAYOUT, 0.0).workers["p0"]
     assert w.decoding == 0 and w.prefill_room == 2048
-    assert w.prefill_s(4096) == pytest.approx(w.prefill_s(0, behind=4096))   # 2 budget-sized steps either way
+    # 2 budget-sized steps either way (a queue's depth is the one measured: none yet)
+    assert w.prefill_s(4096) == pytest.approx(w.prefill_s(0, behind=4096) + w.step_pair_s * query_key_pairs(0, 4096))
 
 
 def test_a_worker_that_chunks_even_alone_is_priced_so():
@@ -384,3 +391,118 @@ def test_prompts_computed_for_others_are_priced_without_the_chunks_beside_decode
     assert busy.prefill_s(16_384, for_others=True) == pytest.approx(
         math.ceil(16_384 / room) * busy.step_s(20) + 16_384 * busy.step_token_s)
     assert busy.prefill_s(16_384) == pytest.approx(64 * busy.step_s(20) + 16_384 * busy.step_token_s)
+
+
+# ---------------------------------------------------------------- a chunk's depth
+
+
+def deep_steps(cost_per_pair: float) -> tuple[list[tuple[int, float]], list[int]]:
+    """Prompt chunks of 512 and 2048 tokens from the start of a prompt to 14k
+    deep, at 5 ms + 25 us a token + `cost_per_pair` a query-key pair."""
+    steps, pairs = [], []
+    for t in (512, 2048):
+        for start in range(0, 14_336, 2048):
+            p = query_key_pairs(start, t)
+            steps.append((t, 0.005 + 2.5e-5 * t + cost_per_pair * p))
+            pairs.append(p)
+    return steps, pairs
+
+
+def test_the_step_model_fits_what_a_chunks_depth_costs():
+    """Deep chunks cost more than shallow ones of the same size: the fit finds
+    the cost of a query-key pair beside the cost of a token, and the worker's
+    prompts' mean depth, which prices the prompts queued there."""
+    e, w = Estimator(SLO), worker("c0", "colocated")
+    steps, pairs = deep_steps(2e-9)
+    for _ in range(30):
+        e.observe(heartbeat("c0", steps * 4, pairs=pairs * 4))
+    fitted = e.snapshot([w], LAYOUT, 0.0).workers["c0"]
+    assert (fitted.step_base_s, fitted.step_token_s, fitted.step_pair_s) == (
+        pytest.approx(0.005, rel=0.05), pytest.approx(2.5e-5, rel=0.05), pytest.approx(2e-9, rel=0.05))
+    depth = sum(pairs) / sum(t for t, _ in steps)
+    assert fitted.prefill_depth == pytest.approx(depth, rel=0.01)
+    assert fitted.prefill_s(0, behind=2048) == pytest.approx(
+        fitted.step_s(0) + 2048 * (2.5e-5 + 2e-9 * depth), rel=0.05)
+    assert fitted.chunk_step_s(512, 12_000) > fitted.chunk_step_s(512, 0) + 0.01
+
+
+def test_a_worker_that_only_decodes_takes_the_depth_cost_its_peer_measured():
+    e = Estimator(SLO)
+    workers = [worker("c0", "colocated", flex=True), worker("c1", "colocated", flex=True)]
+    steps, pairs = deep_steps(3e-9)
+    for _ in range(30):
+        e.observe(heartbeat("c0", steps * 4, pairs=pairs * 4))
+        e.observe(heartbeat("c1", [(d, 0.004 + 1e-4 * d) for d in [20] * 4 + [90] * 4], decodes=[20] * 4 + [90] * 4))
+    ests = e.snapshot(workers, LAYOUT, 0.0).workers
+    assert ests["c1"].step_pair_s == pytest.approx(3e-9, rel=0.05)
+    assert ests["c1"].step_token_s == pytest.approx(2.5e-5, rel=0.05)
+
+
+DEEP = dict(step_base_s=0.005, step_token_s=2.5e-5, step_decode_s=1e-4, step_pair_s=2e-9)  # ~H200, 8B
+
+
+def test_a_long_prompt_prefilled_beside_decodes_gets_chunks_that_keep_the_gap(static_pd):
+    """The prefill worker's queue is too long for the target: a 10k prompt
+    prefills where 80 requests decode (a 13 ms step). Its deepest 512-token
+    chunk would make a ~40 ms step; it gets the largest chunk whose deepest step
+    stays within local_chunk_gap_s, and still meets the TTFT target."""
+    workers, _ = static_pd
+    d0 = est(decoding=80, **DEEP)
+    ests = estimates(p0=est(LEAN_PREFILL, pending_tokens=60_000, **DEEP), d0=d0)
+    n = 10_000
+    assert d0.chunk_step_s(512, n - 512) > SLO.local_chunk_gap_s
+    plan = adaptive(prompt(n), workers, ests)
+    assert (plan.kind, plan.decode) == (LOCAL_PREFILL, "d0")
+    chunk = plan.prefill_chunk
+    assert 0 < chunk < 512 and chunk % 64 == 0
+    assert d0.chunk_step_s(chunk, n - chunk) <= SLO.local_chunk_gap_s < d0.chunk_step_s(chunk + 64, n - chunk - 64)
+    assert d0.prefill_s(n, chunk=chunk) <= SLO.ttft_slo_s
+
+
+def test_a_local_prompt_keeps_the_workers_chunk_when_that_already_keeps_the_gap_or_the_ttft_needs_it(static_pd):
+    workers, _ = static_pd
+    queued = est(LEAN_PREFILL, pending_tokens=60_000, **DEEP)
+    light = est(decoding=4, **DEEP)                            # 512 tokens 2k deep: ~20 ms
+    plan = adaptive(prompt(2_000), workers, estimates(p0=queued, d0=light))
+    assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
+    # beside 120 decodes, 16k tokens in chunks within 30 ms would take past 2 s: no smaller chunk helps
+    plan = adaptive(prompt(16_000), workers, estimates(p0=queued, d0=est(decoding=120, **DEEP)))
+    assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
+    off = AdaptiveConfig(local_chunk_gap_s=0.0)
+    plan = place(prompt(10_000), workers, "adaptive", estimates=estimates(p0=queued, d0=est(decoding=80, **DEEP)),
+                 slo=off, block_size=LAYOUT.block_size)
+    assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
+
+
+def test_a_deep_prompt_beside_decodes_is_priced_at_its_depth(static_pd):
+    """The same 6k prompt beside 80 decodes, chunks not sized: without its
+    depth its last 512-token chunk looks within an ITL target of 30 ms (26 ms)
+    and it would stay local (the prefill worker is past its queue share); at
+    its depth it is not (32 ms), and it waits in the prefill worker's queue,
+    which still meets the TTFT target."""
+    workers, _ = static_pd
+    slo = AdaptiveConfig(local_chunk_gap_s=0.0, itl_slo_s=0.03)
+    p0 = est(LEAN_PREFILL, pending_tokens=40_000, **DEEP)
+    flat = {**DEEP, "step_pair_s": 0.0}
+    plans = [place(prompt(6_000), workers, "adaptive", estimates=estimates(p0=p0, d0=est(decoding=80, **costs)),
+                   slo=slo, block_size=LAYOUT.block_size) for costs in (flat, DEEP)]
+    assert [(p.kind, p.reason) for p in plans] == [(LOCAL_PREFILL, "prefill_queue"), (DISAGG, "slo")]
+
+
+def test_a_sized_local_chunk_reaches_the_worker_in_its_admit(monkeypatch):
+    """Through the state machine: the plan's chunk travels in Admit.prefill_chunk,
+    and a request placed again after a failure carries none. (The decision is
+    forced with a stub of place(), tested on its own above.)"""
+    import pdd.router.control as control
+    c = SimCluster(mode="adaptive")
+    c.add_worker("d0", "decode")
+    monkeypatch.setattr(control, "place", lambda request, *a, **kw: Plan(
+        "d0", kind=LOCAL_PREFILL, reason="slo", prefill_chunk=0 if request.colocated_only else 128))
+    s = c.submit(max_tokens=3)
+    admits = [msg for msg in c.workers["d0"].inbox if isinstance(msg, m.Admit)]
+    assert (s.mode, [a.prefill_chunk for a in admits]) == ("colocated", [128])
+    c.restart("d0")                      # its requests are placed again
+    admits = [msg for msg in c.workers["d0"].inbox if isinstance(msg, m.Admit)]
+    assert [a.prefill_chunk for a in admits] == [0]
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))

@@ -52,7 +52,7 @@ def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace
 def test_heartbeats_carry_samples_and_hashes_once():
     published = [11, 12]
     engine, stats, reader = fake_engine(published), EngineStats(), HeartbeatReader("w")
-    stats.record(StepStats(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38]))
+    stats.record(StepStats(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38], prefill_pairs=741))
     first = reader.heartbeat(stats.snapshot(engine, {}), 0.0, False)
     published.append(13)
     stats.record(StepStats(latency_s=0.25, num_tokens=3, num_decodes=3))
@@ -67,6 +67,7 @@ def test_heartbeats_carry_samples_and_hashes_once():
     assert again.recent_hashes == again.step_latencies == [] and again.steps_completed == 3
     assert (first.step_tokens, second.step_tokens, again.step_tokens) == ([40], [3], [])
     assert (first.step_decodes, second.step_decodes, again.step_decodes) == ([2], [3], [])
+    assert (first.step_prefill_pairs, second.step_prefill_pairs, again.step_prefill_pairs) == ([741], [0], [])
 
 
 def test_heartbeats_count_the_prompt_tokens_not_computed_yet():
