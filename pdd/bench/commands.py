@@ -136,6 +136,8 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--mixed-prompt", type=int, default=16384)
     b.add_argument("--no-cuda-graphs", action="store_true")
     b.add_argument("--no-async-scheduling", action="store_true")
+    b.add_argument("--warm-up", action="store_true",
+                   help="run the engine's warm-up first, as a worker does, and print each kernel compiled after it")
     b.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes (GPU kernels, host gaps)")
     b.add_argument("--json", default=None)

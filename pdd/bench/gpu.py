@@ -31,7 +31,9 @@ def _engine(args, max_batched: int, num_blocks: int):
 
     return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device="cuda",
                                   num_blocks=num_blocks, max_num_seqs=max(256, max_batched),
-                                  max_num_batched_tokens=max_batched, chunk_size=max_batched,
+                                  max_num_batched_tokens=max_batched,
+                                  # with the warm-up, a worker's chunk (its shapes are what it compiles)
+                                  chunk_size=EngineConfig.chunk_size if args.warm_up else max_batched,
                                   enable_prefix_caching=False, max_model_len=32768,
                                   cuda_graphs=not args.no_cuda_graphs,
                                   async_scheduling=not args.no_async_scheduling))
@@ -183,12 +185,14 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         engine.step()   # the pipeline holds one step: time from the next return on
         by_depth: dict[int, list[float]] = {}
+        trace = []        # (depth, step ms, of which in step() on the host ms)
         last = time.perf_counter()
         while long.num_computed_tokens < prompt:
             depth = long.num_computed_tokens   # where the chunk scheduled in the step now ending started
             engine.step()
             now = time.perf_counter()
             by_depth.setdefault(depth // 4096 * 4096, []).append(now - last)
+            trace.append((depth, round(1e3 * (now - last), 2), round(1e3 * engine.last_step.latency_s, 2)))
             last = now
         for rid in list(sched.requests):
             engine.abort_request(rid)
@@ -200,7 +204,7 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
         groups.append({"depth": depth, "steps": len(times), "step_ms": step,
                        "per_token_us": 1e3 * (step - decode_ms) / chunk})
     return {"batch": batch, "context": args.context, "chunk": chunk, "prompt": prompt, "decode_step_ms": decode_ms,
-            "by_depth": groups}
+            "by_depth": groups, "steps": trace}
 
 
 def main(args) -> int:
@@ -217,6 +221,10 @@ def main(args) -> int:
                        + -(-args.mixed_prompt // min(chunks)) + args.steps)
         blocks_needed = max(blocks_needed, (args.mixed_batch * per_request + args.mixed_prompt) // 16 + 64)
     engine = _engine(args, max_batched, blocks_needed)
+    if args.warm_up:
+        engine.warm_up()
+        from pdd import ops
+        ops.report_compiles(lambda kernel: print(f"compiled after the warm-up: {kernel[:3000]}", flush=True))
     for b in batches:
         r = bench_decode(args, engine, b, args.context)
         out["decode"].append(r)

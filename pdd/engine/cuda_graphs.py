@@ -31,7 +31,9 @@ class DecodeGraphs:
         self.model = model
         self.sizes = bucket_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        # A multiple of 16, as the eager steps' tables (pdd.engine.model_runner):
+        # one compiled attention variant, and every eager table fits this one.
+        self.max_blocks = -(-max_model_len // (16 * block_size)) * 16
         self.max_model_len = max_model_len
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(self.max_bs, **i64)

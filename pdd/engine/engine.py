@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdd import ops
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.request import Request, query_key_pairs
@@ -203,6 +204,7 @@ class LLMEngine:
                     self.step()
         finally:
             self.kv.enable_prefix_caching = prefix_caching
+        ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
         self.wait_in_flight()
         steps = pool.steps_launched - launched
         assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"
@@ -214,6 +216,10 @@ class LLMEngine:
         sched.num_preemptions = preemptions
         self.last_step = StepStats()
         log.info("engine warm-up: %d requests, %d steps in %.2f s", num, steps, time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            ops.report_compiles(lambda kernel: log.warning(
+                "a Triton kernel was compiled in service (every request here waited; the warm-up "
+                "did not cover it): %s", kernel[:3000]))
 
     def _warm_up_plan(self, max_tokens: int) -> list[list[list[int]]]:
         """Prompt lengths: phases (each runs to completion before the next) of

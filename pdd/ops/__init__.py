@@ -17,7 +17,7 @@ from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax"]
+           "rotary", "rotary_store_kv", "argmax", "report_compiles", "warm_up_sampling"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -34,6 +34,31 @@ def _load_triton() -> ModuleType | None:
             except ImportError:
                 _triton = None
     return _triton
+
+
+def report_compiles(report) -> bool:
+    """From now on, call report(kernel) for each Triton kernel compiled in this
+    process (`kernel`: its name and argument specialization). After the warm-up
+    each one is a stall of every request on the worker (seconds on a cold
+    cache), and which argument made a new variant says how to avoid it. False
+    when Triton is not used or has no compile hook."""
+    if _load_triton() is None:
+        return False
+    import triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    # repr: the kernel and its options; key: the argument specialization (which
+    # argument's alignment, divisibility or constexpr value made this variant)
+    runtime.jit_post_compile_hook = lambda **kw: report(f"{kw.get('repr')} key={kw.get('key')}")
+    return True
+
+
+def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
+    """Compile the sampling kernels' variants for every batch of 1..max_rows rows
+    (what a worker's warm-up steps do not all reach); how many, 0 off the GPU."""
+    backend = _load_triton() if device.type == "cuda" else None
+    return backend.warm_up_argmax(vocab, max_rows, device) if backend is not None else 0
 
 
 def backend_for(t: torch.Tensor) -> ModuleType:

@@ -66,15 +66,26 @@ def _argmax_merge_kernel(part_val, part_idx, out_ptr, CHUNKS: tl.constexpr, C_PA
     tl.store(out_ptr + row, at.to(tl.int64))
 
 
-def _chunk_for(logits: torch.Tensor) -> int:
+def _chunk_for(rows: int, v: int, device: torch.device) -> int:
     """Columns per program: large enough to amortise a program's start, small
     enough that rows * chunks fills the GPU twice over (B=1 needs many chunks)."""
-    rows, v = logits.shape
-    chunk = 8192 if _on_gpu(logits) else 1024
-    while chunk > 1024 and rows * triton.cdiv(v, chunk) < 2 * _num_sms(logits.device):
+    chunk = 8192 if device.type != "cpu" else 1024
+    while chunk > 1024 and rows * triton.cdiv(v, chunk) < 2 * _num_sms(device):
         chunk //= 2
     chunk = max(chunk, triton.next_power_of_2(triton.cdiv(v, _MAX_CHUNKS)))
     return min(chunk, triton.next_power_of_2(v))
+
+
+def warm_up_argmax(vocab: int, max_rows: int, device: torch.device) -> int:
+    """Compile argmax for each chunk size a batch of 1..max_rows rows picks: the
+    chunk is a constexpr, so a batch size first seen in service would compile
+    one then (and every request of the worker would wait). Returns how many."""
+    first_rows: dict[int, int] = {}
+    for rows in range(1, max_rows + 1):
+        first_rows.setdefault(_chunk_for(rows, vocab, device), rows)
+    for chunk, rows in first_rows.items():
+        _argmax(torch.zeros(rows, vocab, dtype=torch.float32, device=device), chunk)
+    return len(first_rows)
 
 
 def _argmax(logits: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -106,4 +117,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     assert 0 < logits.shape[1] < _NO_INDEX.value, f"vocab size {logits.shape[1]} out of range"
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    return _argmax(logits, _chunk_for(logits))
+    return _argmax(logits, _chunk_for(logits.shape[0], logits.shape[1], logits.device))

@@ -1,6 +1,6 @@
 """Timings of the Triton KV-cache kernels on one GPU (not a test; needs CUDA).
 
-    python3 tests/ops/bench_kernels.py [--sweep]
+    python3 tests/ops/bench_kernels.py [--sweep | --chunks]
 
 Llama-3-8B attention shape (32 q heads, 8 kv heads, head_dim 128, bf16, block
 16). Decode: achieved HBM GB/s = K+V bytes read / median time. Prefill: TFLOP/s
@@ -125,6 +125,31 @@ def prefill(sweep: bool):
                     ta._prefill_config = orig
 
 
+def chunk_beside_decodes():
+    """One layer of a mixed step: 80 decodes at 1k of context and one prompt
+    chunk at a depth, with the key splits the kernel picks, and forced to each
+    count (does the split rule pick well at every depth?)."""
+    print("== prompt chunk beside 80 decodes (1k ctx), one layer: splits picked vs forced")
+    scale = D ** -0.5
+    orig = ta._prefill_num_splits
+    for chunk in (128, 256, 512):
+        for depth in (512, 1024, 2048, 3072, 4096, 6144, 8192, 12288):
+            q, kv, meta = batch([1] * 80 + [chunk], [1024] * 80 + [depth + chunk])
+            m_tiles = triton.cdiv(chunk, ta._prefill_config(D, DT, True)["BLOCK_M"])
+            picked = orig(H * m_tiles, meta.max_seq_len, ta._prefill_config(D, DT, True)["BLOCK_N"], q.device)
+            times = {}
+            for forced in (None, 1, 2, 3, 4, 6, 8, 12, 16):
+                if forced is not None:
+                    ta._prefill_num_splits = lambda *a, f=forced: f
+                try:
+                    times[forced] = bench(lambda: tk.paged_attention(q, kv, meta, scale)) * 1e3
+                finally:
+                    ta._prefill_num_splits = orig
+            forced_txt = " ".join(f"{k}:{v:.0f}" for k, v in times.items() if k is not None)
+            print(f"chunk {chunk:4d} depth {depth:5d}: picked {picked:2d} {times[None]:7.0f} us | forced {forced_txt}",
+                  flush=True)
+
+
 def copies():
     print("== page copies (32 KiB pages: 16 x 8 x 128 bf16)")
     kv = torch.empty(2, 8192, BS, KVH, D, dtype=DT, device="cuda").normal_()
@@ -148,6 +173,9 @@ def copies():
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    if "--chunks" in sys.argv:
+        chunk_beside_decodes()
+        sys.exit(0)
     decode(False)
     prefill(False)
     copies()
