@@ -300,14 +300,17 @@ def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: t
     peak); with its keys split, 7.6 ms (docs/benchmarks.md). A grid of more
     programs than SMs is not split (a 1024-token chunk, 256 programs, was ~2 ms
     slower split in two); otherwise enough splits to fill the GPU about twice,
-    each at least 16 key tiles long, at most PREFILL_MAX_SPLITS. Host ints only
-    (no sync)."""
+    each at least 16 key tiles long, at most PREFILL_MAX_SPLITS, rounded down
+    to a power of two (on H200 a 128-token chunk 12k deep took 228 us a layer
+    in 8 splits, 269 in 9; a 256-token one 301 in 4, 377 in 5: tests/ops/
+    bench_kernels.py --chunks). Host ints only (no sync)."""
     sms = _num_sms(device)
     if programs > sms:
         return 1
     want = triton.cdiv(2 * sms, max(1, programs))
     by_len = max(1, max_seq_len // (16 * block_n))
-    return max(1, min(want, by_len, PREFILL_MAX_SPLITS))
+    splits = max(1, min(want, by_len, PREFILL_MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 

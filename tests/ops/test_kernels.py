@@ -258,6 +258,8 @@ def test_prefill_splits_only_when_the_grid_is_short():
     assert ta._prefill_num_splits(1, 100_000, 32, cpu) == 8
     assert ta._prefill_num_splits(1, 1_000, 32, cpu) == 1            # too few keys to be worth it
     assert ta._prefill_num_splits(1, 10**7, 32, cpu) == 8
+    assert ta._prefill_num_splits(3, 100_000, 32, cpu) == 2          # a power of two: 3 wanted, 2 taken
+    assert ta._prefill_num_splits(1, 3 * 16 * 32, 32, cpu) == 2      # ... as many as its keys allow, rounded down
 
 
 def test_strided_query():
