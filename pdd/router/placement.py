@@ -294,7 +294,7 @@ def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) 
     if not slo.local_chunk_gap_s:
         return 0
     top = min(e.chunk, max(0, e.prefill_room))
-    for chunk in range(top - top % LOCAL_CHUNK_STEP, LOCAL_CHUNK_STEP - 1, -LOCAL_CHUNK_STEP):
+    for chunk in sorted({top, *range(LOCAL_CHUNK_STEP, top, LOCAL_CHUNK_STEP)}, reverse=True):
         own = min(chunk, new)
         if e.chunk_step_s(own, cached + new - own) > slo.local_chunk_gap_s:
             continue
