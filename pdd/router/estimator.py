@@ -38,6 +38,12 @@ PRIOR_WEIGHT = 0.1        # the prior counts as this many measured groups (see _
 PRIOR_AT = 512            # ... of prefill tokens
 PRIOR_DECODES_AT = 64     # ... of decodes
 PRIOR_MPAIRS_AT = 2.0     # ... of a million query-key pairs (512 tokens 4k deep)
+# ... and the pair cost's prior counts as this many groups: prompt tokens and
+# their pairs rise together, and held as weakly as the others, the fit traded
+# one for the other (on one H200 at 4 req/s: 2 ps a pair and 41 us a token,
+# where 1.6 ns and 20 us fit the same steps). On simulated noisy steps 3 keeps
+# e within ~30% of the truth and b within ~10%; 10 pinned e to the prior.
+PRIOR_PAIR_WEIGHT = 3.0
 # A group measured more than this many times its prediction counts as this
 # many times it: a step that compiled kernels (seconds, once) must not become
 # the worker's cost, while a worker really slower than the fit still pulls it
@@ -150,12 +156,13 @@ class _StepFit:
     exponential forgetting, held toward the prior by a ridge worth PRIOR_WEIGHT
     samples. A worker that only decodes fits a and c and keeps the prior b and
     e; one that only prefills keeps the prior c; prompts all at one depth leave
-    e near its prior: a slope is never invented from noise. Pairs are fitted in
+    e near its prior (held harder than the others: see PRIOR_PAIR_WEIGHT): a
+    slope is never invented from noise. Pairs are fitted in
     millions (the features stay within a few orders of magnitude of each other)."""
 
     PRIOR = (PRIOR_BASE_S, PRIOR_DECODE_S, PRIOR_TOKEN_S, PRIOR_PAIR_S * MEGA)
     RIDGE = (PRIOR_WEIGHT, PRIOR_WEIGHT * PRIOR_DECODES_AT ** 2, PRIOR_WEIGHT * PRIOR_AT ** 2,
-             PRIOR_WEIGHT * PRIOR_MPAIRS_AT ** 2)
+             PRIOR_PAIR_WEIGHT * PRIOR_MPAIRS_AT ** 2)
     N = len(PRIOR)
 
     def __init__(self):

@@ -287,16 +287,19 @@ def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, slo: Ada
 
 def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) -> int:
     """The chunk a prompt prefilled beside this worker's decodes gets: the
-    largest (in steps of LOCAL_CHUNK_STEP tokens) whose deepest step stays within
-    local_chunk_gap_s while the prompt still meets the TTFT target; 0 (the
-    worker's chunk) when its own chunk already does, or none does. A chunk of
-    a long prompt costs more the deeper it is (docs/design.md)."""
+    largest (in steps of LOCAL_CHUNK_STEP tokens) whose deepest step, beside the
+    decodes alone, stays within local_chunk_gap_s while the prompt still meets
+    the TTFT target; 0 (the worker's chunk) when its own chunk already does, or
+    none does. A chunk of a long prompt costs more the deeper it is
+    (docs/design.md). Prompts already riding there are left out: they end, and
+    the chunk holds for the whole prompt (whether to take it while they ride is
+    the option's ITL hit, which counts them)."""
     if not slo.local_chunk_gap_s:
         return 0
     top = min(e.chunk, max(0, e.prefill_room))
     for chunk in sorted({top, *range(LOCAL_CHUNK_STEP, top, LOCAL_CHUNK_STEP)}, reverse=True):
         own = min(chunk, new)
-        if e.chunk_step_s(own, cached + new - own) > slo.local_chunk_gap_s:
+        if e.step_s(e.decoding, own, query_key_pairs(cached + new - own, own)) > slo.local_chunk_gap_s:
             continue
         if e.prefill_s(new, behind=e.pending_tokens, cached=cached, chunk=chunk) > slo.ttft_slo_s:
             return 0
