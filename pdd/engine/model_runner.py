@@ -129,9 +129,11 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(reqs)), q_lens)
         positions = np.arange(num_tokens) - cu[:-1][seq_of_token] + starts[seq_of_token]
 
-        # Rounded up to 16 columns: the table's row stride is a kernel argument,
-        # and Triton compiles one variant for a multiple of 16 and one for any other.
-        max_blocks = -(-max(len(block_tables[i]) for i in order) // 16) * 16
+        # On the GPU rounded up to 16 columns: the table's row stride is a kernel
+        # argument, and Triton compiles one variant for a multiple of 16 and one for any other.
+        max_blocks = max(len(block_tables[i]) for i in order)
+        if self.device.type == "cuda":
+            max_blocks = -(-max_blocks // 16) * 16
         table = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for row, i in enumerate(order):
             table[row, :len(block_tables[i])] = block_tables[i]
