@@ -185,7 +185,7 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         engine.step()   # the pipeline holds one step: time from the next return on
         by_depth: dict[int, list[float]] = {}
-        trace = []        # (depth, step ms, of which in step() on the host ms)
+        trace = []        # (depth, ms between step() returns, ms inside step())
         last = time.perf_counter()
         while long.num_computed_tokens < prompt:
             depth = long.num_computed_tokens   # where the chunk scheduled in the step now ending started

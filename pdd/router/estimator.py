@@ -4,8 +4,8 @@ Fed by the router's events — heartbeats (step latencies and tokens, queues),
 placements (prompt tokens sent somewhere), finished transfers — it keeps per
 worker a step-time model `step ≈ a + c·decodes + b·prefill tokens + e·prefill
 query-key pairs` (the last: a chunk deep in a long prompt attends to all of it
-and costs more per token), the prompt tokens it has yet to compute, how many requests it decodes, and how many prefill tokens its steps
-carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
+and costs more per token), the prompt tokens it has yet to compute, how many
+requests it decodes, and how many prefill tokens its steps carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
 transfer rate per backend. From the demand it sets which colocated workers
 that prefill for others lean to prefill (the role balance). `snapshot()`
 hands all of it to pdd.router.placement.place as frozen values: placement
@@ -118,6 +118,11 @@ class WorkerEstimate:
         """Prefill tokens its steps carry now: lately, or a chunk of what is pending."""
         return min(max(self.prefill_per_step, min(self.pending_tokens, self.chunk)),
                    max(0, self.prefill_room))
+
+    def harm_s(self, tokens: int, cached: int = 0) -> float:
+        """Request-seconds that computing `tokens` prompt tokens (after `cached`
+        ones) here adds to the requests decoding here."""
+        return self.decoding * (self.step_token_s * tokens + self.step_pair_s * query_key_pairs(cached, tokens))
 
     def chunk_step_s(self, chunk: int = 0, start: int = 0) -> float:
         """A step that carries one more prefill chunk (`chunk` tokens, 0: the

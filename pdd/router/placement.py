@@ -280,9 +280,8 @@ def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, slo: Ada
     # The gap its deepest chunk (its last) gives the requests decoding here.
     own = min(chunk or e.chunk, new)
     itl = e.chunk_step_s(own, n - own) if e.decoding else 0.0
-    harm = e.decoding * (e.step_token_s * new + e.step_pair_s * query_key_pairs(cached, new))
     return _Option(d, None, "", new, e.prefill_s(new, behind=e.pending_tokens, cached=cached, chunk=chunk),
-                   e.tpot_s(), itl, harm, e.leaning == LEAN_PREFILL, chunk=chunk)
+                   e.tpot_s(), itl, e.harm_s(new, cached), e.leaning == LEAN_PREFILL, chunk=chunk)
 
 
 def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) -> int:
@@ -292,10 +291,11 @@ def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) 
     TTFT stays within the planned share of its target (ttft_headroom: the rest
     is the tail's margin; on one H200 at saturation, sizing up to the whole
     target took TTFT p99 from 1.8 to 2.5 s); 0 (the worker's chunk) when its own
-    chunk already keeps the gap, or none does within that share. A chunk of a long prompt costs more the deeper it is
-    (docs/design.md). Prompts already riding there are left out: they end, and
-    the chunk holds for the whole prompt (whether to take it while they ride is
-    the option's ITL hit, which counts them)."""
+    chunk already keeps the gap, or none does within that share. A chunk of a
+    long prompt costs more the deeper it is (docs/design.md). Prompts already
+    riding there are left out: they end, and the chunk holds for the whole
+    prompt (whether to take it while they ride is the option's ITL hit, which
+    counts them)."""
     if not slo.local_chunk_gap_s:
         return 0
     top = min(e.chunk, max(0, e.prefill_room))
@@ -338,7 +338,7 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         # it leans so, and the engine computes prompts for others at full speed.
         cached = n - new
         ttft = e.prefill_s(new, behind=e.pending_tokens, for_others=True, cached=cached) + tail
-        harm = e.decoding * (e.step_token_s * new + e.step_pair_s * query_key_pairs(cached, new))
-        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, harm, e_d.leaning == LEAN_PREFILL,
+        options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, e.harm_s(new, cached),
+                               e_d.leaning == LEAN_PREFILL,
                                ttft - tail - e.prefill_s(new, for_others=True, cached=cached)))
     return options, None
