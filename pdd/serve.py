@@ -33,6 +33,7 @@ def install_event_loop() -> None:
 
 async def run_router(cfg: ClusterConfig) -> int:
     from pdd.admin.server import AdminServer
+    from pdd.model.config import ModelConfig
     from pdd.model.make_model import resolve_model_dir
     from pdd.http.app import build_app, serve_http
     from pdd.model.tokenizer import Tokenizer
@@ -41,11 +42,12 @@ async def run_router(cfg: ClusterConfig) -> int:
 
     model_dir = resolve_model_dir(cfg.engine.model)
     tokenizer = Tokenizer(model_dir)
+    eos_token_ids = ModelConfig.from_dir(model_dir).eos_token_ids   # the workers stop on them
     router = Router(cfg)
     await router.start()
     admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
     await admin.start(router.ctx)
-    runner = await serve_http(build_app(router, tokenizer, cfg.served_model_name(model_dir)),
+    runner = await serve_http(build_app(router, tokenizer, cfg.served_model_name(model_dir), eos_token_ids),
                               cfg.router.host, cfg.router.port)
     log.info("router listening on http://%s:%d", cfg.router.host, cfg.router.port)
     _warn_open_http(cfg)

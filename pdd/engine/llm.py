@@ -55,12 +55,17 @@ class LLM:
             sp = SamplingParams(**vars(sp))
             self.engine.add_request(rid, ids, sp)
             outputs[rid] = CompletionOutput(rid, ids)
-            streams[rid] = TextStream(self.tokenizer, sp.stop) if self.tokenizer else None
+            streams[rid] = self._text_stream(ids, sp) if self.tokenizer else None
             order.append(rid)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 self._collect(outputs[out.request_id], streams[out.request_id], out)
         return [outputs[rid] for rid in order]
+
+    def _text_stream(self, prompt_ids: list[int], sp: SamplingParams) -> TextStream:
+        eos = () if sp.ignore_eos else self.engine.model_config.eos_token_ids
+        return TextStream(self.tokenizer, sp.stop, prompt_ids=prompt_ids,
+                          stop_token_ids={*sp.stop_token_ids, *eos}, min_tokens=sp.min_tokens)
 
     def _collect(self, result: CompletionOutput, stream: TextStream, out) -> None:
         result.token_ids.extend(out.new_token_ids)

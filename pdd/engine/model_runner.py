@@ -146,7 +146,8 @@ class ModelRunner:
         sampling = None
         if sample_rows:
             sampling = SamplingBatch.build([reqs[row].sampling for row in sample_rows],
-                                           [int(seq_lens[row]) for row in sample_rows], self.device, self.staging)
+                                           [int(seq_lens[row]) for row in sample_rows], self.device, self.staging,
+                                           [reqs[row].stop_ids_banned_at(int(seq_lens[row])) for row in sample_rows])
 
         input_ids, positions_d, slots_d, logits_d, from_gpu_d, gpu_rows_d = self.staging.upload(
             [token_ids, positions, slots, logits_indices, from_gpu, gpu_rows], torch.int64)

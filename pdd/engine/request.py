@@ -104,11 +104,20 @@ class Request:
         return self.num_in_flight > 0 and (
             self.prefill_only or self.num_output_tokens + self.num_in_flight >= self.sampling.max_tokens)
 
+    def stop_ids_banned_at(self, position: int) -> tuple[int, ...]:
+        """The tokens that may not be sampled at `position`: while fewer than
+        `min_tokens` come before it, those that would end the request (as vLLM,
+        which masks them; the sampler does too)."""
+        sp = self.sampling
+        if not sp.min_tokens or position - self.num_prompt_tokens + self.num_prior_output_tokens >= sp.min_tokens:
+            return ()
+        return (*sp.stop_token_ids, *(() if sp.ignore_eos else self.eos_token_ids))
+
     def check_stop(self) -> bool:
         """Set a finished status if the last token ends the request."""
         sp = self.sampling
         last = self.all_token_ids[-1]
-        if self.num_output_tokens >= sp.min_tokens:
+        if self.num_output_tokens > sp.min_tokens:
             if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True

@@ -60,12 +60,16 @@ class SamplingBatch:
     max_logprobs: int | None   # None: no row wants logprobs
 
     max_top_k: int = 0         # largest top_k of the batch (a host int: no sync to find it)
+    # (rows, token ids) that may not be sampled (min_tokens: the tokens that
+    # would stop the request too early); None: none in this batch.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list, positions: list[int], device: torch.device,
-              staging=None) -> "SamplingBatch":
+              staging=None, banned: list | None = None) -> "SamplingBatch":
         """staging: the runner's pdd.engine.staging.Staging (uploads without making
-        the host wait for the GPU); None = a new one for `device`."""
+        the host wait for the GPU); None = a new one for `device`. banned: per
+        row, token ids it may not sample (Request.stop_ids_banned_at)."""
         temps = [p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
@@ -74,11 +78,15 @@ class SamplingBatch:
         staging = staging or Staging(device)
         ints = staging.upload([top_k, [p.seed for p in params], positions], torch.int64)
         floats = staging.upload([temps, top_p, min_p], torch.float32)
+        pairs = [(row, t) for row, ids in enumerate(banned or ()) for t in ids]
+        if pairs:
+            banned_rows, banned_ids = staging.upload([[r for r, _ in pairs], [t for _, t in pairs]], torch.int64)
         return cls(
             temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seeds=ints[1],
             positions=ints[2], all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
             any_top_p=any(x < 1.0 for x in top_p), any_min_p=any(x > 0.0 for x in min_p),
             max_logprobs=max(wanted) if wanted else None, max_top_k=max(top_k),
+            banned=(banned_rows, banned_ids) if pairs else None,
         )
 
 
@@ -91,7 +99,11 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """logits [B, V] float32 -> one token per row."""
+    """logits [B, V] float32 -> one token per row. Logprobs are the model's,
+    before any token is banned."""
+    raw = logits
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))
     greedy = ops.argmax(logits)  # torch's argmax is a slow generic reduce on the GPU
     if batch.all_greedy:
         tokens = greedy
@@ -101,7 +113,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if batch.max_logprobs is not None:
         # Logprobs of the model's distribution (before temperature/top-k/top-p), as
         # the OpenAI API reports them.
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(raw, dim=-1)
         result.logprobs = logp.gather(1, tokens[:, None])[:, 0]
         if batch.max_logprobs > 0:
             result.top_logprobs, result.top_ids = logp.topk(batch.max_logprobs, dim=-1)

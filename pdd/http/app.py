@@ -49,10 +49,12 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class OpenAIServer:
-    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str):
+    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.eos_token_ids = eos_token_ids   # the model's (generation_config.json): they end a request
         self.default_max_tokens = router.cfg.router.default_max_tokens
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
@@ -82,7 +84,7 @@ class OpenAIServer:
         body = await self._body(request)
         req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size)
         try:
-            ids = await self.off_loop.call(len(body), "encode_chat", req.messages)
+            ids = await self.off_loop.call(len(body), "encode_chat", req.messages, **req.template_args)
         except BrokenProcessPool:
             raise APIError(503, "the tokenizer process died; retry", type="server_error") from None
         except Exception as e:  # template errors come from Jinja as any exception type
@@ -130,14 +132,19 @@ class OpenAIServer:
                            param="max_tokens", code="context_length_exceeded")
 
     async def _generate(self, request: web.Request, req: s.GenerateRequest, ids: list[int]):
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]
         self._check_length(req, len(ids))
+        text, lp = self._builders(req, ids)
         state = await self.router.submit(ids, req.sampling, req.request_id)
         try:
             if req.stream:
-                return await self._stream(request, req, state, len(ids))
-            return await self._complete(req, state, len(ids))
+                return await self._stream(request, req, state, text, lp)
+            return await self._complete(req, state, text, lp)
         finally:
-            await self.router.abort(state)  # no-op when it already finished
+            # The text may be complete before the worker's last event (a stop string,
+            # or a stop token seen first): that is a finish, not an abort.
+            await self.router.abort(state, "stop" if text.stopped else "abort")  # no-op once finished
 
     async def _pieces(self, state, text: TextStream, lp: s.LogprobsBuilder | None):
         """Lists of (text delta, logprobs fragment, finish_reason), one per token,
@@ -152,7 +159,7 @@ class OpenAIServer:
                     raise ev
                 lps = ev.logprobs or [None] * len(ev.token_ids)
                 for tok, tok_lp in zip(ev.token_ids, lps):
-                    offset = len(text.text)
+                    offset = text.generated_chars
                     delta = text.add([tok])
                     frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
                     if text.stopped:
@@ -167,22 +174,31 @@ class OpenAIServer:
                     return
             yield pieces
 
-    def _builders(self, req: s.GenerateRequest):
-        text = TextStream(self.tokenizer, req.sampling.stop)
-        lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs) if req.logprobs is not None else None
+    def _builders(self, req: s.GenerateRequest, prompt_ids: list[int]):
+        sp = req.sampling
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        text = TextStream(self.tokenizer, sp.stop, req.skip_special_tokens, prompt_ids=prompt_ids,
+                          stop_token_ids=stop_ids, min_tokens=sp.min_tokens,
+                          include_stop_str=req.include_stop_str_in_output)
+        lp = None
+        if req.logprobs is not None:
+            lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
         return text, lp
 
-    async def _complete(self, req: s.GenerateRequest, state, num_prompt: int) -> web.Response:
-        text, lp = self._builders(req)
+    def _usage(self, state, text: TextStream) -> dict:
+        # The tokens the answer is made of: not those a worker sent after a stop string.
+        return s.usage(len(state.prompt_token_ids), text.num_tokens, state.num_cached_tokens)
+
+    async def _complete(self, req: s.GenerateRequest, state, text: TextStream, lp) -> web.Response:
         finish = None
         async for pieces in self._pieces(state, text, lp):
             for _, _, reason in pieces:
                 finish = reason or finish
-        usage = s.usage(num_prompt, len(state.output_token_ids), state.num_cached_tokens)
+        usage = self._usage(state, text)
         build = s.chat_response if req.kind == "chat" else s.completion_response
         return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
 
-    async def _stream(self, request: web.Request, req: s.GenerateRequest, state, num_prompt: int):
+    async def _stream(self, request: web.Request, req: s.GenerateRequest, state, text: TextStream, lp):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": req.request_id})
         await resp.prepare(request)
@@ -195,7 +211,6 @@ class OpenAIServer:
 
         if chat:
             await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None)))
-        text, lp = self._builders(req)
         try:
             async for pieces in self._pieces(state, text, lp):
                 out = b"".join([chunk(delta, reason, frag) for delta, frag, reason in pieces
@@ -207,8 +222,7 @@ class OpenAIServer:
             await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))
         else:
             if req.include_usage:
-                usage = s.usage(num_prompt, len(state.output_token_ids), state.num_cached_tokens)
-                await resp.write(s.sse(s.usage_chunk(req, usage)))
+                await resp.write(s.sse(s.usage_chunk(req, self._usage(state, text))))
         await resp.write(s.SSE_DONE)
         await resp.write_eof()
         return resp
@@ -280,20 +294,22 @@ async def error_middleware(request: web.Request, handler):
         limit = request.app[ROUTER_KEY].cfg.router.max_body_bytes
         return error_response(413, f"request body is larger than the limit of {limit} bytes",
                               code="request_too_large")
-    except web.HTTPException as e:
+    except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405), ...
         if e.status < 400:
             raise
+        request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
         return error_response(e.status, e.reason or "error", "invalid_request_error")
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", "server_error")
 
 
-def build_app(router: Router, tokenizer: Tokenizer, model_name: str) -> web.Application:
+def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
+              eos_token_ids: tuple[int, ...] = ()) -> web.Application:
     sec = router.cfg.security
     app = web.Application(middlewares=[access_middleware, error_middleware],
                           client_max_size=router.cfg.router.max_body_bytes)
-    server = OpenAIServer(router, tokenizer, model_name)
+    server = OpenAIServer(router, tokenizer, model_name, eos_token_ids)
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s)
     app[API_KEYS_KEY] = ApiKeys(sec.api_keys, sec.open_paths)

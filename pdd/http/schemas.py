@@ -3,9 +3,11 @@ and validation, and response builders. Pure functions, no I/O: the aiohttp
 handlers read the body, call `parse_*`, and serialise what the builders return.
 
 Field names and shapes follow the OpenAI API (checked in the tests against the
-official `openai` client's types). What we do not implement (n > 1, penalties,
-tools, echo, ...) is refused with a 400 naming the field, never silently ignored;
-fields we do not know at all are ignored, because OpenAI clients send extras.
+official `openai` client's types), with vLLM's extra fields where they exist
+(`top_k`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`, ...). What we
+do not implement (n > 1, penalties, tools, echo, beam search, guided decoding,
+...) is refused with a 400 naming the field, never silently ignored; fields we
+do not know at all are ignored, because OpenAI clients send extras.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pdd.engine.sampling_params import (INT64_MAX, MAX_STOP_STRING_CHARS, MAX_ST
                                         SamplingParams)
 from pdd.http.validate import (APIError, Fields, bad, check_response_format,
                                json_type, load_object, reject_nonempty, reject_nonzero,
-                               reject_tool_choice, token_ids, unsupported, wrong_type)
+                               reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
 
 __all__ = [
     "APIError", "GenerateRequest", "parse_completion_request", "parse_chat_request",
@@ -31,6 +33,14 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# vLLM's request fields for features we do not have: refused when set (not None,
+# not empty, not false), as OpenAI's are.
+UNSUPPORTED_EXTRAS = ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "structured_outputs", "prompt_logprobs", "bad_words", "allowed_token_ids",
+                      "return_tokens_as_token_ids", "priority", "chat_template", "documents",
+                      "mm_processor_kwargs")
+# Names a chat template is rendered with: chat_template_kwargs may not replace them.
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
 MAX_LOGPROBS_CHAT = 20
 
@@ -53,7 +63,12 @@ class GenerateRequest:
     # sampling.max_tokens is 0 and sampling is not validated yet; the router
     # sets max_tokens and calls sampling.validate().
     max_tokens_unset: bool = False
-
+    # How token ids become text (vLLM's fields): special tokens left out, and
+    # whether a matched stop string or stop token is part of the text.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
+    template_args: dict | None = None           # chat: how the template is applied (TemplateArgs)
 
 # ---------------------------------------------------------------- requests
 
@@ -79,7 +94,7 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
         kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()))
+        created=int(time.time()), **_text_options(f))
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str],
@@ -87,6 +102,8 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     f = Fields(load_object(body))
     model = _model(f, served_models)
     messages = _messages(f)
+    if f.boolean("echo", False):
+        raise bad("echo", "echo is not supported; set 'echo' to false or leave it out")
     for name in ("tools", "functions"):
         reject_nonempty(f, name)
     for name in ("tool_choice", "function_call"):
@@ -104,7 +121,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
         kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset)
+        max_tokens_unset=unset, template_args=_template_args(f), **_text_options(f))
 
 
 def _model(f: Fields, served: Sequence[str]) -> str:
@@ -169,7 +186,14 @@ def _message(m: object, i: int) -> dict:
     if role not in ROLES:
         raise bad(mf.param("role"), f"'{mf.param('role')}' must be one of "
                                     f"{', '.join(ROLES)}; got '{role}'")
-    return {"role": role, "content": _content(mf)}
+    if mf.obj.get("tool_calls") or mf.obj.get("function_call"):
+        raise bad(mf.param("tool_calls"), f"'{mf.param('tool_calls')}': tool calls are not supported")
+    message = {"role": role, "content": _content(mf)}
+    for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
+        value = mf.string(key)
+        if value is not None:
+            message[key] = value
+    return message
 
 
 def _content(mf: Fields) -> str:
@@ -194,7 +218,7 @@ def _content(mf: Fields) -> str:
         if text is None:
             raise bad(pf.param("text"), f"'{pf.param('text')}' is required")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)   # as vLLM joins text parts
 
 
 def _chat_logprobs(f: Fields) -> int | None:
@@ -214,8 +238,12 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
         raise bad("n", "n > 1 is not supported; send n separate requests")
     for name in ("presence_penalty", "frequency_penalty"):
         reject_nonzero(f, name)
+    reject_unless(f, "repetition_penalty", 1.0)
+    reject_unless(f, "length_penalty", 1.0)
     if f.mapping("logit_bias"):
         raise unsupported("logit_bias")
+    for name in UNSUPPORTED_EXTRAS:
+        reject_nonempty(f, name)
     check_response_format(f)
     f.string("user")    # accepted and ignored, but a wrong type is still an error
     top_k = f.integer("top_k", 0, hi=INT64_MAX)   # above the vocabulary: the same as off
@@ -258,6 +286,27 @@ def _stop(f: Fields) -> list[str]:
             raise bad("stop", f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters, "
                               f"got {len(s)} at index {i}")
     return list(stop)
+
+
+def _text_options(f: Fields) -> dict:
+    truncate = f.integer("truncate_prompt_tokens", lo=1)
+    return {"skip_special_tokens": f.boolean("skip_special_tokens", True),
+            "include_stop_str_in_output": f.boolean("include_stop_str_in_output", False),
+            "truncate_prompt_tokens": truncate}
+
+
+def _template_args(f: Fields) -> dict:
+    """How the chat template is applied: Tokenizer.apply_chat_template's keywords."""
+    generation = f.boolean("add_generation_prompt", True)
+    continue_final = f.boolean("continue_final_message", False)
+    if generation and continue_final:
+        raise bad("continue_final_message", "'continue_final_message' needs 'add_generation_prompt': false "
+                                            "(the last message is continued, no new one is started)")
+    kwargs = f.mapping("chat_template_kwargs") or {}
+    taken = sorted(set(kwargs) & set(TEMPLATE_NAMES))
+    if taken:
+        raise bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(taken)}")
+    return {"add_generation_prompt": generation, "continue_final_message": continue_final, **kwargs}
 
 
 def _stream(f: Fields) -> tuple[bool, bool]:
@@ -342,12 +391,14 @@ class LogprobsBuilder:
     chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
     """
 
-    def __init__(self, kind: str, tokenizer, num_top: int):
+    def __init__(self, kind: str, tokenizer, num_top: int, prev_token: int | None = None):
+        """prev_token: the prompt's last token, the context of the first token's text."""
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self.kind = kind
         self.tokenizer = tokenizer
         self.num_top = num_top
+        self.prev = prev_token
         self._acc = self._empty()
 
     def _empty(self) -> dict:
@@ -356,8 +407,16 @@ class LogprobsBuilder:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _token(self, token_id: int) -> str:
-        # Special tokens too: the sampled token is reported whether or not it is shown.
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """The text the token adds after the one before it. Decoded alone, a
+        SentencePiece token loses its leading space ("▁Paris" -> "Paris").
+        Special tokens too: the sampled token is reported whether or not it is shown."""
+        decode = self.tokenizer.decode
+        if self.prev is not None:
+            before = decode([self.prev], skip_special_tokens=False)
+            both = decode([self.prev, token_id], skip_special_tokens=False)
+            if both.startswith(before) and not before.endswith("\ufffd"):
+                return both[len(before):]
+        return decode([token_id], skip_special_tokens=False)
 
     def add(self, token_id: int, logprob: float, top: list[tuple[int, float]],
             text_offset: int) -> dict:
@@ -369,6 +428,7 @@ class LogprobsBuilder:
             frag = self._completion_entry(token_id, logprob, top, text_offset)
         for key, values in frag.items():
             self._acc[key].extend(values)
+        self.prev = token_id
         return frag
 
     def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:

@@ -30,8 +30,8 @@ def _load(model_dir: str) -> None:
     _child = Tokenizer(model_dir)
 
 
-def _call(method: str, arg):
-    return getattr(_child, method)(arg)
+def _call(method: str, arg, kwargs: dict):
+    return getattr(_child, method)(arg, **kwargs)
 
 
 class OffLoopTokenizer:
@@ -39,15 +39,15 @@ class OffLoopTokenizer:
         self.tokenizer = tokenizer
         self._pool: ProcessPoolExecutor | None = None
 
-    async def call(self, size: int, method: str, arg) -> list[int]:
-        """tokenizer.<method>(arg) (encode, encode_chat); `size`: the body's bytes."""
+    async def call(self, size: int, method: str, arg, **kwargs) -> list[int]:
+        """tokenizer.<method>(arg, **kwargs) (encode, encode_chat); `size`: the body's bytes."""
         if size <= INLINE_BYTES:
-            return getattr(self.tokenizer, method)(arg)
+            return getattr(self.tokenizer, method)(arg, **kwargs)
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_load, initargs=(str(self.tokenizer.model_dir),))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _call, method, arg)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _call, method, arg, kwargs)
         except BrokenProcessPool:
             # The child died (killed, out of memory): the next large text starts another.
             log.error("the tokenizer process died; a new one starts with the next large prompt")

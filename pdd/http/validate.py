@@ -179,9 +179,14 @@ def unsupported(name: str, why: str = "") -> APIError:
     return bad(name, f"'{name}' is not supported{why}")
 
 
+def reject_unless(f: Fields, name: str, neutral: float) -> None:
+    """A number we accept only at the value that changes nothing (a penalty of 0 or 1)."""
+    if f.number(name, neutral) != neutral:
+        raise unsupported(name, f" (only {neutral:g} is accepted)")
+
+
 def reject_nonzero(f: Fields, name: str) -> None:
-    if f.number(name, 0.0) != 0.0:
-        raise unsupported(name, " (only 0 is accepted)")
+    reject_unless(f, name, 0.0)
 
 
 def reject_nonempty(f: Fields, name: str) -> None:

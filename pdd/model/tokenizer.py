@@ -72,12 +72,23 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra) -> str:
+                            continue_final_message: bool = False, **extra) -> str:
+        """continue_final_message: the text ends inside the last message (after its
+        content, before whatever the template closes it with), so the model goes on
+        writing it; as transformers does it."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **extra)
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise ValueError("continue_final_message: the template does not write the last "
+                                 "message's content as given")
+            text = text[:end + len(final)]
+        return text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
         # The template writes any special tokens itself (BOS included).
@@ -94,14 +105,22 @@ def _token_str(value) -> str | None:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without ever emitting
     half of a multi-byte character: a delta is released only once the decoded
-    window no longer ends in U+FFFD (an incomplete byte sequence)."""
+    window no longer ends in U+FFFD (an incomplete byte sequence).
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    The window starts in the prompt's last few tokens (`prompt_ids`): decoders
+    such as SentencePiece's strip the leading space of a sequence's first
+    token, so decoding the output alone would turn " Paris" into "Paris"."""
+
+    PROMPT_CONTEXT = 6   # tokens: enough for any decoder's look-back seen, cheap to re-decode
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids=()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT:])
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids = []   # a prompt ending inside a character: its bytes would be released twice
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:

@@ -152,12 +152,13 @@ class ControlPlane:
         layout = self.registry.layout
         return block_hashes(prompt_token_ids, layout.block_size) if layout else []
 
-    def abort(self, state: RequestState) -> None:
-        """The client went away (or a stop string matched): stop the work, free its blocks."""
+    def abort(self, state: RequestState, reason: str = "abort") -> None:
+        """The client went away (or a stop string matched: `reason` "stop"): stop
+        the work, free its blocks."""
         if self.requests.get(state.request_id) is not state:
             return
         if not state.finished:
-            state.finished, state.finish_reason = True, "abort"
+            state.finished, state.finish_reason = True, reason
         self._abort_owners(state)
         self._retire(state)
 

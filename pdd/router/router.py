@@ -107,9 +107,10 @@ class Router:
                 None, self.control.prompt_hashes, prompt_token_ids)
         return self.control.submit(prompt_token_ids, sampling, request_id or uuid.uuid4().hex, hashes)
 
-    async def abort(self, state: RequestState) -> None:
-        """The client went away, or its answer is complete: no-op once it finished."""
-        self.control.abort(state)
+    async def abort(self, state: RequestState, reason: str = "abort") -> None:
+        """The client went away ("abort"), or its answer is complete ("stop": a stop
+        string matched): no-op once it finished."""
+        self.control.abort(state, reason)
 
     # ------------------------------------------------------------------ loops
 

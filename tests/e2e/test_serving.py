@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from pdd import SamplingParams
+from pdd.engine.text_stream import TextStream
 from tests.e2e.streams import stream_all
 from tests.engine.helpers import random_prompts
 
@@ -76,6 +77,64 @@ def test_stop_string_ends_the_stream_without_the_stop_text(cluster, offline):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full.text[:full.text.index(stop)]
     cluster.wait_idle()
+
+
+def finished_with(cluster, reason: str) -> float:
+    from tests.e2e import http_util as rq
+    text = rq.get(cluster.url + "/metrics").body.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdd_requests_total{") and f'finish_reason="{reason}"' in line)
+
+
+def test_a_stop_string_is_a_stop_in_usage_and_metrics(cluster, offline):
+    """usage counts the tokens the answer is made of, not those a worker sent
+    after the stop string; the metrics count a stop, not an abort."""
+    prompt = "The quick brown fox jumps over"
+    full = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop = full.text[5:8]
+    probe = TextStream(offline.tokenizer, [stop], prompt_ids=offline.tokenizer.encode(prompt))
+    for token in full.token_ids:
+        probe.add([token])
+        if probe.stopped:
+            break
+    stops_before = finished_with(cluster, "stop")
+    c = client(cluster)
+    r = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == probe.num_tokens < len(full.token_ids)
+    chunks = list(c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=24, temperature=0,
+                                       stop=[stop], stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == probe.num_tokens
+    cluster.wait_idle()
+    assert finished_with(cluster, "stop") == stops_before + 2
+
+
+def test_a_stop_token_ends_the_text_without_its_own(cluster, offline):
+    prompt = "Hello there"
+    full = offline.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    i = 3
+    stop_id = full.token_ids[i]
+    i = full.token_ids.index(stop_id)   # its first place
+    r = client(cluster).completions.create(model=cluster.model_name, prompt=prompt, max_tokens=16, temperature=0,
+                                           extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    before = TextStream(offline.tokenizer, prompt_ids=offline.tokenizer.encode(prompt))
+    text = before.add(full.token_ids[:i]) + before.finish()
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == i + 1
+
+
+def test_text_offsets_do_not_depend_on_held_back_text(cluster):
+    """A stop string that never matches holds text back; the offsets of the
+    tokens are those of the text they make all the same."""
+    args = dict(model=cluster.model_name, prompt="café naïve 日本語", max_tokens=12, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True})
+    c = client(cluster)
+    plain = c.completions.create(**args).choices[0]
+    held = c.completions.create(stop=["zzzz"], **args).choices[0]
+    assert held.text == plain.text
+    assert held.logprobs.text_offset == plain.logprobs.text_offset
+    offsets = plain.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(plain.text)
 
 
 def test_200_concurrent_streams(cluster, offline):
@@ -220,3 +279,11 @@ def test_metrics_and_health(cluster):
         assert name in text, name
     models = client(cluster).models.list()
     assert [m.id for m in models.data] == [cluster.model_name]
+
+
+def test_errors_aiohttp_answers_are_counted(cluster):
+    from tests.e2e import http_util as rq
+    assert rq.post(cluster.url + "/v1/nope", {}).status == 404
+    text = rq.get(cluster.url + "/metrics").body.decode()
+    assert any(line.startswith('pdd_http_errors_total{status="404"}') and float(line.split()[-1]) >= 1
+               for line in text.splitlines())

@@ -99,3 +99,30 @@ def test_logprobs_are_reported(llm):
     for token, (lp, top) in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and top[0][0] == token    # greedy: the sampled token is the top one
         assert lp == pytest.approx(top[0][1]) and lp <= 0.0
+
+
+# ---- min_tokens: the tokens that would stop a request are not sampled before it
+
+def test_banned_tokens_are_not_sampled_and_logprobs_stay_the_models():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logprobs=0).validate() for _ in range(3)]
+    banned = [[int(top[0])], [], [int(top[2]), 7]]
+    out = sample(logits, SamplingBatch.build(params, [0, 1, 2], torch.device("cpu"), banned=banned))
+    expected = logits.clone()
+    expected[0, top[0]] = expected[2, top[2]] = expected[2, 7] = float("-inf")
+    assert torch.equal(out.tokens, expected.argmax(-1)) and out.tokens[1] == top[1]
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.tokens[:, None])[:, 0])
+
+
+def test_min_tokens_holds_off_a_stop_token(llm):
+    prompt = random_prompts([12], seed=5)[0]
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0].token_ids[0]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first]))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first],
+                                                 min_tokens=3))[0]
+    assert first not in held.token_ids[:3] and len(held.token_ids) >= 4
+    if first in held.token_ids:          # it may stop the request from the 4th token on, and then ends it
+        assert held.token_ids.index(first) == len(held.token_ids) - 1 >= 3
+    assert_all_blocks_free(llm)

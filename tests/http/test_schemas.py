@@ -117,11 +117,12 @@ def test_messages_are_normalised():
             {"role": "tool", "content": "42", "tool_call_id": "t"}]
     req = parse_chat(messages=msgs)
     assert req.kind == "chat" and req.prompt is None and req.prompt_token_ids is None
-    assert req.messages == [{"role": "system", "content": "Be brief."},
+    # Text parts joined by newlines, as vLLM does; name and tool_call_id go to the template.
+    assert req.messages == [{"role": "system", "content": "Be brief.", "name": "x"},
                             {"role": "developer", "content": "d"},
-                            {"role": "user", "content": "ab"},
+                            {"role": "user", "content": "a\nb"},
                             {"role": "assistant", "content": ""},
-                            {"role": "tool", "content": "42"}]
+                            {"role": "tool", "content": "42", "tool_call_id": "t"}]
 
 
 @pytest.mark.parametrize("messages, param, words", [
@@ -227,6 +228,18 @@ def test_null_means_default_and_unknown_fields_are_ignored():
     ("frequency_penalty", -1, ["not supported"]),
     ("logit_bias", {"50256": -100}, ["not supported"]),
     ("response_format", {"type": "json_object"}, ["'json_object' is not supported"]),
+    # vLLM's fields for features we do not have: refused, not ignored
+    ("repetition_penalty", 1.3, ["not supported", "only 1"]),
+    ("length_penalty", 0.5, ["not supported", "only 1"]),
+    ("use_beam_search", True, ["not supported"]),
+    ("guided_json", {"type": "object"}, ["not supported"]),
+    ("guided_choice", ["a", "b"], ["not supported"]),
+    ("structured_outputs", {"regex": "a+"}, ["not supported"]),
+    ("prompt_logprobs", 1, ["not supported"]),
+    ("allowed_token_ids", [1, 2], ["not supported"]),
+    ("bad_words", ["x"], ["not supported"]),
+    ("truncate_prompt_tokens", 0, [">= 1"]),
+    ("skip_special_tokens", "no", ["a boolean"]),
 ])
 @pytest.mark.parametrize("endpoint", ["completion", "chat"])
 def test_bad_values(endpoint, field, value, words):
@@ -259,6 +272,12 @@ def test_bad_completion_values(fields, param, words):
     ({"tool_choice": "required"}, "tool_choice", ["not supported"]),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", ["not supported"]),
     ({"function_call": {"name": "f"}}, "function_call", ["not supported"]),
+    ({"echo": True}, "echo", ["echo is not supported"]),
+    ({"continue_final_message": True}, "continue_final_message", ["'add_generation_prompt': false"]),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", ["may not set messages"]),
+    ({"chat_template": "{{ messages }}"}, "chat_template", ["not supported"]),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls", ["tool calls are not supported"]),
 ])
 def test_bad_chat_values(fields, param, words):
     assert_refused(parse_chat_request, chat(**fields), param, *words)
@@ -266,7 +285,9 @@ def test_bad_chat_values(fields, param, words):
 
 def test_harmless_values_of_unsupported_features_are_accepted():
     parse_cmpl(echo=False, best_of=1, suffix="", presence_penalty=0, frequency_penalty=0.0,
-               logit_bias={}, n=1, user="u", response_format={"type": "text"})
+               logit_bias={}, n=1, user="u", response_format={"type": "text"},
+               repetition_penalty=1.0, length_penalty=1, use_beam_search=False, guided_json=None,
+               prompt_logprobs=None, priority=0, bad_words=[])
     parse_chat(tools=[], functions=[], tool_choice="none", function_call="auto", logit_bias={},
                response_format={"type": "text"}, parallel_tool_calls=True)
 
@@ -321,6 +342,18 @@ def test_chat_fields():
     assert req.request_id.startswith("chatcmpl-")
     assert parse_chat(logprobs=True).logprobs == 0
     assert parse_chat(logprobs=False).logprobs is None
+
+
+def test_text_and_template_options():
+    req = parse_cmpl(skip_special_tokens=False, include_stop_str_in_output=True, truncate_prompt_tokens=5)
+    assert (req.skip_special_tokens, req.include_stop_str_in_output, req.truncate_prompt_tokens) == (False, True, 5)
+    req = parse_cmpl()
+    assert (req.skip_special_tokens, req.include_stop_str_in_output, req.truncate_prompt_tokens) == (True, False, None)
+    assert parse_chat().template_args == {"add_generation_prompt": True, "continue_final_message": False}
+    req = parse_chat(add_generation_prompt=False, continue_final_message=True,
+                     chat_template_kwargs={"enable_thinking": False})
+    assert req.template_args == {"add_generation_prompt": False, "continue_final_message": True,
+                                 "enable_thinking": False}
 
 
 # ---------------------------------------------------------------- poison values

@@ -56,3 +56,103 @@ def test_text_stream_holds_back_possible_stop_prefix(tok):
     released = stream.add(tok.encode("abc xy"))
     assert not released.endswith("xy")           # could still become "xyz!"
     assert released + stream.finish() == "abc xy"
+
+
+# ---- SentencePiece-style decoding (Llama 2, Mistral): a sequence's first space is stripped
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    """A Metaspace tokenizer as Llama 2's: words "▁w<i>", byte fallback, and a
+    decoder that strips the leading space of what it decodes."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({f"▁w{i}": len(vocab) + i for i in range(64)})
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken("</s>", special=True)])
+    path = tmp_path_factory.mktemp("spm")
+    hf.save(str(path / "tokenizer.json"))
+    return Tokenizer(path)
+
+
+def words(tokenizer, *names: str) -> list[int]:
+    return [tokenizer.token_to_id(f"▁{n}") for n in names]
+
+
+def test_first_output_token_keeps_its_space_after_the_prompt(spm):
+    prompt, output = words(spm, "w1", "w2"), words(spm, "w3", "w4")
+    assert spm.decode(output) == "w3 w4"          # decoded alone: the space is gone
+    expected = spm.decode(prompt + output)[len(spm.decode(prompt)):]
+    assert expected == " w3 w4"
+    detok = IncrementalDetokenizer(spm, prompt_ids=prompt)
+    assert "".join(detok.add([t]) for t in output) + detok.flush() == expected
+    stream = TextStream(spm, prompt_ids=prompt)
+    assert "".join(stream.add([t]) for t in output) + stream.finish() == expected
+
+
+def test_logprob_tokens_are_the_text_each_token_adds(spm):
+    from pdd.http.schemas import LogprobsBuilder
+    prompt, output = words(spm, "w1"), words(spm, "w3", "w4")
+    lp = LogprobsBuilder("completion", spm, 0, prev_token=prompt[-1])
+    for t in output:
+        lp.add(t, -0.5, [], 0)
+    assert lp.result()["tokens"] == [" w3", " w4"]
+
+
+# ---- the token that ends generation, min_tokens, include_stop_str
+
+def test_stop_token_text_is_left_out_and_counted(tok):
+    ids = tok.encode("one two three")
+    stop = ids[-1]
+    stream = TextStream(tok, stop_token_ids={stop})
+    out = "".join(stream.add([t]) for t in ids) + stream.finish()
+    assert out == tok.decode(ids[:-1]) and stream.stopped_on == stop
+    assert stream.num_tokens == len(ids)
+    shown = TextStream(tok, stop_token_ids={stop}, include_stop_str=True)
+    assert "".join(shown.add([t]) for t in ids) + shown.finish() == "one two three"
+
+
+def test_stop_token_within_min_tokens_is_text(tok):
+    ids = tok.encode("one two three")
+    stream = TextStream(tok, stop_token_ids={ids[0]}, min_tokens=1)
+    out = "".join(stream.add([t]) for t in ids) + stream.finish()
+    assert out == "one two three" and not stream.stopped
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode("abc abc abc")
+    n_first = next(k for k in range(1, len(ids) + 1) if "abc" in tok.decode(ids[:k]))
+    stream = TextStream(tok, stop=["abc"], min_tokens=n_first)
+    out = "".join(stream.add([t]) for t in ids) + stream.finish()
+    assert out == "abc " and stream.stopped_on == "abc"     # the second one stops it
+    assert stream.num_tokens < len(ids)                      # the tokens after it are not counted
+
+
+def test_include_stop_str_keeps_the_stop_string(tok):
+    ids = tok.encode("one two three four")
+    stream = TextStream(tok, stop=["two"], include_stop_str=True)
+    assert "".join(stream.add([t]) for t in ids) + stream.finish() == "one two"
+
+
+def test_generated_chars_counts_held_back_text(tok):
+    ids = tok.encode("one two xy")
+    stream = TextStream(tok, stop=["xyz!"])
+    offsets = []
+    for t in ids:
+        offsets.append(stream.generated_chars)
+        stream.add([t])
+    plain = TextStream(tok)
+    expected = []
+    for t in ids:
+        expected.append(len(plain.text))
+        plain.add([t])
+    assert offsets == expected and stream.text != plain.text   # text held back, offsets not
+
+
+def test_continue_final_message_ends_inside_the_last_message(tok):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    closed = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert text.endswith("Once upon") and closed.startswith(text) and len(closed) > len(text)
