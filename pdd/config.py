@@ -287,6 +287,9 @@ class SecurityConfig:
     http_body_timeout_s: float = 60.0     # reading a request body
     http_idle_timeout_s: float = 75.0     # a connection with no request in progress
     http_max_connections: int = 1024
+    # Browser origins (scheme://host[:port]) whose pages may call the HTTP API
+    # (CORS); "*" for any. Empty: none, as a server for programs, not pages.
+    cors_origins: tuple[str, ...] = ()
 
     def validate(self) -> "SecurityConfig":
         for key in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
@@ -297,6 +300,10 @@ class SecurityConfig:
         for path in self.open_paths:
             if path not in HTTP_OPENABLE_PATHS:
                 raise ConfigError(f"security.open_paths: {path!r} cannot be opened; choose from {HTTP_OPENABLE_PATHS}")
+        for origin in self.cors_origins:
+            if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.endswith("/")):
+                raise ConfigError(f"security.cors_origins: {origin!r} is not an origin; want '*' or "
+                                  "scheme://host[:port], e.g. 'https://chat.example.com'")
         for i, key in enumerate(self.api_keys):
             if not key or not key.isascii() or not key.isprintable() or " " in key:
                 raise ConfigError(f"security.api_keys[{i}]: must be non-empty printable ASCII without spaces")

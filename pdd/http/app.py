@@ -247,6 +247,37 @@ class ApiKeys:
 
 
 API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
+CORS_KEY = web.AppKey("cors_origins", frozenset)
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The request's Origin when `security.cors_origins` lets that page call us."""
+    origin, allowed = request.headers.get("Origin"), request.app[CORS_KEY]
+    if origin is None or not allowed:
+        return None
+    return origin if ("*" in allowed or origin in allowed) else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler):
+    """Answers a browser's preflight (OPTIONS, before any API key is asked for:
+    browsers send none with it) for the origins configured."""
+    if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
+            and _cors_origin(request) is not None):
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                "Authorization, Content-Type"),
+            "Access-Control-Max-Age": "600"})
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    # on_response_prepare: before the headers go, for streams too.
+    origin = _cors_origin(request)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
 
 
 @web.middleware
@@ -307,8 +338,10 @@ async def error_middleware(request: web.Request, handler):
 def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
               eos_token_ids: tuple[int, ...] = ()) -> web.Application:
     sec = router.cfg.security
-    app = web.Application(middlewares=[access_middleware, error_middleware],
+    app = web.Application(middlewares=[cors_middleware, access_middleware, error_middleware],
                           client_max_size=router.cfg.router.max_body_bytes)
+    app[CORS_KEY] = frozenset(sec.cors_origins)
+    app.on_response_prepare.append(_cors_headers)
     server = OpenAIServer(router, tokenizer, model_name, eos_token_ids)
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s)

@@ -150,3 +150,33 @@ def test_connection_limit(keys):
         await server.cleanup()
 
     run(main())
+
+
+def test_cors_only_for_the_configured_origins(keys):
+    async def main():
+        cfg = secure_config(keys, security={"api_keys": KEYS, "cors_origins": ["https://ui.example.com"]})
+        server, url = await start(cfg)
+        preflight = {"Origin": "https://ui.example.com", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        async with aiohttp.ClientSession() as s:
+            async with s.options(url + "/v1/chat/completions", headers=preflight) as r:   # no key: a preflight has none
+                assert r.status == 204
+                assert r.headers["Access-Control-Allow-Origin"] == "https://ui.example.com"
+                assert "POST" in r.headers["Access-Control-Allow-Methods"]
+                assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+            async with s.get(url + "/v1/models", headers={"Origin": "https://ui.example.com",
+                                                          "Authorization": f"Bearer {KEYS[0]}"}) as r:
+                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "https://ui.example.com"
+            async with s.get(url + "/v1/models", headers={"Origin": "https://ui.example.com"}) as r:
+                assert r.status == 401   # the key is still needed
+            other = {**preflight, "Origin": "https://evil.example.com"}
+            async with s.options(url + "/v1/chat/completions", headers=other) as r:
+                assert r.status != 204 and "Access-Control-Allow-Origin" not in r.headers
+        await server.cleanup()
+        server, url = await start(secure_config(keys))   # the default: no origin
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/v1/models", headers={"Origin": "https://ui.example.com"}) as r:
+                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        await server.cleanup()
+
+    run(main())

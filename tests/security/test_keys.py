@@ -107,6 +107,8 @@ def test_authorized_directory_is_reread_when_it_changes(tmp_path, stranger_keys)
     ({"http_body_timeout_s": 0}, "security.http_body_timeout_s"),
     ({"http_max_connections": 0}, "security.http_max_connections"),
     ({"api_keys": ["has space"]}, r"security.api_keys\[0\]"),
+    ({"cors_origins": ["example.com"]}, "security.cors_origins: 'example.com' is not an origin"),
+    ({"cors_origins": ["https://example.com/"]}, "security.cors_origins"),
     ({"keys": "x"}, "unknown key"),
 ])
 def test_security_table_errors_name_the_key(table, message):
