@@ -168,7 +168,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             computed, num_cached = [], 0
-            if req.num_computed_tokens == 0:
+            # Only a request holding no blocks takes cached ones: a reserved request
+            # computed here after all (compute_locally) has its blocks, and cached
+            # blocks appended after them would be attended and written as its own.
+            if req.num_computed_tokens == 0 and not self.kv.block_ids(req):
                 computed, num_cached = self.kv.get_computed_blocks(req)
             n = self._chunk_of(req, req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:

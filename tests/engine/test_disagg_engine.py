@@ -166,6 +166,32 @@ def test_local_prefill_continues_after_a_streamed_first_token(tiny_model, coloca
     pair.assert_idle()
 
 
+def test_local_prefill_after_its_prefix_was_cached_meanwhile(tiny_model, colocated):
+    """Reserved with no prefix hit; another request then caches the same prefix;
+    the KV never comes and the prompt is computed here. It must compute in its
+    own blocks, not take the other's cached ones after them (found by a fault
+    run: a lost prefill worker, shared-prefix prompts, wrong answers)."""
+    pair = Pair(tiny_model)
+    prefix = random_prompts([10 * BS], seed=19)[0]
+    mine, other = prefix + [11, 12, 13], prefix + [21, 22, 23]
+    blocks, cached = pair.d.reserve("r", mine, SamplingParams(**vars(GREEDY)))
+    assert cached == 0
+    pair.d.add_request("o", other, SamplingParams(**vars(GREEDY)))
+    while len(pair.d.kv.pool.cached) < 10:
+        pair.d.step()
+    pair.d.prefill_locally("r")
+    tokens = []
+    for out in pair.d.step():   # the prompt, in one step
+        tokens.extend(out.new_token_ids if out.request_id == "r" else ())
+    assert pair.d.kv.block_ids(pair.d.scheduler.requests["r"]) == blocks
+    assert not set(blocks) & set(pair.d.kv.block_ids(pair.d.scheduler.requests["o"]))
+    while pair.d.has_unfinished():
+        for out in pair.d.step():
+            tokens.extend(out.new_token_ids if out.request_id == "r" else ())
+    assert tokens == colocated.generate([mine], GREEDY)[0].token_ids
+    pair.assert_idle()
+
+
 def test_abort_of_a_reservation_frees_its_blocks(tiny_model):
     pair = Pair(tiny_model)
     pair.d.reserve("y", random_prompts([70], seed=17)[0], SamplingParams(**vars(GREEDY)))
