@@ -382,6 +382,11 @@ class ControlPlane:
     def next_deadline(self) -> float | None:
         return self._timers[0][0] if self._timers else None
 
+    def postpone_timers(self, seconds: float) -> None:
+        """Every phase and request deadline `seconds` later (the router stalled)."""
+        self._timers = [(deadline + seconds, seq, rid) for deadline, seq, rid in self._timers]
+        heapq.heapify(self._timers)
+
     def fire_timers(self) -> None:
         now = self.clock()
         while self._timers and self._timers[0][0] <= now:

@@ -150,6 +150,12 @@ class WorkerRegistry:
             self.layout = None  # an empty cluster may be re-formed with another model
         return info
 
+    def excuse(self, seconds: float) -> None:
+        """The router could not hear anyone for `seconds`: no worker missed a heartbeat then."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            w.last_seen = min(now, w.last_seen + seconds)
+
     def expired(self) -> list[str]:
         now = time.monotonic()
         return [w.worker_id for w in self.workers.values() if now - w.last_seen > self.timeout_s]

@@ -162,6 +162,15 @@ class Router:
                 await asyncio.wait_for(self._timers_changed.wait(), max(0.0, wake - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
+            late = time.monotonic() - wake
+            if late > interval:
+                # The router itself did not run (stopped, swapped out, a long GC): the
+                # heartbeats and answers of that time wait unread in the socket, so the
+                # time does not count against the workers or the requests' timers.
+                log.warning("router: its loop stalled for %.1fs; liveness and timers are moved on by it", late)
+                self.registry.excuse(late)
+                self.control.postpone_timers(late)
+                next_liveness += late
             try:
                 self.control.fire_timers()
                 if time.monotonic() >= next_liveness:

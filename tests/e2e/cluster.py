@@ -90,5 +90,17 @@ class UpCluster:
                 return workers
             time.sleep(0.05)
 
+    def child_pid(self, role: str) -> int:
+        """The pid of `pdd up`'s child running `pdd serve --role ROLE` (the router, say)."""
+        for entry in Path("/proc").iterdir():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and b"--role" in argv and argv[argv.index(b"--role") + 1] == role.encode():
+                return int(entry.name)
+        raise LookupError(f"no {role} child of pdd up ({self.proc.pid})")
+
     def stop(self) -> int:
         return interrupt(self.proc, 60.0)

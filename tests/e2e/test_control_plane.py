@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import aiohttp
 
@@ -71,6 +72,31 @@ def test_worker_restarted_under_its_id_takes_its_old_requests(tmp_path, tiny_mod
         assert [(t, r, e) for t, r, e in results] == [(t, "length", []) for t in expected]
         assert c.workers()["colocated-0"]["pid"] != old_pid
         assert metric(c, "pdd_request_migrations_total") == len(prompts)
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_a_stalled_router_loses_no_worker(tmp_path, tiny_model, offline):
+    """The router process stopped for longer than the heartbeat timeout (1.5 s),
+    then continued: the heartbeats of that time wait unread in its socket, so
+    its own stall is no worker's fault. One worker: had it been declared lost,
+    every stream would have failed."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1").start()
+    try:
+        router = c.child_pid("router")
+        prompts = random_prompts([6, 25, 14], seed=12)
+        params = [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)] * len(prompts)
+        expected = [e.text for e in offline.generate(prompts, params)]
+
+        def stall():
+            os.kill(router, signal.SIGSTOP)
+            time.sleep(4 * c.cfg.router.heartbeat_interval_s * c.cfg.router.heartbeat_misses)
+            os.kill(router, signal.SIGCONT)
+        results = stream_all(c, prompts, params, while_running=stall)
+        assert [(t, r, e) for t, r, e in results] == [(t, "length", []) for t in expected]
+        assert metric(c, "pdd_request_migrations_total") == 0
+        assert c.workers()["colocated-0"]["heartbeats"] > 0
         assert_all_free(c)
     finally:
         assert c.stop() == 0, c.logs()
