@@ -37,7 +37,7 @@ class Breaker:
     consecutive: int = 0
     opened_at: float = 0.0
     cooldown_s: float = 0.0
-    trial_in_flight: bool = False
+    trial: str | None = None           # the request on trial (half-open), until its outcome or its end
     trial_successes: int = 0
 
     def effective(self, now: float) -> str:
@@ -50,7 +50,7 @@ class Breaker:
 
     def allows(self, now: float) -> bool:
         state = self.effective(now)
-        return state == CLOSED or (state == HALF_OPEN and not self.trial_in_flight)
+        return state == CLOSED or (state == HALF_OPEN and self.trial is None)
 
     def failures_in_window(self, now: float) -> int:
         self._trim(now)
@@ -80,13 +80,21 @@ class Breakers:
     def allows(self, prefill: str, decode: str, now: float) -> bool:
         return self.get(PATH).allows(now) and self.get((prefill, decode)).allows(now)
 
-    def placed(self, prefill: str, decode: str, now: float) -> None:
+    def placed(self, prefill: str, decode: str, now: float, request_id: str) -> None:
         """A request was placed on this pair: in half-open it is the trial."""
         for key in (PATH, (prefill, decode)):
             b = self.get(key)
             if b.forced is None and b.effective(now) == HALF_OPEN:
                 self._move(key, b, HALF_OPEN)
-                b.trial_in_flight = True
+                b.trial = request_id
+
+    def release(self, request_id: str) -> None:
+        """The request's transfer will have no outcome (aborted by its client,
+        placed again, prefilled where it decodes): if it was a trial, the next
+        request is. Else the breaker would stay half-open with no trial, forever."""
+        for b in self.breakers.values():
+            if b.trial == request_id:
+                b.trial = None
 
     # ---------------------------------------------------------------- outcomes
 
@@ -102,9 +110,9 @@ class Breakers:
         if b.forced is not None:
             return   # counted, but an operator decides the state
         if b.state != CLOSED:
-            if not b.trial_in_flight:
+            if b.trial is None:
                 return   # a request placed before the breaker opened: not a trial
-            b.trial_in_flight = False
+            b.trial = None
             if not ok:
                 self._open(key, b, now, min(s.max_cooldown_s, 2 * b.cooldown_s))
                 return
@@ -121,7 +129,7 @@ class Breakers:
             self._open(key, b, now, s.cooldown_s)
 
     def _open(self, key, b: Breaker, now: float, cooldown_s: float) -> None:
-        b.opened_at, b.cooldown_s, b.trial_successes, b.trial_in_flight = now, cooldown_s, 0, False
+        b.opened_at, b.cooldown_s, b.trial_successes, b.trial = now, cooldown_s, 0, None
         self._move(key, b, OPEN)
 
     def _move(self, key, b: Breaker, new: str) -> None:

@@ -425,7 +425,7 @@ class ControlPlane:
         if plan.disaggregated:
             # Both at once: the prompt computes while the decode worker reserves;
             # the block ids follow in KVTarget, long before the first page is due.
-            self.breakers.placed(plan.prefill, plan.decode, state.placed_at)
+            self.breakers.placed(plan.prefill, plan.decode, state.placed_at, state.request_id)
             self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
             self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
                                              state.sampling, self.cfg.kv_lease_ttl_s, state.block_hashes))
@@ -443,6 +443,7 @@ class ControlPlane:
         tokens so far) and decode on one worker."""
         if reason is not None:
             self.metrics.fallbacks.labels(reason).inc()
+        self.breakers.release(state.request_id)
         self._abort_owners(state)
         self._own(state, None, None)
         plan = self._place(PlaceRequest(state.block_hashes, colocated_only=True), exclude)
@@ -463,6 +464,7 @@ class ControlPlane:
         """The KV will not come: the decode worker computes the prompt in the
         blocks it holds, after the first token if the client already has it."""
         self.metrics.fallbacks.labels(reason).inc()
+        self.breakers.release(state.request_id)
         if state.prefill_worker in self.registry.workers:
             self.send(state.prefill_worker, m.Abort([state.request_id]))
         self._own(state, state.decode_worker, None)
@@ -485,7 +487,7 @@ class ControlPlane:
         self._own(state, state.decode_worker, chosen.worker_id if chosen else None)
         if chosen is not None:
             state.transfer_backend = transfer_backend(chosen, decode)
-            self.breakers.placed(chosen.worker_id, decode.worker_id, now)
+            self.breakers.placed(chosen.worker_id, decode.worker_id, now, state.request_id)
         return state.prefill_worker
 
     def _deliver(self, state: RequestState, event: TokenEvent) -> None:
@@ -510,6 +512,7 @@ class ControlPlane:
 
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
+        self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1
         decode = self.registry.workers.get(state.decode_worker)
@@ -534,6 +537,13 @@ class ControlPlane:
                                                      old, new)
         self.metrics.breaker_state.labels(prefill, decode).set(STATE_VALUE[new])
         self.metrics.breaker_transitions.labels(prefill, decode, new).inc()
+
+    def show_breakers(self) -> None:
+        """pdd_breaker_state as placement reads it now: an open breaker past its
+        cool-down is half-open without a transition (until a request tries it)."""
+        now = self.clock()
+        for (prefill, decode), b in self.breakers.breakers.items():
+            self.metrics.breaker_state.labels(prefill, decode).set(STATE_VALUE[b.effective(now)])
 
     def _own(self, state: RequestState, decode: str | None, prefill: str | None) -> None:
         """Set the phase owners; the only place per-worker inflight counts change."""

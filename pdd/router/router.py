@@ -176,6 +176,7 @@ class Router:
                 if time.monotonic() >= next_liveness:
                     next_liveness = time.monotonic() + interval
                     self.control.expire_workers()
+                    self.control.show_breakers()
             except Exception:
                 log.exception("router: error in the timer loop")
 

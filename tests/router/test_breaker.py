@@ -17,7 +17,7 @@ def make(**kw):
 
 def fail(b, n, now, pair=PAIR):
     for _ in range(n):
-        b.placed(*pair, now)
+        b.placed(*pair, now, "r")
         b.record(*pair, False, now)
 
 
@@ -46,11 +46,11 @@ def test_half_open_lets_one_trial_through_and_closes_after_two_successes():
     fail(b, 1, 0.0)
     assert not b.allows(*PAIR, 9.9)
     assert b.allows(*PAIR, 10.0)
-    b.placed(*PAIR, 10.0)
+    b.placed(*PAIR, 10.0, "t1")
     assert not b.allows(*PAIR, 10.0)          # one trial at a time
     b.record(*PAIR, True, 11.0)
     assert b.allows(*PAIR, 11.0) and b.get(PAIR).state == HALF_OPEN
-    b.placed(*PAIR, 11.0)
+    b.placed(*PAIR, 11.0, "t2")
     b.record(*PAIR, True, 12.0)
     assert b.get(PAIR).state == CLOSED and (PAIR, HALF_OPEN, CLOSED) in transitions
 
@@ -60,7 +60,7 @@ def test_a_failed_trial_reopens_with_a_doubled_capped_cooldown():
     fail(b, 1, 0.0)
     now = 10.0
     for expected in (20.0, 30.0, 30.0):
-        b.placed(*PAIR, now)
+        b.placed(*PAIR, now, "t")
         b.record(*PAIR, False, now)
         assert b.get(PAIR).state == OPEN and b.get(PAIR).cooldown_s == expected
         assert not b.allows(*PAIR, now + expected - 0.1) and b.allows(*PAIR, now + expected)
@@ -72,6 +72,22 @@ def test_outcomes_of_requests_placed_before_opening_are_not_trials():
     fail(b, 1, 0.0)
     b.record(*PAIR, True, 11.0)               # a late success of an old request
     assert b.get(PAIR).trial_successes == 0 and b.allows(*PAIR, 11.0)
+
+
+def test_a_trial_that_ends_without_an_outcome_lets_the_next_one_try():
+    """Its client left, or it was placed again: it will never report a transfer.
+    (A fault run once left a breaker half-open with no trial, for good.)"""
+    b, _ = make(consecutive_failures=1, cooldown_s=10, successes_to_close=1)
+    fail(b, 1, 0.0)
+    b.placed(*PAIR, 10.0, "gone")
+    assert not b.allows(*PAIR, 10.5)
+    b.release("someone-else")
+    assert not b.allows(*PAIR, 10.5)
+    b.release("gone")
+    assert b.allows(*PAIR, 10.5)
+    b.placed(*PAIR, 11.0, "next")
+    b.record(*PAIR, True, 12.0)
+    assert b.get(PAIR).state == CLOSED and b.get(PATH).state == CLOSED
 
 
 def test_path_breaker_stops_every_pair():

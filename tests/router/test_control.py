@@ -295,6 +295,29 @@ def test_failing_transfers_open_the_breaker_then_trials_close_it():
     assert [b["state"] for b in c.control.breakers.snapshot(c.clock.now)] == ["closed", "closed"]
 
 
+def test_a_trial_whose_client_left_lets_the_next_request_try():
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode", num_blocks=10_000)
+    for _ in range(5):
+        s = c.submit(max_tokens=2)
+        c.step_inbox(d0)
+        c.step_inbox(p0)
+        c.act(p0, (s.request_id, s.epoch), "fail")
+        run_to_end(c)
+    gauge = c.control.metrics.breaker_state.labels("p0", "d0")
+    assert gauge._value.get() == 1                       # open
+    c.advance(10.0)
+    c.control.show_breakers()                            # the router does it every heartbeat interval
+    assert gauge._value.get() == 2                       # half-open before any request tries it
+    trial = c.submit(max_tokens=2)
+    assert trial.mode == "disagg"
+    c.abort(trial.request_id)              # gone before its transfer said anything
+    run_to_end(c)
+    assert c.submit(max_tokens=2).mode == "disagg"   # the next one is the trial
+    run_to_end(c)
+    c.check()
+
+
 def heartbeat(wid: str, steps: int, running_s: float) -> m.Heartbeat:
     return m.Heartbeat(wid, 1, 0, 64, 64, steps_completed=steps, step_running_s=running_s)
 
