@@ -30,7 +30,11 @@ from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_conf
 from pdd.security import admin_token_problem, generate_keys, private_dir, write_private
 
 STOP_TIMEOUT_S = 40.0
+# A worker that exits this many times within the window is given up on, and the
+# cluster stops (as systemd's StartLimitBurst/StartLimitIntervalSec): a crash
+# loop, not the odd death over a long life.
 MAX_RESTARTS = 5
+RESTART_WINDOW_S = 120.0
 
 
 def free_port() -> int:
@@ -46,6 +50,12 @@ class Child:
     args: list[str]
     env: dict | None
     restarts: int = 0
+    restarted_at: list[float] = dataclasses.field(default_factory=list)   # monotonic, within the window
+
+    def crash_looping(self, now: float) -> bool:
+        """Restarted MAX_RESTARTS times within RESTART_WINDOW_S of `now`."""
+        self.restarted_at = [t for t in self.restarted_at if now - t < RESTART_WINDOW_S]
+        return len(self.restarted_at) >= MAX_RESTARTS
 
 
 def cpu_threads_each(cfg: ClusterConfig, workers: list[tuple[str, str, str | None]],
@@ -88,6 +98,7 @@ class Cluster:
 
     def restart(self, child: Child) -> None:
         child.restarts += 1
+        child.restarted_at.append(time.monotonic())
         child.proc = self._popen(child.name, child.args, child.env)
 
     def start(self) -> None:
@@ -236,7 +247,7 @@ def main(args) -> int:
     code = 0
     while stop["signal"] is None:
         dead = cluster.dead_child()
-        if dead is not None and (dead.name == "router" or dead.restarts >= MAX_RESTARTS
+        if dead is not None and (dead.name == "router" or dead.crash_looping(time.monotonic())
                                  or dead.proc.returncode == EXIT_REFUSED):
             print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster",
                   file=sys.stderr)

@@ -75,3 +75,17 @@ def test_an_engine_on_the_cpu_takes_its_thread_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_pdd_up_gives_up_on_a_crash_loop_not_on_deaths_spread_over_time():
+    """A worker restarted MAX_RESTARTS times within RESTART_WINDOW_S is a crash
+    loop; as many deaths over hours are not (a fault run once had `pdd up` stop
+    the whole cluster at a worker's sixth death in ten minutes)."""
+    from pdd.launcher import MAX_RESTARTS, RESTART_WINDOW_S, Child
+
+    child = Child("decode-0", proc=None, args=[], env=None)
+    child.restarted_at = [i * RESTART_WINDOW_S for i in range(3 * MAX_RESTARTS)]
+    assert not child.crash_looping(3 * MAX_RESTARTS * RESTART_WINDOW_S)
+    child.restarted_at = [1000.0 + i for i in range(MAX_RESTARTS)]
+    assert child.crash_looping(1000.0 + MAX_RESTARTS)
+    assert not child.crash_looping(1000.0 + RESTART_WINDOW_S + MAX_RESTARTS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -27,7 +28,19 @@ _child: Tokenizer | None = None
 
 def _load(model_dir: str) -> None:
     global _child
+    _die_with_parent()
     _child = Tokenizer(model_dir)
+
+
+def _die_with_parent() -> None:
+    """A router killed with -9 cannot stop its child: the kernel does (Linux's
+    PR_SET_PDEATHSIG); else the child, and multiprocessing's resource tracker
+    with it, would outlive it."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass   # not Linux: the child ends when it next finds its parent gone
 
 
 def _call(method: str, arg, kwargs: dict):
