@@ -25,8 +25,10 @@ def test_decode_worker_frozen_then_killed_while_reserves_wait(tmp_path, tiny_mod
     """SIGSTOP a decode worker, send requests (some Reserves go to it and wait),
     let it be declared lost (its requests move), SIGKILL it (pdd up restarts it):
     every stream ends with its fault-free text, none placed twice."""
+    # 10 s of missed heartbeats before the frozen worker is lost: long enough for the
+    # requests to be placed on it on a busy machine (1.5 s, the default, once was not).
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "2",
-                  env={"PDD_ROUTER__RESERVE_TIMEOUT_S": "30"}).start()
+                  env={"PDD_ROUTER__RESERVE_TIMEOUT_S": "30", "PDD_ROUTER__HEARTBEAT_MISSES": "20"}).start()
     try:
         frozen = c.workers()["decode-0"]
         os.kill(frozen["pid"], signal.SIGSTOP)
