@@ -204,13 +204,16 @@ class OpenAIServer:
         await resp.prepare(request)
         chat = req.kind == "chat"
 
+        def so_far() -> dict | None:   # vLLM's continuous usage: every chunk says the usage so far
+            return self._usage(state, text) if req.continuous_usage else None
+
         def chunk(delta: str, reason, frag=None) -> bytes:
             if chat:
-                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag))
-            return s.sse(s.completion_chunk(req, delta, reason, frag))
+                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far()))
+            return s.sse(s.completion_chunk(req, delta, reason, frag, so_far()))
 
         if chat:
-            await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None)))
+            await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None, so_far())))
         try:
             async for pieces in self._pieces(state, text, lp):
                 out = b"".join([chunk(delta, reason, frag) for delta, frag, reason in pieces

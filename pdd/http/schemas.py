@@ -68,6 +68,9 @@ class GenerateRequest:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
+    # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
+    # carries the usage so far, not null.
+    continuous_usage: bool = False
     template_args: dict | None = None           # chat: how the template is applied (TemplateArgs)
 
 # ---------------------------------------------------------------- requests
@@ -88,13 +91,13 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
     max_tokens = f.integer("max_tokens", max_tokens_default, lo=1)
     sampling = _sampling(f, max_tokens, logprobs, vocab_size)
-    stream, include_usage = _stream(f)
+    stream, include_usage, continuous = _stream(f)
     _finish(sampling, unset=False)
     return GenerateRequest(
         kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()), **_text_options(f))
+        created=int(time.time()), continuous_usage=continuous, **_text_options(f))
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str],
@@ -115,13 +118,14 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
-    stream, include_usage = _stream(f)
+    stream, include_usage, continuous = _stream(f)
     _finish(sampling, unset=unset)
     return GenerateRequest(
         kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset, template_args=_template_args(f), **_text_options(f))
+        max_tokens_unset=unset, template_args=_template_args(f), continuous_usage=continuous,
+        **_text_options(f))
 
 
 def _model(f: Fields, served: Sequence[str]) -> str:
@@ -309,14 +313,18 @@ def _template_args(f: Fields) -> dict:
     return {"add_generation_prompt": generation, "continue_final_message": continue_final, **kwargs}
 
 
-def _stream(f: Fields) -> tuple[bool, bool]:
+def _stream(f: Fields) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous usage (vLLM's continuous_usage_stats, which
+    needs include_usage as there)."""
     stream = f.boolean("stream", False)
     options = f.mapping("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:   # as OpenAI: options without a stream are a client bug
         raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    return stream, Fields(options, prefix="stream_options.").boolean("include_usage", False)
+    of = Fields(options, prefix="stream_options.")
+    include = of.boolean("include_usage", False)
+    return stream, include, include and of.boolean("continuous_usage_stats", False)
 
 
 def _finish(sampling: SamplingParams, *, unset: bool) -> None:
@@ -344,25 +352,26 @@ def _envelope(req: GenerateRequest, obj: str, choices: list[dict]) -> dict:
             "choices": choices}
 
 
-def _stream_envelope(req: GenerateRequest, choice: dict) -> dict:
+def _stream_envelope(req: GenerateRequest, choice: dict, usage: dict | None) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     out = _envelope(req, obj, [choice])
     if req.include_usage:
-        # OpenAI: with include_usage every chunk carries "usage": null except the last.
-        out["usage"] = None
+        # OpenAI: with include_usage every chunk carries "usage": null except the last
+        # (with continuous usage, the usage so far).
+        out["usage"] = usage
     return out
 
 
 def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, usage: dict | None = None) -> dict:
     return _stream_envelope(req, {"index": 0, "text": text, "logprobs": logprobs,
-                                  "finish_reason": finish_reason})
+                                  "finish_reason": finish_reason}, usage)
 
 
 def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, usage: dict | None = None) -> dict:
     return _stream_envelope(req, {"index": 0, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason})
+                                  "finish_reason": finish_reason}, usage)
 
 
 def usage_chunk(req: GenerateRequest, usage: dict) -> dict:

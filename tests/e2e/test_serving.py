@@ -123,6 +123,16 @@ def test_a_stop_token_ends_the_text_without_its_own(cluster, offline):
     assert r.usage.completion_tokens == i + 1
 
 
+def test_continuous_usage_counts_up_in_every_chunk(cluster):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far."""
+    chunks = list(client(cluster).completions.create(
+        model=cluster.model_name, prompt="Hello there", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+
+
 def test_text_offsets_do_not_depend_on_held_back_text(cluster):
     """A stop string that never matches holds text back; the offsets of the
     tokens are those of the text they make all the same."""
