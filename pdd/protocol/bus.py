@@ -41,6 +41,11 @@ class RouterChannel:
         _configure(self.sock)
         # Sending to a peer that is gone raises instead of vanishing silently.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A worker restarted under its id while its old connection still looks open
+        # (a host rebooted, a partition) takes the id over; without this the router
+        # drops the new connection and the worker waits, unregistered, in silence.
+        # Its Register is then a new incarnation: the old one's requests move.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.security = security
         self.watch = None
         if security is not None:

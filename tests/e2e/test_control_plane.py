@@ -79,6 +79,34 @@ def test_worker_restarted_under_its_id_takes_its_old_requests(tmp_path, tiny_mod
         assert c.stop() == 0, c.logs()
 
 
+def test_a_worker_started_under_a_live_connections_id_takes_it_over(tmp_path, tiny_model, offline):
+    """colocated-0 frozen (its connection still open), a new process started
+    as colocated-0: it registers (the router hands the id over) and serves."""
+    import subprocess
+    import sys
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
+                  env={"PDD_ROUTER__HEARTBEAT_MISSES": "1000"}).start()   # the frozen one is never timed out
+    new = None
+    try:
+        old = c.workers()["colocated-0"]["pid"]
+        os.kill(old, signal.SIGSTOP)
+        new = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--role", "colocated",
+                                "--worker-id", "colocated-0", "--config", str(tmp_path / "run" / "cluster.toml")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for(lambda: c.workers().get("colocated-0", {}).get("pid") == new.pid, 120.0,
+                  "the new colocated-0 registered")
+        prompts = random_prompts([7, 19], seed=13)
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(prompts)
+        expected = [e.text for e in offline.generate(prompts, params)]
+        assert [(t, r, e) for t, r, e in stream_all(c, prompts, params)] == [(t, "length", []) for t in expected]
+        os.kill(old, signal.SIGKILL)
+    finally:
+        if new is not None:
+            new.terminate()
+            new.wait(60)
+        assert c.stop() == 0, c.logs()
+
+
 def test_a_stalled_router_loses_no_worker(tmp_path, tiny_model, offline):
     """The router process stopped for longer than the heartbeat timeout (1.5 s),
     then continued: the heartbeats of that time wait unread in its socket, so
