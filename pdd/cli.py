@@ -66,8 +66,18 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from pdd.config import load_cluster_config
+    try:
+        cfg = _serve_config(args)
+    except ValueError as e:   # a bad config file, key, value or --set
+        print(f"pdd serve: {e}", file=sys.stderr)
+        from pdd.config import EXIT_REFUSED
+        return EXIT_REFUSED   # the systemd units do not restart on it: a retry fails the same way
     from pdd.serve import serve
+    return serve(args.role, cfg)
+
+
+def _serve_config(args):
+    from pdd.config import load_cluster_config
 
     overrides = {"worker": {"role": args.role if args.role != "router" else "colocated"}}
     if args.worker_id:
@@ -78,8 +88,7 @@ def cmd_serve(args) -> int:
         if not name or not _:
             raise ValueError(f"--set {item!r}: expected TABLE.KEY=VALUE")
         overrides.setdefault(table, {})[name] = value
-    cfg = load_cluster_config(args.config, overrides=overrides)
-    return serve(args.role, cfg)
+    return load_cluster_config(args.config, overrides=overrides)
 
 
 def cmd_up(args) -> int:

@@ -12,9 +12,12 @@ RestartPreventExitStatus keeps it from restarting in a loop).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
+
+import zmq
 
 from pdd.config import EXIT_REFUSED, ClusterConfig, ConfigError
 
@@ -84,14 +87,27 @@ def serve(role: str, cfg: ClusterConfig) -> int:
     from pdd import faults
     from pdd.security import check_start
 
+    from pdd.model.config import CheckpointError, ModelConfig
+    from pdd.model.make_model import resolve_model_dir
+
     try:
         check_start(cfg, role)
         faults.load_env()   # a bad PDD_FAULTS stops the process here, named
-    except (ConfigError, faults.FaultError) as e:
+        ModelConfig.from_dir(resolve_model_dir(cfg.engine.model))   # a missing or broken checkpoint too
+    except (ConfigError, CheckpointError, faults.FaultError) as e:
+        # 78 (EX_CONFIG): the units do not restart it; a retry would fail the same way.
         log.error("%s refuses to start: %s", role, e)
         print(f"pdd serve: {e}", file=sys.stderr)
         return EXIT_REFUSED
     install_event_loop()
-    if role == "router":
-        return asyncio.run(run_router(cfg))
-    return asyncio.run(run_worker(cfg))
+    try:
+        if role == "router":
+            return asyncio.run(run_router(cfg))
+        return asyncio.run(run_worker(cfg))
+    except (OSError, zmq.ZMQError) as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # Exit 1: restarting may help once the other process has let the address go.
+        print(f"pdd serve: {role}: an address it must listen on is in use ({e}); "
+              "see router.port, router.control_addr, router.admin_addr and worker.data_addr", file=sys.stderr)
+        return 1

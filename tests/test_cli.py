@@ -89,3 +89,31 @@ def test_pdd_up_gives_up_on_a_crash_loop_not_on_deaths_spread_over_time():
     child.restarted_at = [1000.0 + i for i in range(MAX_RESTARTS)]
     assert child.crash_looping(1000.0 + MAX_RESTARTS)
     assert not child.crash_looping(1000.0 + RESTART_WINDOW_S + MAX_RESTARTS)
+
+
+def test_serve_refuses_what_a_restart_cannot_mend_with_78(tmp_path):
+    """Exit 78 is what the systemd units do not restart on: a config file with a
+    bad key or value, or a checkpoint that is not there."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nblock_size = \"sixteen\"\n")
+    r = pdd("serve", "--role", "colocated", "--config", str(bad))
+    assert r.returncode == 78 and "engine.block_size" in r.stderr and "Traceback" not in r.stderr
+    r = pdd("serve", "--role", "router", "--set", "router.portt=1")
+    assert r.returncode == 78 and "portt" in r.stderr and "Traceback" not in r.stderr
+    r = pdd("serve", "--role", "colocated", "--set", f"engine.model={tmp_path / 'nope'}",
+            "--set", "security.insecure=true")
+    assert r.returncode == 78 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_names_an_address_in_use(tmp_path, tiny_model):
+    import socket
+    from pdd.launcher import free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PDD_ROUTER__ADMIN_TOKEN": "a-long-enough-admin-token-1234"}
+        r = pdd("serve", "--role", "router", "--set", f"engine.model={tiny_model}", "--set", "security.insecure=true",
+                "--set", f"router.port={port}", "--set", f"router.control_addr=tcp://127.0.0.1:{free_port()}",
+                "--set", f"router.admin_addr=tcp://127.0.0.1:{free_port()}", env=env)
+    assert r.returncode == 1 and "in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
