@@ -101,6 +101,14 @@ def main(args) -> int:
     except AdminError as e:
         print(f"pdd admin: {e}", file=sys.stderr)
         return 1
+    try:
+        _print(args, result)
+    except BrokenPipeError:   # `pdd admin workers | head`: the reader had what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+    return 0
+
+
+def _print(args, result) -> None:
     if args.json:
         print(json.dumps(result, indent=2))
     elif args.admin_command == "status":
@@ -111,4 +119,3 @@ def main(args) -> int:
         print(_format_workers(result))
     else:
         print(json.dumps(result, indent=2))
-    return 0

@@ -47,8 +47,8 @@ class AdminServer:
             "status": self._status,
             "workers": lambda: [w.summary() for w in router.registry.workers.values()],
             "requests": lambda: [s.summary() for s in router.requests.values()],
-            "drain": lambda worker_id: router.set_draining(worker_id, True),
-            "undrain": lambda worker_id: router.set_draining(worker_id, False),
+            "drain": lambda *worker: router.set_draining(_one_worker("drain", worker), True),
+            "undrain": lambda *worker: router.set_draining(_one_worker("undrain", worker), False),
             "config": self._config,
             "security": security_report,
             # breaker: every pair; breaker open|close|auto [PREFILL DECODE | all]: force until auto
@@ -154,6 +154,12 @@ class AdminServer:
             return _error(f"{cmd}: bad arguments ({e})")
         except (KeyError, ValueError) as e:
             return _error(f"{cmd}: {e.args[0] if e.args else e}")
+
+
+def _one_worker(cmd: str, args: tuple) -> str:
+    if len(args) != 1:
+        raise ValueError(f"name one worker: pdd admin {cmd} WORKER (pdd admin workers lists them)")
+    return args[0]
 
 
 def masked_config(cfg) -> dict:

@@ -101,7 +101,12 @@ class OpenAIServer:
             # Overloaded is still alive and ready (a load balancer must not pull it): said, not failed.
             return json_response({"status": "overloaded" if self.router.overloaded else "ok",
                                   "workers": len(self.router.registry.workers)})
-        reason = "shutting down" if not self.router.accepting else "no worker registered"
+        if not self.router.accepting:
+            reason = "shutting down"
+        elif self.router.registry.workers:
+            reason = "every worker is draining or not accepting work"
+        else:
+            reason = "no worker registered"
         return json_response({"status": "unavailable", "reason": reason}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:

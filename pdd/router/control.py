@@ -119,6 +119,7 @@ class ControlPlane:
         plan = self._place(PlaceRequest(hashes, num_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens),
                            pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
         if plan is None:
+            self.metrics.rejected.labels("no_worker").inc()
             raise Unavailable("no worker is available" if self.cfg.mode != "disagg"
                               else "no prefill + decode pair is available (router.mode = disagg)")
         self.requests[request_id] = state

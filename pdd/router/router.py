@@ -239,6 +239,13 @@ class Router:
         elif decode is None:
             raise ValueError("breaker: name a PREFILL and a DECODE worker, or all")
         else:
+            roles = {wid: w.role for wid, w in self.registry.workers.items()}
+            known = (prefill, decode) in self.control.breakers.breakers
+            if not known and (roles.get(prefill) not in ("prefill", "colocated")
+                              or roles.get(decode) not in ("decode", "colocated")):
+                pairs = ", ".join(f"{p} {d}" for p, d in self.control.breakers.breakers if (p, d) != PATH)
+                raise ValueError(f"breaker: no pair {prefill} -> {decode} (PREFILL first, then DECODE; "
+                                 f"registered: {', '.join(sorted(roles)) or 'none'}; pairs so far: {pairs or 'none'})")
             keys = [(prefill, decode)]
         self.control.breakers.force(forced[state], keys)
         return self.breakers()

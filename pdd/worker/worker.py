@@ -156,10 +156,19 @@ class Worker:
             prefills_for_others=i.prefills_for_others, step=i.step)
 
     async def _register_loop(self) -> None:
-        """(Re-)register until the router answers; the router may start after us."""
+        """(Re-)register until the router answers; the router may start after us.
+        Unanswered for long, it says so (at the default log level): a wrong
+        router address or a router that is down is otherwise a silent wait."""
+        unanswered = 0
         while True:
-            if not self.registered.is_set():
+            if self.registered.is_set():
+                unanswered = 0
+            else:
                 await self.chan.send(self.register_message())
+                unanswered += 1
+                if unanswered % 30 == 10:
+                    log.warning("worker %s: no answer from the router at %s for %ds; still trying",
+                                self.worker_id, self.router_addr, unanswered)
             await asyncio.sleep(1.0)
 
     async def _recv_loop(self) -> None:

@@ -79,11 +79,16 @@ def test_stop_string_ends_the_stream_without_the_stop_text(cluster, offline):
     cluster.wait_idle()
 
 
-def finished_with(cluster, reason: str) -> float:
+def counted(cluster, counter: str, label: str) -> float:
+    """The sum of `counter`'s series that carry `label` (e.g. 'reason="stop"')."""
     from tests.e2e import http_util as rq
     text = rq.get(cluster.url + "/metrics").body.decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdd_requests_total{") and f'finish_reason="{reason}"' in line)
+               if line.startswith(counter + "{") and label in line)
+
+
+def finished_with(cluster, reason: str) -> float:
+    return counted(cluster, "pdd_requests_total", f'finish_reason="{reason}"')
 
 
 def test_a_stop_string_is_a_stop_in_usage_and_metrics(cluster, offline):
@@ -234,15 +239,24 @@ def test_admin_status_and_drain(cluster):
                 return placed
         assert asyncio.run(main()) == {"colocated-1"}
         cluster.admin("drain", "colocated-1")
+        refused = counted(cluster, "pdd_requests_rejected_total", 'reason="no_worker"')
         with pytest.raises(openai.APIStatusError) as e:
             client(cluster).completions.create(model=cluster.model_name, prompt="x", max_tokens=2)
         assert e.value.status_code == 503
+        assert counted(cluster, "pdd_requests_rejected_total", 'reason="no_worker"') == refused + 1
+        from tests.e2e import http_util as rq
+        health = rq.get(cluster.url + "/health")
+        assert health.status == 503 and "draining" in health.json()["reason"]
     finally:
         cluster.admin("undrain", "colocated-0")
         cluster.admin("undrain", "colocated-1")
     assert client(cluster).completions.create(model=cluster.model_name, prompt="x", max_tokens=2).choices
     with pytest.raises(Exception, match="no worker"):
         cluster.admin("drain", "nope")
+    with pytest.raises(Exception, match="name one worker"):
+        cluster.admin("drain")
+    with pytest.raises(Exception, match="no pair colocated-1 -> nope"):
+        cluster.admin("breaker", "open", "colocated-1", "nope")
     cluster.wait_idle()
 
 
