@@ -16,10 +16,15 @@ import errno
 import logging
 import signal
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdd.config import EXIT_REFUSED, ClusterConfig, ConfigError
+
+if TYPE_CHECKING:
+    from pdd.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +39,16 @@ def install_event_loop() -> None:
         pass
 
 
-async def run_router(cfg: ClusterConfig) -> int:
+async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) -> int:
+    """model_dir and model: the checkpoint serve() checked (its EOS ids end requests)."""
     from pdd.admin.server import AdminServer
-    from pdd.model.config import ModelConfig
-    from pdd.model.make_model import resolve_model_dir
     from pdd.http.app import build_app, serve_http
     from pdd.model.tokenizer import Tokenizer
     from pdd.router.router import Router
     from pdd.security import admin_security
 
-    model_dir = resolve_model_dir(cfg.engine.model)
     tokenizer = Tokenizer(model_dir)
-    eos_token_ids = ModelConfig.from_dir(model_dir).eos_token_ids   # the workers stop on them
+    eos_token_ids = model.eos_token_ids
     router = Router(cfg)
     await router.start()
     admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
@@ -93,7 +96,8 @@ def serve(role: str, cfg: ClusterConfig) -> int:
     try:
         check_start(cfg, role)
         faults.load_env()   # a bad PDD_FAULTS stops the process here, named
-        ModelConfig.from_dir(resolve_model_dir(cfg.engine.model))   # a missing or broken checkpoint too
+        model_dir = resolve_model_dir(cfg.engine.model)
+        model = ModelConfig.from_dir(model_dir)   # a missing or broken checkpoint too
     except (ConfigError, CheckpointError, faults.FaultError) as e:
         # 78 (EX_CONFIG): the units do not restart it; a retry would fail the same way.
         log.error("%s refuses to start: %s", role, e)
@@ -102,7 +106,7 @@ def serve(role: str, cfg: ClusterConfig) -> int:
     install_event_loop()
     try:
         if role == "router":
-            return asyncio.run(run_router(cfg))
+            return asyncio.run(run_router(cfg, model_dir, model))
         return asyncio.run(run_worker(cfg))
     except (OSError, zmq.ZMQError) as e:
         if e.errno != errno.EADDRINUSE:

@@ -71,7 +71,8 @@ class GenerateRequest:
     # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
     # carries the usage so far, not null.
     continuous_usage: bool = False
-    template_args: dict | None = None           # chat: how the template is applied (TemplateArgs)
+    template_args: dict | None = None           # chat: Tokenizer.apply_chat_template's keywords
+
 
 # ---------------------------------------------------------------- requests
 
@@ -407,8 +408,13 @@ class LogprobsBuilder:
         self.kind = kind
         self.tokenizer = tokenizer
         self.num_top = num_top
-        self.prev = prev_token
+        self._follow(prev_token)
         self._acc = self._empty()
+
+    def _follow(self, token_id: int | None) -> None:
+        """The token the next one's text is decoded after (decoded once, not per alternative)."""
+        self.prev = token_id
+        self.prev_text = None if token_id is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _empty(self) -> dict:
         if self.kind == "chat":
@@ -419,11 +425,10 @@ class LogprobsBuilder:
         """The text the token adds after the one before it. Decoded alone, a
         SentencePiece token loses its leading space ("▁Paris" -> "Paris").
         Special tokens too: the sampled token is reported whether or not it is shown."""
-        decode = self.tokenizer.decode
-        if self.prev is not None:
-            before = decode([self.prev], skip_special_tokens=False)
+        decode, before = self.tokenizer.decode, self.prev_text
+        if before is not None and not before.endswith("\ufffd"):
             both = decode([self.prev, token_id], skip_special_tokens=False)
-            if both.startswith(before) and not before.endswith("\ufffd"):
+            if both.startswith(before):
                 return both[len(before):]
         return decode([token_id], skip_special_tokens=False)
 
@@ -437,7 +442,7 @@ class LogprobsBuilder:
             frag = self._completion_entry(token_id, logprob, top, text_offset)
         for key, values in frag.items():
             self._acc[key].extend(values)
-        self.prev = token_id
+        self._follow(token_id)
         return frag
 
     def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:

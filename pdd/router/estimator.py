@@ -5,11 +5,12 @@ placements (prompt tokens sent somewhere), finished transfers — it keeps per
 worker a step-time model `step ≈ a + c·decodes + b·prefill tokens + e·prefill
 query-key pairs` (the last: a chunk deep in a long prompt attends to all of it
 and costs more per token), the prompt tokens it has yet to compute, how many
-requests it decodes, and how many prefill tokens its steps carry; for the cluster, the prefill demand (prompt tokens/s) and the KV
-transfer rate per backend. From the demand it sets which colocated workers
-that prefill for others lean to prefill (the role balance). `snapshot()`
-hands all of it to pdd.router.placement.place as frozen values: placement
-stays a pure function of its inputs.
+requests it decodes, and how many prefill tokens its steps carry; for the
+cluster, the prefill demand (prompt tokens/s) and the KV transfer rate per
+backend. From the demand it sets which colocated workers that prefill for
+others lean to prefill (the role balance). `snapshot()` hands all of it to
+pdd.router.placement.place as frozen values: placement stays a pure function
+of its inputs.
 
 The model and what it assumes: docs/design.md, "Adaptive disaggregation".
 """
