@@ -148,7 +148,7 @@ class AdaptiveConfig:
     # A prefill worker's queue is used while the wait in it is predicted within
     # this share of ttft_slo_s; past it a long prompt prefills where it decodes
     # if that meets the targets. The rest of the target is the margin for the tail
-    # (the H200 sweep: TTFT p99 2.5 s at 16 req/s when queues filled to 2 s).
+    # (on 2xH200, queues filled up to the whole 2 s gave TTFT p99 2.5 s at 16 req/s).
     ttft_headroom: float = 0.5
     # Prompts with at most this many uncached tokens prefill where they decode
     # without pricing the alternatives when that worker decodes nothing (a

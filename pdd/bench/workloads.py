@@ -1,7 +1,7 @@
 """Seeded prompt sets for `pdd bench serve`: what each request asks for.
 
     random         prompts of --input-len tokens, --output-len tokens out
-    mixed          the issue's mix: most prompts of --input-len, a --long-fraction of
+    mixed          a long-tailed mix: most prompts of --input-len, a --long-fraction of
                    --long-input-len (defaults 90% 256-2048, 10% 8k-16k; 256 out)
     shared-prefix  one of --num-prefixes common prefixes of --prefix-len tokens, then a
                    distinct suffix of --input-len (a system prompt for chat)
@@ -25,8 +25,9 @@ from pathlib import Path
 
 DATASETS = ("random", "mixed", "shared-prefix", "multi-turn")
 
-# Lengths each dataset uses when the command line names none: the issue's
-# figures for mixed; vLLM's random-dataset defaults (1024 in, 128 out) otherwise.
+# Lengths each dataset uses when the command line names none: for mixed, the
+# workload of the docs/benchmarks.md sweeps; vLLM's random-dataset defaults
+# (1024 in, 128 out) otherwise.
 DEFAULT_LENGTHS = {
     "random": {"input_len": (1024, 1024), "output_len": (128, 128)},
     "mixed": {"input_len": (256, 2048), "output_len": (256, 256)},

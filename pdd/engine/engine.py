@@ -247,9 +247,8 @@ class LLMEngine:
         # Triton compiles a kernel per specialization of its arguments (a pointer
         # 16-byte aligned or not, an int equal to 1, a multiple of 16 or neither),
         # and the attention kernels' vary with the batch: the block-table width
-        # (1, a multiple of 16, other), the number of sequences (seq_lens sits
-        # 16-byte aligned in the step's staging buffer when it is 3 mod 4), and
-        # whether decode attention splits the KV (contexts beyond ~128 tokens).
+        # (1, a multiple of 16, other), the number of sequences, and whether
+        # decode attention splits the KV (contexts beyond ~128 tokens).
         # So: each context class, in prefill-only and mixed steps of 2, 3 and 4
         # sequences.
         for ctx in (bs - max_tokens, 6 * bs + 3, 16 * bs - max_tokens, 20 * bs + 3):

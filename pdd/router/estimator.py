@@ -329,8 +329,8 @@ class Estimator:
         # A worker that has hardly prefilled (one leaning to decode) takes the
         # prefill costs another worker of its kind measured: a prompt token
         # costs the same on the same GPU, and its own slopes would still be the
-        # prior (50 us, twice an H200's, on the first sweep: local prefills then
-        # looked too slow to ever take).
+        # prior (50 us, twice an H200's measured cost: local prefills would look
+        # too slow to ever take).
         b_best, e_best, evidence = (shared or {}).get(_device_type(info), (b, e, 0.0))
         if w.fit.prefill_evidence < SHARED_EVIDENCE * evidence:
             b, e = b_best, e_best

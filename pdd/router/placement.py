@@ -238,9 +238,10 @@ def _adaptive(request: PlaceRequest, pool: list[WorkerInfo], est: Estimates, slo
     best = min(options, key=lambda o: o.rank(slo, request.max_tokens))
     if best.excess(slo) > 0:
         # Nothing meets the targets: run as colocated, the least loaded worker
-        # prefilling its own request. Measured on 2 H200s past saturation, that
-        # degrades most gently (docs/benchmarks.md, issue 13): a prefill side
-        # then only queues, and one decode side holds every decode.
+        # prefilling its own request. Past saturation that degrades most gently:
+        # taking the least excess instead leaves a prefill side that only queues
+        # and one decode side holding every decode (2xH200 at 20 req/s: 0.45x
+        # colocated's goodput; docs/benchmarks.md, "Adaptive disaggregation on 2xH200").
         worker = pick_worker(roomy or serving, request.block_hashes)
         return Plan(worker.worker_id, kind=LOCAL_PREFILL, reason="overloaded",
                     prefill_tokens=n - _cached(worker, request, block_size, n))

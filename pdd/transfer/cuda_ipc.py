@@ -352,8 +352,8 @@ class CudaIpcSender(IoSender):
         # Not an event recorded now: by the time the engine thread finishes a
         # request (it reads a step's tokens after launching the next step), the
         # side stream already holds the next step's copies, queued behind that
-        # whole step's compute; waiting for them held every commit one prefill
-        # step (up to ~1 s first-to-second-token gaps on 2xH200 at 12 req/s).
+        # whole step's compute; waiting for them would hold every commit one
+        # prefill step (first-to-second-token gaps up to ~1 s on 2xH200 at 12 req/s).
         if done is not None:
             done.synchronize()
 
