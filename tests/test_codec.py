@@ -4,8 +4,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdd.api import StepSample
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams, StepSample
 from pdd.protocol import messages as m
 from pdd.protocol.codec import ProtocolError, decode, encode
 

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdd import ops
-from pdd.api import StepSample
+from pdd.api import InvalidRequest, SamplingParams, StepSample
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.request import Request, query_key_pairs
-from pdd.engine.sampling_params import InvalidRequest, SamplingParams
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
@@ -375,14 +374,15 @@ class LLMEngine:
 
     def _launch(self, out):
         tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
+        layer_done = None
         if self.connector is not None:
             self.connector.begin_step(out, tables)
-            # Hooked only into steps that ship pages: a colocated worker that also
+            # Only steps that ship pages are hooked: a colocated worker that also
             # prefills for others keeps its CUDA graphs for the decode steps.
-            self.runner.model.layer_done_hooks[:] = [self.connector.save_layer] if self.connector.plan else []
+            layer_done = self.connector.save_layer if self.connector.plan else None
         self.kv.pool.steps_launched += 1
         try:
-            step = self.runner.launch(out, tables, self.in_flight)
+            step = self.runner.launch(out, tables, self.in_flight, layer_done)
             step.seq = self.kv.pool.steps_launched
             return step
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams
 
 
 def query_key_pairs(start: int, n: int) -> int:

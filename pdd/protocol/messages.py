@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pdd.api import StepSample
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams, StepSample
 
 PROTOCOL_VERSION = 5
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pdd import LLM
-from pdd.config import EngineConfig
 from pdd.api import StepSample
+from pdd.config import EngineConfig
 from pdd.engine.engine import LLMEngine
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
