@@ -129,4 +129,11 @@ class StepSample:
     num_tokens: int = 0                 # tokens computed: decodes + prompt-chunk tokens
     num_decodes: int = 0                # decode tokens among them (one per decoding request)
     prefill_chunks: list[int] = field(default_factory=list)   # tokens of each prompt chunk
-    prefill_pairs: int = 0              # query-key pairs of its prompt chunks (pdd.engine.request.query_key_pairs)
+    prefill_pairs: int = 0              # query-key pairs of its prompt chunks (query_key_pairs)
+
+
+def query_key_pairs(start: int, n: int) -> int:
+    """The attention work of a prompt chunk: `n` tokens after `start` computed
+    ones, each query seeing the keys before it and itself. Steps report it
+    (pdd.api.StepSample.prefill_pairs) and the router's step model prices it."""
+    return n * start + n * (n + 1) // 2

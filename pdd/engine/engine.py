@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdd import ops
-from pdd.api import InvalidRequest, SamplingParams, StepSample
+from pdd.api import InvalidRequest, SamplingParams, StepSample, query_key_pairs
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.request import Request, query_key_pairs
+from pdd.engine.request import Request
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig

@@ -20,8 +20,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pdd.api import query_key_pairs
 from pdd.config import AdaptiveConfig
-from pdd.engine.request import query_key_pairs
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.router.registry import WorkerInfo

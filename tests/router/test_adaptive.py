@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from pdd.api import StepSample
+from pdd.api import StepSample, query_key_pairs
 from pdd.config import AdaptiveConfig
-from pdd.engine.request import query_key_pairs
 from pdd.kv.hashing import block_hashes
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
