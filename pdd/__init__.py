@@ -11,6 +11,6 @@ def __getattr__(name):
         from pdd.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from pdd.engine.sampling_params import SamplingParams
+        from pdd.api import SamplingParams
         return SamplingParams
     raise AttributeError(name)

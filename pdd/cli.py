@@ -14,27 +14,7 @@ import argparse
 import logging
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU, 2048 on the CPU")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before scheduling the next")
-
-
-def _engine_kwargs(args) -> dict:
-    return dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching,
-                async_scheduling=not args.no_async_scheduling)
+from pdd.engine.args import add_engine_args, engine_kwargs
 
 
 def cmd_make_model(args) -> int:
@@ -47,9 +27,9 @@ def cmd_make_model(args) -> int:
 
 def cmd_generate(args) -> int:
     from pdd.engine.llm import LLM
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
 
-    kw = _engine_kwargs(args)
+    kw = engine_kwargs(args)
     llm = LLM(kw.pop("model"), **kw)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
@@ -129,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate text offline")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -193,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     from pdd.bench.commands import add_bench_parsers
-    add_bench_parsers(bench_sub, _add_engine_args)
+    add_bench_parsers(bench_sub, add_engine_args)
     return parser
 
 

@@ -73,12 +73,12 @@ class RouterMetrics:
 
     def observe_heartbeat(self, hb) -> None:
         w = hb.worker_id
-        for x in hb.step_latencies:
-            self.step_latency.labels(w).observe(x)
-        for x in hb.prefill_chunks:
-            self.prefill_chunk.labels(w).observe(x)
-        for x in hb.decode_batches:
-            self.decode_batch.labels(w).observe(x)
+        for step in hb.steps:
+            self.step_latency.labels(w).observe(step.latency_s)
+            for n in step.prefill_chunks:
+                self.prefill_chunk.labels(w).observe(n)
+            if step.num_decodes:
+                self.decode_batch.labels(w).observe(step.num_decodes)
 
     def observe_transfer(self, stats: dict) -> None:
         self.transfer_seconds.observe(float(stats.get("seconds", 0.0)))

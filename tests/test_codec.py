@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams, StepSample
 from pdd.protocol import messages as m
 from pdd.protocol.codec import ProtocolError, decode, encode
 
@@ -12,7 +12,8 @@ from pdd.protocol.codec import ProtocolError, decode, encode
 def test_typed_messages_round_trip():
     batch = m.TokenBatch("w", [m.TokenItem("r", 2, 5, [7, 8], True, "length", [[-0.5, [[7, -0.5]]]] * 2, 16)])
     admit = m.Admit("r", 3, [1, 2, 3], SamplingParams(max_tokens=4, seed=2**63 - 1), 1, [2**64 - 1])
-    hb = m.Heartbeat("w", 1, 0, 10, 20, faults={"transfer.fail_rate": 0.5})
+    hb = m.Heartbeat("w", 1, 0, 10, 20, faults={"transfer.fail_rate": 0.5},
+                     steps=[StepSample(0.5, 40, 2, [38], 741), StepSample(0.01, 3, 3)])
     register = m.Register("w", "prefill", "h", 1, "cuda:0", {}, 10, 8, 4096, step=m.StepLimits(8192, 512, True, 2048))
     for msg in (batch, admit, hb, register):
         assert decode(encode(msg)) == msg

@@ -55,7 +55,7 @@ def _timed_steps(engine, n: int) -> list[float]:
 
 
 def bench_decode(args, engine, batch: int, context: int) -> dict:
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     # Nobody may finish inside the measured steps (the batch would shrink):
@@ -133,7 +133,7 @@ def _graph_replay_ms(engine, batch: int) -> float | None:
 
 
 def bench_prefill(args, engine, tokens: int) -> dict:
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
 
     cfg = engine.model_config
     times = []
@@ -165,7 +165,7 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
     Mixed steps run eagerly (CUDA graphs cover decode-only batches)."""
     import dataclasses
 
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
 
     sched = engine.scheduler
     saved = sched.cfg

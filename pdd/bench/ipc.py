@@ -127,7 +127,7 @@ def main(args) -> int:
 def prefill_overlap(args) -> dict:
     from pdd.config import EngineConfig
     from pdd.engine.engine import LLMEngine
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
     from pdd.kv.layout import KVLayout
     from pdd.transfer.connector import PrefillConnector
 

@@ -26,10 +26,10 @@ def _sync(device: torch.device) -> None:
 
 def run(args) -> dict:
     from pdd.engine.llm import LLM
-    from pdd.engine.sampling_params import SamplingParams
-    from pdd.cli import _engine_kwargs
+    from pdd.api import SamplingParams
+    from pdd.engine.args import engine_kwargs
 
-    kw = _engine_kwargs(args)
+    kw = engine_kwargs(args)
     llm = LLM(kw.pop("model"), **kw)
     engine = llm.engine
     vocab = engine.model_config.vocab_size

@@ -20,7 +20,7 @@ from pdd.bench.metrics_calc import latency_stats
 
 
 def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    from pdd.engine.sampling_params import SamplingParams
+    from pdd.api import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):

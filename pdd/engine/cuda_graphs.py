@@ -69,7 +69,7 @@ class DecodeGraphs:
     def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         n = input_ids.shape[0]
         return (meta.num_decodes == meta.num_seqs == n and n <= self.max_bs
-                and meta.block_tables.shape[1] <= self.max_blocks and not self.model.layer_done_hooks)
+                and meta.block_tables.shape[1] <= self.max_blocks)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]

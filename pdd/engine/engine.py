@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdd import ops
+from pdd.api import InvalidRequest, SamplingParams, StepSample, query_key_pairs
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.request import Request, query_key_pairs
-from pdd.engine.sampling_params import InvalidRequest, SamplingParams
+from pdd.engine.request import Request
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
@@ -48,15 +48,6 @@ class EngineOutput:
     # Where new_token_ids[0] stands in the request's whole output, counting
     # tokens produced before this engine saw it.
     position: int = 0
-
-
-@dataclass
-class StepStats:
-    latency_s: float = 0.0
-    num_tokens: int = 0
-    num_decodes: int = 0
-    prefill_chunks: list[int] = field(default_factory=list)
-    prefill_pairs: int = 0      # query-key pairs of its prompt chunks (pdd.protocol.messages.Heartbeat)
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -105,7 +96,7 @@ class LLMEngine:
             # Sliding-window attention is not implemented: stay within the window,
             # where full attention computes the same thing.
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
-        self.last_step = StepStats()
+        self.last_step = StepSample()
         self.connector = None
         self.in_flight = None  # the launched step whose results are not taken yet
         self._batch = None     # what the running step() call scheduled (see abort_failed_step)
@@ -214,7 +205,7 @@ class LLMEngine:
         pool.freed_at[:] = freed_at
         pool.steps_launched = self.steps_done = launched
         sched.num_preemptions = preemptions
-        self.last_step = StepStats()
+        self.last_step = StepSample()
         log.info("engine warm-up: %d requests, %d steps in %.2f s", num, steps, time.perf_counter() - t0)
         if self.device.type == "cuda":
             ops.report_compiles(lambda kernel: log.warning(
@@ -358,7 +349,7 @@ class LLMEngine:
         if launched is not None and not self.cfg.async_scheduling:
             outputs += self._take_results(launched)
             self.in_flight = None
-        self.last_step = StepStats(
+        self.last_step = StepSample(
             latency_s=time.perf_counter() - t0, num_tokens=out.num_tokens,
             num_decodes=sum(1 for _, n in out.scheduled if n == 1),
             prefill_chunks=[n for _, n in out.scheduled if n > 1],
@@ -382,14 +373,15 @@ class LLMEngine:
 
     def _launch(self, out):
         tables = [self.kv.block_ids(r) for r, _ in out.scheduled]
+        layer_done = None
         if self.connector is not None:
             self.connector.begin_step(out, tables)
-            # Hooked only into steps that ship pages: a colocated worker that also
+            # Only steps that ship pages are hooked: a colocated worker that also
             # prefills for others keeps its CUDA graphs for the decode steps.
-            self.runner.model.layer_done_hooks[:] = [self.connector.save_layer] if self.connector.plan else []
+            layer_done = self.connector.save_layer if self.connector.plan else None
         self.kv.pool.steps_launched += 1
         try:
-            step = self.runner.launch(out, tables, self.in_flight)
+            step = self.runner.launch(out, tables, self.in_flight, layer_done)
             step.seq = self.kv.pool.steps_launched
             return step
         finally:

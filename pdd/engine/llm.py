@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pdd.api import SamplingParams
 from pdd.config import EngineConfig
 from pdd.engine.engine import LLMEngine
-from pdd.engine.sampling_params import SamplingParams
-from pdd.engine.text_stream import TextStream
+from pdd.http.text_stream import TextStream
 from pdd.model.config import CheckpointError
 from pdd.model.tokenizer import Tokenizer
 

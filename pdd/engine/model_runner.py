@@ -13,6 +13,7 @@ host never waits for it to build the next batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,13 +166,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_tables: list[list[int]],
-               in_flight: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's forward and sampling; returns without waiting for them."""
+               in_flight: LaunchedStep | None = None,
+               layer_done: Callable[[int], None] | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling; returns without waiting for them.
+        `layer_done`: the KV connector's per-layer hook (pdd.model.llama), for a
+        step that ships pages; such a step runs eagerly (a graph replays no hook)."""
         inputs = self.prepare(out, block_tables, in_flight)
-        if self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta):
+        if (layer_done is None and self.graphs is not None
+                and self.graphs.can_run(inputs.input_ids, inputs.meta)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, layer_done)
         step = LaunchedStep(out, inputs.sample_rows, {rid: j for j, rid in enumerate(inputs.sampled_ids)})
         on_gpu = self.device.type == "cuda"
         if inputs.sampling is not None:

@@ -4,14 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams
 
-
-def query_key_pairs(start: int, n: int) -> int:
-    """The attention work of a prompt chunk: `n` tokens after `start` computed
-    ones, each query seeing the keys before it and itself. Steps report it
-    (Heartbeat.step_prefill_pairs) and the router's step model prices it."""
-    return n * start + n * (n + 1) // 2
 
 
 class RequestStatus(enum.IntEnum):

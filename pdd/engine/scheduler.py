@@ -45,7 +45,7 @@ class SchedulerOutput:
     # stale once the request was preempted after being scheduled).
     starts: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
-    epochs: list[int] = field(default_factory=list)
+    preemptions: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +208,7 @@ class Scheduler:
         out.scheduled.append((req, n))
         out.starts.append(start)
         out.samples.append(samples)
-        out.epochs.append(req.num_preemptions)
+        out.preemptions.append(req.num_preemptions)
         req.num_computed_tokens = start + n
         if samples:
             req.num_in_flight += 1
@@ -228,9 +228,9 @@ class Scheduler:
         the sampled tokens. Returns the requests that got a new token (finished
         ones included, already freed)."""
         updated = []
-        for (req, n), start, samples, epoch, token in zip(out.scheduled, out.starts, out.samples, out.epochs,
-                                                           sampled):
-            if req.status.finished or req.num_preemptions != epoch:
+        for (req, n), start, samples, preemptions, token in zip(out.scheduled, out.starts, out.samples,
+                                                                 out.preemptions, sampled):
+            if req.status.finished or req.num_preemptions != preemptions:
                 continue  # aborted, finished or preempted since it was scheduled: stale
             self.kv.cache_blocks(req, start + n)
             if not samples:

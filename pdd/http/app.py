@@ -24,8 +24,8 @@ import orjson
 from aiohttp import web
 
 from pdd import security
-from pdd.engine.sampling_params import InvalidRequest
-from pdd.engine.text_stream import TextStream
+from pdd.api import InvalidRequest
+from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from pdd.engine.sampling_params import (INT64_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                        MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest,
-                                        SamplingParams)
+from pdd.api import (INT64_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
+                     InvalidRequest, SamplingParams)
 from pdd.http.validate import (APIError, Fields, bad, check_response_format,
                                json_type, load_object, reject_nonempty, reject_nonzero,
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)

@@ -11,6 +11,7 @@ tensors map onto the packed ones.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -149,18 +150,17 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Hooks the transfer layer uses to ship a layer's KV pages as soon as
-        # that layer is written (layer-wise prefill->decode streaming).
-        self.layer_done_hooks: list = []
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden]. `layer_done(i)`
+        runs once layer i's KV is written (queued on the stream): the KV connector
+        ships those pages while the layers after it compute."""
         hidden, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(positions, hidden, residual, meta)
-            for hook in self.layer_done_hooks:
-                hook(i)
+            if layer_done is not None:
+                layer_done(i)
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ see well-formed `Message`s.
 With a `security` (pdd.security.control_security) both ends run CURVE: the
 router lets in only authorized worker keys, a worker only talks to the holder
 of the router's key. A peer that fails the handshake never reaches recv();
-its failures are counted and logged (pdd.protocol.zap.HandshakeWatch).
+its failures are counted and logged (pdd.security.zap.HandshakeWatch).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import zmq.asyncio
 
 from pdd.protocol.codec import ProtocolError, decode, encode
 from pdd.protocol.messages import Message
-from pdd.protocol.zap import HandshakeWatch
 from pdd.security import Curve
+from pdd.security.zap import HandshakeWatch
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams, StepSample
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass
@@ -83,19 +83,9 @@ class Heartbeat(Message):
     total_blocks: int
     prefix_hit_rate: float = 0.0
     num_preemptions: int = 0
-    # Samples since the previous heartbeat, observed into the router's histograms.
-    step_latencies: list[float] = field(default_factory=list)
-    prefill_chunks: list[int] = field(default_factory=list)
-    decode_batches: list[int] = field(default_factory=list)
-    # Tokens of each step of step_latencies (same order): the router fits
-    # step time ~ a + c * decodes + b * prefill tokens per worker (pdd.router.estimator).
-    step_tokens: list[int] = field(default_factory=list)
-    # Decode tokens among each step's tokens (same order): decode and prefill
-    # tokens cost differently, and the router fits them apart.
-    step_decodes: list[int] = field(default_factory=list)
-    # Query-key pairs of each step's prompt chunks (same order; pdd.engine.request.query_key_pairs):
-    # a chunk deep in a long prompt costs more than its token count says.
-    step_prefill_pairs: list[int] = field(default_factory=list)
+    # The steps since the previous heartbeat (those that computed tokens):
+    # the router's histograms and its step-cost model (pdd.router.estimator).
+    steps: list[StepSample] = field(default_factory=list)
     # Prompt tokens admitted and not yet computed (waiting and partly prefilled requests).
     prefill_tokens_pending: int = 0
     # Of `running`, the requests past their prompt that decode (a prefill

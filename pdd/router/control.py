@@ -48,8 +48,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdd.api import SamplingParams
 from pdd.config import RouterConfig
-from pdd.engine.sampling_params import SamplingParams
 from pdd.kv.hashing import block_hashes
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m

@@ -20,8 +20,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pdd.api import query_key_pairs
 from pdd.config import AdaptiveConfig
-from pdd.engine.request import query_key_pairs
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.router.registry import WorkerInfo
@@ -240,21 +240,19 @@ class Estimator:
 
     def observe(self, hb: m.Heartbeat) -> None:
         w = self.workers.setdefault(hb.worker_id, _Worker())
-        # A worker that does not say which tokens decoded counts them all as prefill.
-        steps = len(hb.step_tokens)
-        decodes = hb.step_decodes if len(hb.step_decodes) == steps else [0] * steps
-        pairs = hb.step_prefill_pairs if len(hb.step_prefill_pairs) == steps else [0] * steps
-        for d, t, p, latency in zip(decodes, hb.step_tokens, pairs, hb.step_latencies):
-            w.group.append((d, t - d, p, latency))
+        for step in hb.steps:
+            w.group.append((step.num_decodes, step.num_tokens - step.num_decodes, step.prefill_pairs,
+                            step.latency_s))
             if len(w.group) == GROUP:
                 w.fit.add(*(sum(g[i] for g in w.group) / GROUP for i in range(4)))
                 w.group.clear()
-        steps = len(hb.step_latencies)
-        recent = sum(hb.prefill_chunks) / steps if steps else 0.0     # an idle worker carries none
+        chunked = sum(sum(step.prefill_chunks) for step in hb.steps)
+        recent = chunked / len(hb.steps) if hb.steps else 0.0     # an idle worker carries none
         w.prefill_per_step += SMOOTH * (recent - w.prefill_per_step)
-        prefill = sum(t - d for d, t in zip(decodes, hb.step_tokens))
+        prefill = sum(step.num_tokens - step.num_decodes for step in hb.steps)
         if prefill > 0:      # no prompt computed: the depth of its last ones stands
-            w.prefill_depth += SMOOTH * (sum(pairs) / prefill - w.prefill_depth)
+            w.prefill_depth += SMOOTH * (sum(step.prefill_pairs for step in hb.steps) / prefill
+                                         - w.prefill_depth)
         # The heartbeat counts what reached the worker before it; what was
         # placed since counts again from here (a placement in flight at that
         # moment is missed until the next one, 0.5 s later).

@@ -40,8 +40,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pdd.api import query_key_pairs
 from pdd.config import AdaptiveConfig
-from pdd.engine.request import query_key_pairs
 from pdd.router.estimator import LEAN_PREFILL, Estimates, WorkerEstimate
 from pdd.router.registry import WorkerInfo
 

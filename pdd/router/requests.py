@@ -17,7 +17,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams
 from pdd.kv.hashing import ROOT_HASH, block_hashes
 
 

@@ -17,8 +17,8 @@ from collections import deque
 import zmq.asyncio
 
 from pdd import faults
+from pdd.api import SamplingParams
 from pdd.config import ClusterConfig
-from pdd.engine.sampling_params import SamplingParams
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel

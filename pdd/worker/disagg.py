@@ -31,9 +31,9 @@ import logging
 from collections.abc import Callable
 
 from pdd import faults
+from pdd.api import InvalidRequest
 from pdd.config import WorkerConfig
 from pdd.engine.engine import EngineOutput, LLMEngine
-from pdd.engine.sampling_params import InvalidRequest
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve

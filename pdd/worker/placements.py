@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pdd.engine.sampling_params import InvalidRequest
+from pdd.api import InvalidRequest
 
 
 def engine_id(request_id: str, epoch: int) -> str:

@@ -3,8 +3,8 @@ on the event loop, with no lock and nothing lost between the two.
 
 The engine thread publishes immutable `EngineSnapshot`s; publishing is one
 attribute assignment, so a reader sees the old snapshot or the new one, never
-a mix. Per-step samples and published block
-hashes go into `Journal`s: bounded logs that count every entry ever appended.
+a mix. Step samples (pdd.api.StepSample) and published block hashes go into
+`Journal`s: bounded logs that count every entry ever appended.
 A snapshot carries each journal's newest entries with that count, and the
 heartbeat (`HeartbeatReader`) remembers how far it has read, so it sends each
 entry once. The reader never clears what the writer appends: a take-and-clear
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdd.engine.engine import StepStats
+from pdd.api import StepSample
 from pdd.protocol import messages as m
 
 # Entries a journal keeps: more than a heartbeat interval produces at any
@@ -71,13 +71,8 @@ class EngineSnapshot:
     prefix_hit_rate: float = 0.0
     num_preemptions: int = 0
     steps_completed: int = 0
-    step_latencies: JournalView = JournalView()
-    step_tokens: JournalView = JournalView()      # entry i: tokens of step_latencies' entry i
-    step_decodes: JournalView = JournalView()     # entry i: decode tokens among them
-    step_prefill_pairs: JournalView = JournalView()   # entry i: query-key pairs of its prompt chunks
+    steps: JournalView = JournalView()            # StepSamples of the steps that computed tokens
     prefill_tokens_pending: int = 0
-    prefill_chunks: JournalView = JournalView()
-    decode_batches: JournalView = JournalView()
     recent_hashes: JournalView = JournalView()
     transfer: dict = field(default_factory=dict)
 
@@ -87,25 +82,13 @@ class EngineStats:
 
     def __init__(self):
         self.steps_completed = 0
-        self.step_latencies = Journal(_MAX_SAMPLES)
-        self.step_tokens = Journal(_MAX_SAMPLES)   # appended with step_latencies: the three stay aligned
-        self.step_decodes = Journal(_MAX_SAMPLES)
-        self.step_prefill_pairs = Journal(_MAX_SAMPLES)
-        self.prefill_chunks = Journal(_MAX_SAMPLES)
-        self.decode_batches = Journal(_MAX_SAMPLES)
+        self.steps = Journal(_MAX_SAMPLES)
         self.recent_hashes = Journal(_MAX_HASHES)
 
-    def record(self, step: StepStats) -> None:
+    def record(self, step: StepSample) -> None:
         self.steps_completed += 1
-        if step.num_tokens == 0:
-            return  # it only took the results of the step before
-        self.step_latencies.extend((step.latency_s,))
-        self.step_tokens.extend((step.num_tokens,))
-        self.step_decodes.extend((step.num_decodes,))
-        self.step_prefill_pairs.extend((step.prefill_pairs,))
-        self.prefill_chunks.extend(step.prefill_chunks)
-        if step.num_decodes:
-            self.decode_batches.extend((step.num_decodes,))
+        if step.num_tokens:   # a step that computed nothing only took the results of the one before
+            self.steps.extend((step,))
 
     def snapshot(self, engine, transfer: dict) -> EngineSnapshot:
         """Called on the engine's thread, which is also the one to take the
@@ -117,10 +100,8 @@ class EngineStats:
             waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
-            step_latencies=self.step_latencies.view(), step_tokens=self.step_tokens.view(),
-            step_decodes=self.step_decodes.view(), step_prefill_pairs=self.step_prefill_pairs.view(),
-            prefill_tokens_pending=_prompt_tokens_pending(sched), prefill_chunks=self.prefill_chunks.view(),
-            decode_batches=self.decode_batches.view(), recent_hashes=self.recent_hashes.view(),
+            steps=self.steps.view(), prefill_tokens_pending=_prompt_tokens_pending(sched),
+            recent_hashes=self.recent_hashes.view(),
             transfer=transfer)
 
 
@@ -135,8 +116,7 @@ class HeartbeatReader:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
-        self._latencies, self._tokens, self._decodes, self._pairs, self._chunks, self._batches, self._hashes = (
-            JournalCursor() for _ in range(7))
+        self._steps, self._hashes = JournalCursor(), JournalCursor()
 
     def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool,
                   faults: dict[str, float] | None = None) -> m.Heartbeat:
@@ -144,12 +124,7 @@ class HeartbeatReader:
             worker_id=self.worker_id, running=snap.running, waiting=snap.waiting,
             free_blocks=snap.free_blocks, total_blocks=snap.total_blocks,
             prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
-            step_latencies=self._latencies.take(snap.step_latencies),
-            step_tokens=self._tokens.take(snap.step_tokens), step_decodes=self._decodes.take(snap.step_decodes),
-            step_prefill_pairs=self._pairs.take(snap.step_prefill_pairs),
-            prefill_tokens_pending=snap.prefill_tokens_pending, decoding=snap.decoding,
-            prefill_chunks=self._chunks.take(snap.prefill_chunks),
-            decode_batches=self._batches.take(snap.decode_batches),
-            recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
+            steps=self._steps.take(snap.steps), prefill_tokens_pending=snap.prefill_tokens_pending,
+            decoding=snap.decoding, recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
             draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,
             faults=faults or {})

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdd import SamplingParams
-from pdd.engine.text_stream import TextStream
+from pdd.http.text_stream import TextStream
 from tests.e2e.streams import stream_all
 from tests.engine.helpers import random_prompts
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = 1000) -> list[list[int]]:

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from pdd import LLM
+from pdd.api import InvalidRequest, query_key_pairs
 from pdd.engine.engine import default_step_budget
-from pdd.engine.request import query_key_pairs
-from pdd.engine.sampling_params import InvalidRequest
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 SHAPE = dict(chunk_size=32, max_num_batched_tokens=96, num_blocks=128, async_scheduling=False)

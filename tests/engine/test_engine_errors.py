@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from pdd import LLM, SamplingParams
+from pdd.api import InvalidRequest
 from pdd.config import ConfigError, EngineConfig, build
 from pdd.engine import model_runner
-from pdd.engine.sampling_params import InvalidRequest
 from pdd.kv.hashing import block_hashes
 from pdd.model.config import CheckpointError
 from tests.engine.helpers import assert_all_blocks_free

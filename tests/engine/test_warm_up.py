@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pdd import LLM
+from pdd.api import StepSample
 from pdd.config import EngineConfig
-from pdd.engine.engine import LLMEngine, StepStats
+from pdd.engine.engine import LLMEngine
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 # 3 chunks fill a step's budget; the plan's long prompt is 113 tokens.
@@ -66,7 +67,7 @@ def test_warm_up_runs_serving_steps_and_leaves_no_trace(tiny_model):
     assert not sched.requests and not sched.waiting and not sched.running and not sched.waiting_for_kv
     assert kv.enable_prefix_caching
     assert _state(engine) == before
-    assert engine.last_step == StepStats()
+    assert engine.last_step == StepSample()
 
     # A warm-up prompt sent again finds nothing cached.
     prompt = max(prompts, key=len)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdd.api import SamplingParams
 from pdd.engine.request import Request
-from pdd.engine.sampling_params import SamplingParams
 from pdd.kv.block_pool import NULL_BLOCK, BlockPool
 from pdd.kv.hashing import ROOT_HASH, block_hashes, hash_block
 from pdd.kv.manager import KVCacheManager

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.engine.text_stream import TextStream
+from pdd.http.text_stream import TextStream
 from pdd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "Le café naïve — 日本語 🙂 ok! def f(x): return x**2\n"

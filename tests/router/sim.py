@@ -15,8 +15,8 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdd.api import SamplingParams
 from pdd.config import RouterConfig
-from pdd.engine.sampling_params import SamplingParams
 from pdd.kv.layout import KVLayout
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m

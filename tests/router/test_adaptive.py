@@ -5,8 +5,8 @@ import math
 
 import pytest
 
+from pdd.api import StepSample, query_key_pairs
 from pdd.config import AdaptiveConfig
-from pdd.engine.request import query_key_pairs
 from pdd.kv.hashing import block_hashes
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
@@ -194,14 +194,14 @@ def test_a_colocated_worker_that_does_not_prefill_for_others_takes_no_kv():
 
 
 def heartbeat(wid: str, steps: list[tuple[int, float]], running: int = 0, pending: int = 0,
-              chunks: list[int] = (), decodes: list[int] | None = None, pairs: list[int] | None = None
-              ) -> m.Heartbeat:
-    """`pairs` left out: none (steps whose cost has no depth term)."""
-    if pairs is None:
-        pairs = [0] * len(steps)
-    return m.Heartbeat(wid, running, 0, 100, 100, decoding=running, step_latencies=[s for _, s in steps],
-                       step_tokens=[t for t, _ in steps], prefill_chunks=list(chunks), prefill_tokens_pending=pending,
-                       step_decodes=list(decodes) if decodes is not None else [], step_prefill_pairs=pairs)
+              decodes: list[int] | None = None, pairs: list[int] | None = None) -> m.Heartbeat:
+    """steps: (tokens, seconds); `decodes` left out: every token a prompt's; `pairs`
+    left out: none (steps whose cost has no depth term)."""
+    decodes = decodes if decodes is not None else [0] * len(steps)
+    pairs = pairs if pairs is not None else [0] * len(steps)
+    samples = [StepSample(latency_s=s, num_tokens=t, num_decodes=d, prefill_pairs=p)
+               for (t, s), d, p in zip(steps, decodes, pairs)]
+    return m.Heartbeat(wid, running, 0, 100, 100, decoding=running, steps=samples, prefill_tokens_pending=pending)
 
 
 def test_the_step_model_calibrates_from_heartbeats():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.api import SamplingParams
 from pdd.router.requests import RequestError, RequestState, TokenEvent
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from pdd.api import SamplingParams
 from pdd.config import load_cluster_config
-from pdd.engine.sampling_params import SamplingParams
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel, RouterChannel
 from pdd.security import control_security, data_security, generate_keys

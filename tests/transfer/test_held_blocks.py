@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
+from pdd.api import SamplingParams
 from pdd.config import EngineConfig, WorkerConfig
 from pdd.engine.engine import LLMEngine
-from pdd.engine.sampling_params import SamplingParams
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.transfer.wire import decode_reply, encode_control

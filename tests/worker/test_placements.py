@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.engine.sampling_params import InvalidRequest
+from pdd.api import InvalidRequest
 from pdd.worker.placements import PlacementTable, engine_id
 
 

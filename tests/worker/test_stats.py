@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdd.engine.engine import StepStats
+from pdd.api import StepSample
 from pdd.worker.stats import EngineStats, HeartbeatReader, Journal, JournalCursor
 
 
@@ -52,22 +52,20 @@ def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace
 def test_heartbeats_carry_samples_and_hashes_once():
     published = [11, 12]
     engine, stats, reader = fake_engine(published), EngineStats(), HeartbeatReader("w")
-    stats.record(StepStats(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38], prefill_pairs=741))
+    stats.record(StepSample(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38], prefill_pairs=741))
     first = reader.heartbeat(stats.snapshot(engine, {}), 0.0, False)
     published.append(13)
-    stats.record(StepStats(latency_s=0.25, num_tokens=3, num_decodes=3))
-    stats.record(StepStats())                      # took results only: no sample
+    stats.record(StepSample(latency_s=0.25, num_tokens=3, num_decodes=3))
+    stats.record(StepSample())                      # took results only: no sample
     snap = stats.snapshot(engine, {})
     second = reader.heartbeat(snap, 0.1, True)
     again = reader.heartbeat(snap, 0.2, True)      # the loop heartbeats twice on one snapshot
-    assert (first.recent_hashes, first.step_latencies, first.prefill_chunks, first.decode_batches) == \
-        ([11, 12], [0.5], [38], [2])
-    assert (second.recent_hashes, second.step_latencies, second.decode_batches) == ([13], [0.25], [3])
+    s1 = StepSample(latency_s=0.5, num_tokens=40, num_decodes=2, prefill_chunks=[38], prefill_pairs=741)
+    s2 = StepSample(latency_s=0.25, num_tokens=3, num_decodes=3)
+    assert (first.recent_hashes, first.steps) == ([11, 12], [s1])
+    assert (second.recent_hashes, second.steps) == ([13], [s2])
     assert second.steps_completed == 3 and second.step_running_s == 0.1 and second.draining
-    assert again.recent_hashes == again.step_latencies == [] and again.steps_completed == 3
-    assert (first.step_tokens, second.step_tokens, again.step_tokens) == ([40], [3], [])
-    assert (first.step_decodes, second.step_decodes, again.step_decodes) == ([2], [3], [])
-    assert (first.step_prefill_pairs, second.step_prefill_pairs, again.step_prefill_pairs) == ([741], [0], [])
+    assert again.recent_hashes == again.steps == [] and again.steps_completed == 3
 
 
 def test_heartbeats_count_the_prompt_tokens_not_computed_yet():

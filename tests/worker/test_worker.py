@@ -11,10 +11,10 @@ import threading
 import pytest
 import zmq
 
+from pdd.api import SamplingParams
 from pdd.config import EXIT_REFUSED, EXIT_WORKER_FAILED
 from pdd.engine import model_runner
 from pdd.engine.engine import LLMEngine
-from pdd.engine.sampling_params import SamplingParams
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.hashing import ROOT_HASH, block_hashes
 from pdd.kv.manager import KVCacheManager

@@ -4,7 +4,7 @@ Every ZeroMQ socket of a cluster runs CURVE (encrypted, and each end proves
 who it is). The router's key pair serves the control bus and the admin socket;
 each worker's pair dials the router and serves the worker's data socket. A
 server lets in only the public keys found in its authorized directory, asked
-through ZAP at every handshake (pdd.protocol.zap): a peer without such a key
+through ZAP at every handshake (pdd.security.zap): a peer without such a key
 never completes the handshake, so it can neither send nor receive one message.
 The key files (`pdd keys generate DIR`):
 
@@ -29,7 +29,7 @@ import zmq.auth
 from zmq.utils import z85
 
 from pdd.config import ClusterConfig, ConfigError
-from pdd.protocol.zap import HandshakeWatch, ZapHandler, count, counts
+from pdd.security.zap import HandshakeWatch, ZapHandler, count, counts
 
 __all__ = ["Curve", "HandshakeWatch", "KeyDir", "admin_client_security", "admin_security", "admin_token_problem",
            "check_start", "control_security", "count", "counts", "data_security", "generate_keys",

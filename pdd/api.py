@@ -1,10 +1,16 @@
-"""What a request asks of the sampler and of stopping.
+"""Types that the engine, the workers, the router and the wire share: what a
+request asks (SamplingParams, and InvalidRequest when that cannot be served)
+and what an engine step measured (StepSample).
 
-`validate()` is the one check of every field, run where a request enters
-(HTTP parsing at the router, `LLMEngine.make_request` on a worker, since a
-control message could carry anything). It bounds each value to what the
-sampler and the wire can take, so a poison value is refused with an error
-naming the field instead of failing a batch on the GPU.
+They live here, not in engine/ (which imports torch) or protocol/, so that any
+side uses them without importing another side's machinery: the router never
+imports torch.
+
+SamplingParams: `validate()` is the one check of every field, run where a
+request enters (HTTP parsing at the router, `LLMEngine.make_request` on a
+worker, since a control message could carry anything). It bounds each value to
+what the sampler and the wire can take, so a poison value is refused with an
+error naming the field instead of failing a batch on the GPU.
 """
 from __future__ import annotations
 
@@ -111,3 +117,23 @@ def _shown(value) -> str:
     """A value for an error message, cut short: it may be a megabyte of poison."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class StepSample:
+    """One engine step, as the engine measured it, a worker journals it and a
+    heartbeat carries it to the router (histograms, and the step-cost model of
+    pdd.router.estimator, which prices decode and prompt tokens apart and a
+    chunk deep in its prompt by its query-key pairs)."""
+    latency_s: float = 0.0
+    num_tokens: int = 0                 # tokens computed: decodes + prompt-chunk tokens
+    num_decodes: int = 0                # decode tokens among them (one per decoding request)
+    prefill_chunks: list[int] = field(default_factory=list)   # tokens of each prompt chunk
+    prefill_pairs: int = 0              # query-key pairs of its prompt chunks (query_key_pairs)
+
+
+def query_key_pairs(start: int, n: int) -> int:
+    """The attention work of a prompt chunk: `n` tokens after `start` computed
+    ones, each query seeing the keys before it and itself. Steps report it
+    (pdd.api.StepSample.prefill_pairs) and the router's step model prices it."""
+    return n * start + n * (n + 1) // 2

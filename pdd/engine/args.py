@@ -1,0 +1,28 @@
+"""The engine's command-line flags (`pdd generate`, `pdd bench ...`) and the
+LLMEngine keyword arguments they make. Imports nothing heavy: `pdd admin` and
+the router never pay for torch."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU, 2048 on the CPU")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=not args.no_async_scheduling)
