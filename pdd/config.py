@@ -237,7 +237,9 @@ class WorkerConfig:
     data_addr: str = "tcp://127.0.0.1:0"
     # auto: cuda_ipc to decode workers on this host when on a GPU, else tcp.
     transfer_backend: str = "auto"       # auto | tcp | cuda_ipc
-    transfer_timeout_s: float = 30.0     # a page unacknowledged this long fails the transfer
+    # A transfer whose data plane owes it an acknowledgement and has made no
+    # progress this long fails (PrefillFailed: the decode worker prefills it).
+    transfer_timeout_s: float = 30.0
     # cuda_ipc: 0 = copy a step's pages once, after its forward; N = every N
     # layers while the forward runs (see pdd.transfer.cuda_ipc for which pays when).
     ipc_layers_per_copy: int = 0

@@ -11,7 +11,9 @@ Known faults (each acts in the roles named; elsewhere it is inert):
                                       does not start the decode worker, and the result
                                       comes back failed (PrefillFailed, as for a real failure)
   transfer.delay_s=S        prefill   a transfer's result is held S seconds more
-  transfer.send_delay_s=S   prefill   the tcp sender waits S before each page message
+  transfer.send_delay_s=S   prefill   the tcp sender holds each page message S before it goes
+                                      (its I/O thread serves on: a large S is a stalled
+                                      transfer, failed at worker.transfer_timeout_s)
   transfer.reject=1         decode    the KV receiver refuses every page
   reserve.drop_rate=P       decode    that share of Reserves is dropped unanswered
                                       (the router's reserve timer fires)

@@ -93,18 +93,42 @@ def stage_pages(src_layer: torch.Tensor, src_block_ids: list[int], to_host: bool
 
 @dataclass
 class Progress:
-    """What has been delivered of one request so far."""
+    """What has been delivered of one request so far, and when its transfer
+    counts as stalled.
+
+    The transfer deadline runs only while the data plane owes the request
+    something (a backend's message handed over and not yet acknowledged), and
+    counts from the transfer's last progress: the handover that started the
+    wait, or the latest acknowledgement. While nothing is owed the transfer
+    waits on the prompt's compute, which is no stall (a hung engine step is
+    the router's hang detection's to see); so a long prefill whose pages keep
+    landing is never cut off, however long it runs.
+    """
 
     request_id: str
     t_first: float = field(default_factory=time.perf_counter)
     bytes: int = 0
     blocks: set[int] = field(default_factory=set)
     t_last: float = 0.0
+    moved_at: float | None = None   # last progress while something is owed; None: nothing owed
 
-    def delivered(self, nbytes: int, dst: list[int]) -> None:
+    def owe(self, since: float) -> None:
+        """Something was handed to the data plane at `since` (perf_counter): the
+        deadline starts then, unless an earlier handover already runs it."""
+        if self.moved_at is None:
+            self.moved_at = since
+
+    def delivered(self, nbytes: int, dst: list[int], now: float | None = None, still_owed: bool = False) -> None:
+        """An acknowledgement: progress. `still_owed`: other handovers await theirs."""
         self.bytes += nbytes
         self.blocks.update(dst)
-        self.t_last = time.perf_counter()
+        self.t_last = time.perf_counter() if now is None else now
+        self.moved_at = self.t_last if still_owed else None
+
+    def deadline(self, timeout_s: float) -> float | None:
+        """When the transfer stalled (`timeout_s` after its last progress), or
+        None while the data plane owes it nothing."""
+        return None if self.moved_at is None else self.moved_at + timeout_s
 
     def result(self, ok: bool, error: str = "", blocks_skipped: int = 0) -> TransferResult:
         end = self.t_last if ok and self.t_last else time.perf_counter()
@@ -228,8 +252,11 @@ class Outgoing:
     request_id: str
     frames: list
 
-    def ready(self) -> None:
-        """Wait until the frames' memory holds what they send (a backend's staging)."""
+    def ready(self) -> float | None:
+        """Make sure the frames' memory holds what they send (a backend's
+        staging); None if they may go now, else the time (perf_counter) before
+        which they must not (an injected delay: the I/O thread serves on meanwhile)."""
+        return None
 
 
 class Dest:
@@ -259,17 +286,22 @@ class Dest:
             except zmq.Again:
                 return seen
 
-    def flush(self, poller: zmq.Poller) -> None:
-        """Hand zmq what it takes now; poll for writability while frames wait."""
+    def flush(self, poller: zmq.Poller) -> float | None:
+        """Hand zmq what it takes now; poll for writability while frames wait.
+        Returns when frames held back may go (None: none are)."""
+        held = None
         while self.pending:
             out = self.pending[0]
-            out.ready()
+            held = out.ready()
+            if held is not None:
+                break
             try:
                 self.sock.send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             self.pending.popleft()
-        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if self.pending else 0))
+        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if self.pending and held is None else 0))
+        return held
 
     def drop(self, request_id: str) -> None:
         """Forget the request's frames zmq has not taken."""
@@ -305,6 +337,7 @@ class IoSender(SenderBase):
         self._ctx = zmq.Context()
         self._dests: dict[DestKey, Dest] = {}
         self._poller = zmq.Poller()
+        self._held_until: float | None = None   # the earliest time frames held back may go
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -338,13 +371,17 @@ class IoSender(SenderBase):
                     if cmd[0] == "close":
                         return
                     self._command(cmd)
+                held = []
                 for key, dest in list(self._dests.items()):
                     if events.get(dest.sock, 0) & zmq.POLLIN:
                         self._recv(dest)
                     if dest.monitor is not None and events.get(dest.monitor, 0) & zmq.POLLIN \
                             and not self._on_monitor(key, dest, dest.events()):
                         continue   # the backend closed it
-                    dest.flush(self._poller)
+                    until = dest.flush(self._poller)
+                    if until is not None:
+                        held.append(until)
+                self._held_until = min(held, default=None)
                 self._expire(time.perf_counter())
         except Exception:  # never expected; make it loud, fail what is in flight
             log.exception("%s I/O thread crashed", self.thread_name)
@@ -355,7 +392,7 @@ class IoSender(SenderBase):
             self._ctx.term()
 
     def _wait_ms(self) -> int:
-        due = self._next_deadline()
+        due = min((t for t in (self._next_deadline(), self._held_until) if t is not None), default=None)
         if due is None:
             return _MAX_WAIT_MS
         return max(1, min(_MAX_WAIT_MS, int((due - time.perf_counter()) * 1000) + 1))

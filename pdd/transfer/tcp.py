@@ -9,7 +9,11 @@ carries the handoff (the first token), and the receiver
 before it was written under the still live lease; the decode worker then
 starts the request. The transfer succeeds when the done message is acked.
 
-A message unacknowledged after `timeout_s` fails its request. With
+A request whose messages go unacknowledged for `timeout_s` after its last
+progress fails (pdd.transfer.sender.Progress: the clock runs only while a
+message awaits its ack, and each ack restarts it, so a slow but moving
+transfer goes on). The I/O thread keeps that clock, so it must not block:
+an injected send delay holds the message, not the thread. With
 `security`, each DEALER is a CURVE client of the key the decode worker
 registered: a handshake that fails (wrong or unauthorized key) fails that
 destination's requests at once, with the reason, instead of by a timeout.
@@ -45,13 +49,15 @@ class _Msg(Outgoing):
     dst: list[int]
     staged: Staged | None   # the pages (None: the done message); referenced until acked: zmq sends from it
     t_enq: float
+    not_before: float | None = None   # set once at the head of its queue (the injected send delay)
 
-    def ready(self) -> None:
-        if self.staged is not None:
+    def ready(self) -> float | None:
+        if self.staged is None:
+            return None
+        if self.not_before is None:
             self.staged.wait()  # CUDA: the device->host copy must have landed
-            delay = faults.get("transfer.send_delay_s")
-            if delay:
-                time.sleep(delay)
+            self.not_before = time.perf_counter() + faults.get("transfer.send_delay_s")
+        return self.not_before if time.perf_counter() < self.not_before else None
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +151,7 @@ class TcpSender(IoSender):
     def _send(self, req: _Req, msg: _Msg) -> None:
         req.next_seq += 1
         req.outstanding[msg.seq] = msg
+        req.progress.owe(msg.t_enq)
         self._dest(req.target).pending.append(msg)
 
     def _on_finish(self, rid: str, blocks_skipped: int, handoff: Handoff | None) -> None:
@@ -169,7 +176,7 @@ class TcpSender(IoSender):
         if not ack["ok"]:
             self._fail(msg.request_id, ack["error"] or "refused by the decode worker")
             return
-        req.progress.delivered(msg.nbytes, msg.dst)
+        req.progress.delivered(msg.nbytes, msg.dst, time.perf_counter(), still_owed=bool(req.outstanding))
         if req.finished and not req.outstanding:   # the done message was accepted
             del self._reqs[msg.request_id]
             self._emit(req.progress.result(True, blocks_skipped=req.blocks_skipped))
@@ -203,13 +210,14 @@ class TcpSender(IoSender):
 
     def _expire(self, now: float) -> None:
         for rid, req in list(self._reqs.items()):
-            oldest = next(iter(req.outstanding.values()), None)
-            if oldest is not None and now - oldest.t_enq > self.timeout_s:
-                self._fail(rid, f"timed out after {self.timeout_s:g}s waiting for the decode worker")
+            due = req.progress.deadline(self.timeout_s)
+            if due is not None and now >= due:
+                self._fail(rid, f"stalled: no progress for {self.timeout_s:g}s waiting for the decode worker "
+                                "(worker.transfer_timeout_s)")
 
     def _next_deadline(self) -> float | None:
-        oldest = [next(iter(r.outstanding.values())).t_enq for r in self._reqs.values() if r.outstanding]
-        return min(oldest) + self.timeout_s if oldest else None
+        return min((d for r in self._reqs.values() if (d := r.progress.deadline(self.timeout_s)) is not None),
+                   default=None)
 
     def _crashed(self, error: str) -> None:
         for rid in list(self._reqs):

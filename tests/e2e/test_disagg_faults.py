@@ -11,7 +11,7 @@ import pytest
 
 from pdd import SamplingParams
 from tests.e2e.cluster import UpCluster
-from tests.e2e.test_disagg import metric, run_all
+from tests.e2e.test_disagg import complete, metric, run_all
 from tests.engine.helpers import random_prompts
 
 def long_prompt(seed: int) -> list[int]:
@@ -165,6 +165,37 @@ def test_failed_transfers_fall_back_to_local_prefill(tmp_path, tiny_model, offli
         expected = offline.generate(prompts, params)
         assert [r[0] for r in run_all(c, prompts, params)] == [e.text for e in expected]
         assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 3
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_a_stalled_transfer_falls_back_at_the_transfer_deadline(tmp_path, tiny_model, offline):
+    # Every page message is held an hour at the prefill worker (its sender serves on),
+    # while both workers heartbeat: the transfer makes no progress. It fails at
+    # worker.transfer_timeout_s (2 s), not at the lease (an hour): the decode worker
+    # prefills the request in the blocks it holds, and the breaker counts the failure.
+    # The client gives up long before the lease could end the stall.
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg",
+                  env={"PDD_FAULTS": "transfer.send_delay_s=3600", "PDD_WORKER__TRANSFER_TIMEOUT_S": "2",
+                       "PDD_ROUTER__KV_LEASE_TTL_S": "3600"}).start()
+    try:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        prompt = long_prompt(5)
+        expected = offline.generate([prompt], sp)[0]
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                return await complete(session, c, prompt, sp)
+        assert asyncio.run(main()) == (expected.text, "length")
+        assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 1
+        assert metric(c, "pdd_kv_transfer_failures_total") == 1
+        pair = next(b for b in c.admin("breaker") if (b["prefill"], b["decode"]) == ("prefill-0", "decode-0"))
+        assert pair["consecutive_failures"] == 1
+        log = (c.run_dir / "prefill-0.log").read_text()
+        assert "stalled: no progress for 2s" in log and "(worker.transfer_timeout_s)" in log, log
+        workers = c.wait_idle(timeout_s=5.0)
+        assert workers["decode-0"]["transfer"]["leases"] == workers["decode-0"]["transfer"]["held_leases"] == 0
         assert_all_free(c)
     finally:
         assert c.stop() == 0, c.logs()

@@ -171,7 +171,7 @@ def test_missing_receiver_fails_within_timeout(make_pair, backend, free_tcp_addr
     r = pair.wait_result("r", timeout=30)
     assert not r.ok
     if backend == "tcp":
-        assert r.error == "timed out after 0.5s waiting for the decode worker"
+        assert r.error == "stalled: no progress for 0.5s waiting for the decode worker (worker.transfer_timeout_s)"
     else:
         assert r.error == "no local receiver at local://nobody"
 
