@@ -46,6 +46,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from pdd.lifetime import follow_supervisor
+
+    follow_supervisor()   # started by `pdd up`: ends with it
     try:
         cfg = _serve_config(args)
     except ValueError as e:   # a bad config file, key, value or --set
@@ -142,15 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router.mode = adaptive: per request, remote or local prefill by measured cost; "
                         "colocated workers also prefill for others, leaning to prefill or decode with the load")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--run-dir", default=None, help="where logs, keys and the generated config go (mode 0700)")
+    p.add_argument("--run-dir", default=None,
+                   help="where logs, keys and the generated config go (default ~/.cache/pdd/run/up-PORT): "
+                        "made 0700 if new; an existing one is used as it is, its keys kept, if only you can write it")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--api-key-file", action="append", metavar="FILE",
+                   help="require 'Authorization: Bearer KEY' on the HTTP API for the keys in FILE, one a line "
+                        "(blank lines and # comments skipped; repeatable); or PDD_SECURITY__API_KEYS=KEY1,KEY2")
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the HTTP API (repeatable)")
+                   help="as --api-key-file, but on the command line, where other users can read it (warned)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("admin", help="operate a running cluster through the router's admin socket")
     p.add_argument("--addr", default=None, help="admin socket (default from --config, else tcp://127.0.0.1:7101)")
-    p.add_argument("--token", default=None, help="admin token (default: --config's, or $PDD_ADMIN_TOKEN)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token-file", default=None, metavar="FILE",
+                       help="file holding the admin token (default: $PDD_ADMIN_TOKEN, else --config's)")
+    token.add_argument("--token", default=None,
+                       help="the admin token on the command line, where other users can read it (warned)")
     p.add_argument("--config", default=None)
     p.add_argument("--keys", default=None, help="keys directory with admin.key_secret and router.key "
                                                 "(default: --config's security.keys_dir)")

@@ -3,7 +3,8 @@
 One dataclass per concern; a TOML file has one table per dataclass
 ([engine], [router], ...). Unknown keys and wrong types are errors that name
 the key: a typo in a config file must not silently fall back to a default.
-Env overrides use PDD_<TABLE>__<KEY>=value (e.g. PDD_ENGINE__BLOCK_SIZE=32).
+Env overrides use PDD_<TABLE>__<KEY>=value (e.g. PDD_ENGINE__BLOCK_SIZE=32); a list
+is comma-separated (PDD_SECURITY__API_KEYS=key1,key2).
 """
 from __future__ import annotations
 
@@ -407,8 +408,8 @@ def _coerce(value, hint, key: str):
         if isinstance(value, str):
             return value
     elif origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+        if isinstance(value, str):   # an env override: comma-separated, spaces around an item ignored
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, (list, tuple)):
             return origin(_coerce(v, args[0], key) for v in value)
     else:

@@ -7,17 +7,24 @@ prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
 A worker that dies is restarted (as systemd's Restart=on-failure would; the
 router moves its requests meanwhile); if the router dies, `up` stops and fails.
 
-Unless the config names keys (or waives them), the cluster gets a throw-away
-CURVE key set and admin token of its own, made at each start in the run
-directory (0700; the config, which holds the token and API keys, 0600).
+Unless the config names keys (or waives them), the cluster gets a CURVE key
+set of its own in the run directory (made at the first start, used again
+after) and a random admin token at each start; the config, which holds the
+token and API keys, is written 0600. What `up` does to the run directory, and
+how it keeps one cluster to it: pdd.run_dir. Before it touches any file, `up`
+makes sure the router's addresses are free: a second `pdd up` on a running
+cluster's port changes nothing of it.
+
+The children die with `up`, however it ends (pdd.lifetime): a `pdd up` killed
+with -9 leaves no router or worker running unsupervised.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +34,9 @@ import urllib.request
 from pathlib import Path
 
 from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_config
-from pdd.security import admin_token_problem, generate_keys, private_dir, write_private
+from pdd.lifetime import SUPERVISOR_ENV
+from pdd.run_dir import RunDirBusy, RunDirRefused, claim_run_dir, run_dir_keys
+from pdd.security import admin_token_problem, read_secret_file, write_private
 
 STOP_TIMEOUT_S = 40.0
 # A worker that exits this many times within the window is given up on, and the
@@ -35,12 +44,40 @@ STOP_TIMEOUT_S = 40.0
 # loop, not the odd death over a long life.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
+# Keys of the HTTP API from the environment: the generated config holds them
+# with those of the flags, and the children read that config, not this variable.
+API_KEYS_ENV = "PDD_SECURITY__API_KEYS"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def address_in_use(cfg: ClusterConfig) -> str | None:
+    """Which TCP address the router of `cfg` listens on is taken, if one is (as "port 8000")."""
+    wanted = [(f"port {cfg.router.port}", cfg.router.host, cfg.router.port)]
+    for key in ("control_addr", "admin_addr"):
+        addr = getattr(cfg.router, key)
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        if addr.startswith("tcp://") and port.isdigit() and int(port):
+            wanted.append((f"router.{key} {addr}", host.strip("[]").replace("*", ""), int(port)))
+    for name, host, port in wanted:
+        try:
+            family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror:
+            continue   # the router names what is wrong with it
+        with socket.socket(family, kind, proto) as s:
+            # As the router binds: a port whose last connections linger in TIME_WAIT is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return name
+    return None
 
 
 @dataclasses.dataclass
@@ -81,6 +118,7 @@ class Cluster:
         self.run_dir = run_dir
         self.children: list[Child] = []
         self.config_path = run_dir / "cluster.toml"
+        self.lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -90,7 +128,10 @@ class Cluster:
         with open(self.run_dir / f"{name}.log", "ab") as log:
             cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
                    "serve", "--config", str(self.config_path), *args]
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV}
+            child_env.update(env or {})
+            child_env[SUPERVISOR_ENV] = str(os.getpid())   # it stops if this process dies
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
@@ -101,9 +142,18 @@ class Cluster:
         child.restarted_at.append(time.monotonic())
         child.proc = self._popen(child.name, child.args, child.env)
 
-    def start(self) -> None:
-        private_dir(self.run_dir)
+    def claim(self) -> None:
+        """The run directory made or checked, and locked for this process
+        (RunDirBusy, RunDirRefused); the keys it holds checked."""
+        self.lock_fd = claim_run_dir(self.run_dir, f"pdd up pid {os.getpid()} ({self.url})")
         self.cfg = self._with_secrets(self.cfg)
+
+    def start(self) -> None:
+        """The children, each stopped (SIGTERM) by the kernel if the thread
+        that starts it dies (pdd.lifetime): start and restart them from one
+        thread that lives as long as the cluster."""
+        if self.lock_fd is None:
+            self.claim()
         write_private(self.config_path, dump_toml(self.cfg))
         self._spawn("router", ["--role", "router"])
         threads = cpu_threads_each(self.cfg, self.workers)
@@ -120,9 +170,7 @@ class Cluster:
         """`cfg` with what the config leaves out: a fresh key set, a random admin token."""
         sec, router = cfg.security, cfg.router
         if not sec.keys_dir and not sec.insecure:
-            keys = self.run_dir / "keys"
-            shutil.rmtree(keys, ignore_errors=True)  # a previous run's: never reused
-            sec = dataclasses.replace(sec, keys_dir=str(generate_keys(keys)))
+            sec = dataclasses.replace(sec, keys_dir=str(run_dir_keys(self.run_dir)))
         if not router.admin_token:
             router = dataclasses.replace(router, admin_token=secrets.token_hex(16))
         return dataclasses.replace(cfg, security=sec, router=router)
@@ -193,12 +241,25 @@ def build_cluster(args) -> Cluster:
     why = base.router.admin_token and admin_token_problem(base.router.admin_token)
     if why:
         raise ValueError(f"{args.config}: {why}; remove it (pdd up makes a random one) or set a random one")
-    if getattr(args, "api_key", None):
-        overrides["security"] = {"api_keys": list(args.api_key)}
-    cfg = load_cluster_config(args.config, overrides=overrides)
+    overrides["security"] = {"api_keys": _api_keys(args, base)}
+    cfg = load_cluster_config(args.config, env={k: v for k, v in os.environ.items() if k != API_KEYS_ENV},
+                              overrides=overrides)
     workers = _plan_workers(args, cfg)
-    run_dir = Path(args.run_dir or Path.home() / ".cache" / "pdd" / "run" / f"up-{cfg.router.port}")
-    return Cluster(cfg, workers, run_dir)
+    path = Path(args.run_dir or Path.home() / ".cache" / "pdd" / "run" / f"up-{cfg.router.port}")
+    return Cluster(cfg, workers, path)
+
+
+def _api_keys(args, base: ClusterConfig) -> list[str]:
+    """Every HTTP API key given, in order, once: the config's (its file or
+    PDD_SECURITY__API_KEYS), each --api-key-file's, each --api-key."""
+    keys = list(base.security.api_keys)
+    for path in getattr(args, "api_key_file", None) or []:
+        keys += read_secret_file(path, "--api-key-file")
+    if getattr(args, "api_key", None):
+        print("pdd up: warning: --api-key puts the key on the command line, where every user of this host can "
+              f"read it (ps); use --api-key-file FILE or {API_KEYS_ENV}", file=sys.stderr)
+        keys += args.api_key
+    return list(dict.fromkeys(keys))
 
 
 def _plan_workers(args, cfg: ClusterConfig) -> list[tuple[str, str, str | None]]:
@@ -228,6 +289,18 @@ def _devices(cfg: ClusterConfig) -> list[str]:
 
 def main(args) -> int:
     cluster = build_cluster(args)
+    busy = address_in_use(cluster.cfg)
+    if busy:
+        # Exit 1, as `pdd serve` on an address in use: a later try may find it free.
+        other = "--port" if busy.startswith("port") else "address in --config"
+        print(f"pdd up: {busy} is in use (another pdd up, or another server?); nothing was changed; "
+              f"stop that one or pick another {other}", file=sys.stderr)
+        return 1
+    try:
+        cluster.claim()
+    except (RunDirBusy, RunDirRefused) as e:
+        print(f"pdd up: {e}", file=sys.stderr)
+        return 1 if isinstance(e, RunDirBusy) else EXIT_REFUSED
     stop = {"signal": None}
 
     def on_signal(signum, _frame):

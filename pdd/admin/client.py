@@ -1,5 +1,8 @@
-"""`pdd admin [--addr ADDR] [--token T] [--keys DIR | --config FILE] COMMAND [ARGS]`:
+"""`pdd admin [--addr ADDR] [--token-file FILE] [--keys DIR | --config FILE] COMMAND [ARGS]`:
 talks to the router's admin socket.
+
+The token comes from --token-file, $PDD_ADMIN_TOKEN or the config: a --token
+on the command line works too, but any user of the host can read it there.
 
 With keys the socket runs CURVE: the client needs the admin key pair
 (admin.key_secret) and the router's public key (router.key), from --keys DIR or
@@ -14,7 +17,7 @@ import sys
 import msgpack
 import zmq
 
-from pdd.security import Curve, admin_client_security
+from pdd.security import Curve, admin_client_security, read_secret_file
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -76,7 +79,7 @@ def _format_workers(workers: list[dict]) -> str:
 
 def _connection(args) -> tuple[str, str, Curve | None]:
     """(address, token, CURVE identity or None) from the flags, the config and the environment."""
-    addr, token = args.addr, args.token or os.environ.get("PDD_ADMIN_TOKEN", "")
+    addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
     keys_dir, insecure = args.keys or os.environ.get("PDD_SECURITY__KEYS_DIR", ""), False
     if args.config:
         from pdd.config import load_cluster_config
@@ -92,6 +95,23 @@ def _connection(args) -> tuple[str, str, Curve | None]:
         return addr, token, None
     raise AdminError("no keys: pass --keys DIR (holding admin.key_secret and router.key) or --config FILE "
                      "with security.keys_dir")
+
+
+def _flag_token(args) -> str:
+    """The token of --token-file, or of --token (with a warning), or ""."""
+    if getattr(args, "token", None):
+        print("pdd admin: warning: --token puts the admin token on the command line, where every user of this "
+              "host can read it (ps); use --token-file FILE or PDD_ADMIN_TOKEN", file=sys.stderr)
+        return args.token
+    if not getattr(args, "token_file", None):
+        return ""
+    try:
+        tokens = read_secret_file(args.token_file, "--token-file")
+    except ValueError as e:
+        raise AdminError(str(e)) from None
+    if len(tokens) > 1:
+        raise AdminError(f"--token-file {args.token_file}: holds {len(tokens)} lines; want the one token")
+    return tokens[0]
 
 
 def main(args) -> int:

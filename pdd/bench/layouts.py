@@ -105,9 +105,9 @@ class UpProcess:
                     str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
         if model:
             self.cmd += ["--model", model]
-        if api_key:
-            self.cmd += ["--api-key", api_key]
         self.env = {**os.environ, **layout.env}
+        if api_key:   # not on the command line, where any user of the host reads it
+            self.env["PDD_SECURITY__API_KEYS"] = api_key
         self.ready_timeout_s = ready_timeout_s
         work_dir.mkdir(parents=True, exist_ok=True)
 

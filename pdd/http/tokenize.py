@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from pdd.lifetime import die_with_parent
 from pdd.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,21 +28,12 @@ INLINE_BYTES = 16 * 1024
 _child: Tokenizer | None = None
 
 
-def _load(model_dir: str) -> None:
+def _load(model_dir: str, router_pid: int) -> None:
     global _child
-    _die_with_parent()
+    # A router killed with -9 cannot stop its child: the kernel does; else the
+    # child, and multiprocessing's resource tracker with it, would outlive it.
+    die_with_parent(router_pid, signal.SIGKILL)
     _child = Tokenizer(model_dir)
-
-
-def _die_with_parent() -> None:
-    """A router killed with -9 cannot stop its child: the kernel does (Linux's
-    PR_SET_PDEATHSIG); else the child, and multiprocessing's resource tracker
-    with it, would outlive it."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass   # not Linux: the child ends when it next finds its parent gone
 
 
 def _call(method: str, arg, kwargs: dict):
@@ -57,8 +50,8 @@ class OffLoopTokenizer:
         if size <= INLINE_BYTES:
             return getattr(self.tokenizer, method)(arg, **kwargs)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_load, initargs=(str(self.tokenizer.model_dir),))
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                             initargs=(str(self.tokenizer.model_dir), os.getpid()))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, _call, method, arg, kwargs)
         except BrokenProcessPool:

@@ -32,8 +32,8 @@ from pdd.config import ClusterConfig, ConfigError
 from pdd.security.zap import HandshakeWatch, ZapHandler, count, counts
 
 __all__ = ["Curve", "HandshakeWatch", "KeyDir", "admin_client_security", "admin_security", "admin_token_problem",
-           "check_start", "control_security", "count", "counts", "data_security", "generate_keys",
-           "private_dir", "worker_public_key", "write_private"]
+           "check_key_set", "check_start", "control_security", "count", "counts", "data_security", "generate_keys",
+           "private_dir", "read_secret_file", "untrusted_dir", "worker_public_key", "write_private"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,38 @@ def write_private(path: Path, text: str) -> None:
     os.fchmod(fd, 0o600)   # an existing file keeps its mode through O_CREAT
     with os.fdopen(fd, "w") as f:
         f.write(text)
+
+
+def untrusted_dir(path: Path) -> str | None:
+    """Why files in the existing directory `path` could be swapped by someone
+    else (it is another user's, or others may write in it), or None."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by other users (mode {st.st_mode & 0o7777:04o})"
+    return None
+
+
+def read_secret_file(path: str | Path, flag: str) -> list[str]:
+    """The secrets in a file, one a line (blank lines and lines starting with #
+    skipped). ValueError naming `flag` and the file if it is missing,
+    unreadable or holds none; a warning if other users may read it (as ssh
+    warns of a private key: the secret may already be out, and `chmod 600`
+    mends it, so the start goes on)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    found = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not found:
+        raise ValueError(f"{flag} {path}: holds no secret (one a line; blank lines and # comments are skipped)")
+    if os.stat(path).st_mode & 0o077:
+        log.warning("%s is readable by other users: chmod 600 it", path)
+    return found
 
 
 def _write_key(path: Path, public: bytes, secret: bytes | None) -> None:
@@ -91,6 +123,16 @@ def generate_keys(directory: str | Path, roles: tuple[str, ...] = (ROUTER, WORKE
         if allowed:
             _write_key(private_dir(d / allowed) / f"{role}.key", public, None)
     return d
+
+
+def check_key_set(directory: str | Path) -> None:
+    """ConfigError unless `directory` holds what `pdd keys generate` made: the
+    three pairs, with the worker's and the admin's public keys authorized."""
+    d = Path(directory)
+    for role, allowed in ((ROUTER, None), (WORKER, AUTHORIZED_WORKERS), (ADMIN, AUTHORIZED_ADMINS)):
+        public, _ = _load_pair(d, role)
+        if allowed and KeyDir(d / allowed).lookup(public) is None:
+            raise ConfigError(f"security.keys_dir: {d / allowed} does not hold {role}.key")
 
 
 def _load_pair(d: Path, role: str) -> tuple[bytes, bytes]:
