@@ -10,6 +10,7 @@ docs/design.md, "Adaptive disaggregation".
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdd.api import query_key_pairs
@@ -33,7 +34,7 @@ class AdaptivePolicy(Policy):
         return _adaptive(request, view, self.slo) or last_resort(view, request)
 
     def settings(self) -> dict:
-        return {f: getattr(self.slo, f) for f in self.slo.__dataclass_fields__}
+        return dataclasses.asdict(self.slo)
 
     def estimates(self, view: ClusterView) -> dict[str, dict]:
         """What it prices each worker with: leaning, prefill rate, queue, decodes."""
