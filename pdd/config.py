@@ -96,7 +96,7 @@ class EngineConfig:
 
 
 ROLES = ("router", "colocated", "prefill", "decode")
-ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive")
+ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive", "threshold")
 
 # Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
 # Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
@@ -179,6 +179,32 @@ class AdaptiveConfig:
 
 
 @dataclass(frozen=True)
+class ThresholdConfig:
+    """[router.threshold]: the rule the peers' disaggregated routers use (Dynamo's
+    conditional disaggregation: uncached prompt tokens and the prefill queue),
+    router.mode = "threshold": a prompt prefills where it decodes when few of its
+    tokens are uncached there or every prefill worker's queue is full; else on
+    the least loaded prefill worker with room in its queue."""
+    # At most this many prompt tokens the decode worker does not cache: prefilled
+    # there. One engine chunk (chunk_size 512) delays the decodes beside it by one
+    # step (+12 ms on an 80-decode H200 step, docs/benchmarks.md).
+    max_local_prefill_tokens: int = 512
+    # A prefill worker with this many prompt tokens queued takes no more: about
+    # 1 s of one H200's prefill (~34k tokens/s measured), the half of a 2 s TTFT
+    # target that adaptive placement plans for too (ttft_headroom).
+    max_prefill_queue_tokens: int = 32_768
+
+    def validate(self) -> "ThresholdConfig":
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(f"router.threshold.max_local_prefill_tokens: must be >= 0, "
+                              f"got {self.max_local_prefill_tokens}")
+        if self.max_prefill_queue_tokens < 1:
+            raise ConfigError(f"router.threshold.max_prefill_queue_tokens: must be >= 1, "
+                              f"got {self.max_prefill_queue_tokens}")
+        return self
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -197,7 +223,9 @@ class RouterConfig:
     # adaptive: per request, remote or local prefill from a cost model measured
     # online; colocated workers that prefill for others lean to prefill or decode
     # as the load moves (pdd.router.placement, [router.adaptive]).
-    mode: str = "auto"               # auto | colocated | disagg | adaptive
+    # threshold: remote prefill for prompts with many uncached tokens while a
+    # prefill worker's queue has room, else local ([router.threshold]).
+    mode: str = "auto"               # auto | colocated | disagg | adaptive | threshold
     kv_lease_ttl_s: float = 60.0     # a decode reservation whose KV has not come by then is freed
     reserve_timeout_s: float = 10.0  # decode worker's answer to Reserve
     # A request not finished this long after arrival ends with an error (0 = no deadline).
@@ -211,6 +239,7 @@ class RouterConfig:
     allow_fault_injection: bool = False
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
+    threshold: ThresholdConfig = ThresholdConfig()
 
     def validate(self) -> "RouterConfig":
         if self.mode not in ROUTER_MODES:

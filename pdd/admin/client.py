@@ -67,13 +67,32 @@ def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0):
 
 
 def _format_workers(workers: list[dict]) -> str:
-    cols = ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting", "free_blocks",
-            "num_blocks", "prefix_hit_rate", "last_seen_s_ago"]
-    rows = [[str(w.get(c, "")) if not isinstance(w.get(c), float) else f"{w[c]:.3f}" for c in cols]
-            for w in workers]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    return _table(workers, ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting",
+                            "free_blocks", "num_blocks", "prefix_hit_rate", "last_seen_s_ago"])
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    cells = [[str(r.get(c, "")) if not isinstance(r.get(c), float) else f"{r[c]:.3f}" for c in cols] for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(wd) for c, wd in zip(cols, widths))]
-    lines += ["  ".join(v.ljust(wd) for v, wd in zip(r, widths)) for r in rows]
+    lines += ["  ".join(v.ljust(wd) for v, wd in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _format_placement(placement: dict) -> str:
+    """The policy and its settings, its decisions so far, and what it reads of each worker."""
+    settings = "  ".join(f"{k}={v}" for k, v in placement.get("settings", {}).items())
+    decisions = "  ".join(f"{kind}/{reason}={n}" for kind, reasons in sorted(placement.get("decisions", {}).items())
+                          for reason, n in sorted(reasons.items()))
+    lines = [f"placement: policy={placement.get('policy')}" + (f"  {settings}" if settings else ""),
+             f"decisions: {decisions or 'none yet'}"]
+    if placement.get("prefill_leaning"):
+        lines.append(f"leaning to prefill: {', '.join(placement['prefill_leaning'])}  "
+                     f"demand={placement.get('prefill_demand_tokens_s')} prompt tokens/s")
+    estimates = placement.get("estimates", {})
+    cols = list(dict.fromkeys(k for e in estimates.values() for k in e))
+    if cols:
+        lines.append(_table([{"worker_id": wid, **e} for wid, e in sorted(estimates.items())], ["worker_id", *cols]))
     return "\n".join(lines)
 
 
@@ -135,6 +154,8 @@ def _print(args, result) -> None:
         print(f"model {result['model']}  ready={result['ready']}  accepting={result['accepting']}  "
               f"in flight={result['requests_in_flight']}  uptime={result['uptime_s']}s")
         print(_format_workers(result["workers"]))
+        if "placement" in result:
+            print(_format_placement(result["placement"]))
     elif args.admin_command == "workers":
         print(_format_workers(result))
     else:

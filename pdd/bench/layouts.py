@@ -6,6 +6,9 @@
                      N colocated workers that also prefill for each other, or P
                      prefill + D decode workers, placed per request by measured
                      cost (`auto:` is the same kind)
+    threshold:PpDd   disagg:PpDd with THRESHOLD_ENV (router.mode = threshold):
+                     long uncached prompts to a prefill worker while its queue
+                     has room, the rest prefilled where they decode
 
 The cluster is `pdd up` in a subprocess, so a layout gets whatever `pdd up`
 does, including flags added later: --layout-args adds any for one layout.
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 # colocated workers also prefill for others). A layout without it is static.
 ADAPTIVE_UP_ARGS: tuple[str, ...] = ("--adaptive",)
 ADAPTIVE_ENV: dict[str, str] = {}
+# What turns the threshold policy on (`pdd up` has no flag for it: the router's mode from the environment).
+THRESHOLD_ENV: dict[str, str] = {"PDD_ROUTER__MODE": "threshold"}
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,15 @@ def _known(name: str, names: list[str], flag: str) -> str:
 
 def _layout(name: str, more_args: list[str], more_env: dict[str, str]) -> Layout:
     kind, _, spec = name.partition(":")
-    if kind not in ("colocated", "disagg", "adaptive", "auto"):
-        raise ValueError(f"layout {name!r}: want colocated:N, disagg:PpDd (e.g. disagg:1p1d) or adaptive:N|PpDd")
+    if kind not in ("colocated", "disagg", "adaptive", "auto", "threshold"):
+        raise ValueError(f"layout {name!r}: want colocated:N, disagg:PpDd (e.g. disagg:1p1d), adaptive:N|PpDd "
+                         f"or threshold:PpDd")
     base = _static(name, spec)
-    if kind in ("colocated", "disagg"):
-        if base[1] != kind:
+    if kind in ("colocated", "disagg", "threshold"):
+        if base[1] != ("colocated" if kind == "colocated" else "disagg"):
             raise ValueError(f"layout {name!r}: {kind} takes {'N' if kind == 'colocated' else 'PpDd'}")
-        return Layout(name, (*base, *more_args), more_env)
+        env = {**THRESHOLD_ENV, **more_env} if kind == "threshold" else more_env
+        return Layout(name, (*base, *more_args), env)
     return Layout(name, (*base, *ADAPTIVE_UP_ARGS, *more_args), {**ADAPTIVE_ENV, **more_env})
 
 

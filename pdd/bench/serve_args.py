@@ -93,7 +93,7 @@ def add_serve_parser(sub, runner) -> None:
 def add_sweep_parser(sub, runner) -> None:
     b = sub.add_parser("sweep", help="bench serve over request rates, for each pdd up layout")
     b.add_argument("--layouts", default="colocated:2,disagg:1p1d",
-                   help="comma list: colocated:N, disagg:PpDd, adaptive:N or adaptive:PpDd")
+                   help="comma list: colocated:N, disagg:PpDd, adaptive:N, adaptive:PpDd or threshold:PpDd")
     b.add_argument("--layout-args", action="append", default=[], metavar="LAYOUT=ARGS",
                    help="more `pdd up` arguments for one layout, e.g. 'adaptive:2=--some-flag' (repeatable)")
     b.add_argument("--layout-env", action="append", default=[], metavar="LAYOUT=KEY=VALUE",

@@ -55,7 +55,8 @@ from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import STATE_VALUE, Breakers
 from pdd.router.estimator import Estimator
-from pdd.router.placement import PlaceRequest, Plan, pick_worker, place, prefills_for_others, transfer_backend
+from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
+                                  transfer_backend)
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent
 
@@ -88,7 +89,8 @@ class ControlPlane:
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
-        self.estimator = Estimator(cfg.adaptive)     # measured state for adaptive placement
+        self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
+        self.policy = policy_for(cfg)                # what place() decides by (router.mode)
         self._timers: list[tuple[float, int, str]] = []   # (deadline, timer seq, request id)
         self._timer_seq = 0
         self.num_queued = 0          # requests in flight without a token yet (admission control)
@@ -128,7 +130,8 @@ class ControlPlane:
         self.metrics.inflight.inc()
         if self.cfg.request_timeout_s:
             state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, request_id)
-        if plan.kind == "local_prefill" and self.cfg.mode != "adaptive" or plan.reason == "no_decode_worker":
+        # A policy that reads estimates prefills locally by choice; for the static ones it is a fallback.
+        if plan.kind == "local_prefill" and not self.policy.needs_estimates or plan.reason == "no_decode_worker":
             log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode,
                      plan.note or plan.reason)
         if plan.reason == "breaker_open":
@@ -138,15 +141,20 @@ class ControlPlane:
 
     def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
         workers, layout = self.registry.workers.values(), self.registry.layout
-        adaptive = self.cfg.mode == "adaptive" and not request.colocated_only
-        estimates = self.estimator.snapshot(workers, layout, self.clock()) if adaptive else None
-        return place(request, workers, self.cfg.mode, exclude, estimates=estimates, slo=self.cfg.adaptive,
-                     block_size=layout.block_size if layout else 16, **kw)
+        estimates = None
+        if self.policy.needs_estimates and not request.colocated_only:
+            now = self.clock()
+            if self.policy.balances_roles:
+                self.estimator.rebalance(workers, now)
+            estimates = self.estimator.estimates(workers, layout, now)
+        view = ClusterView.of(workers, exclude, estimates=estimates, block_size=layout.block_size if layout else 16,
+                              **kw)
+        return place(request, view, self.policy)
 
     def _rebalance(self) -> None:
         """Adaptive: which workers lean to prefill follows every change of the
         workers and their load (readers such as `pdd admin status` only look)."""
-        if self.cfg.mode == "adaptive":
+        if self.policy.balances_roles:
             self.estimator.rebalance(self.registry.workers.values(), self.clock())
 
     def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:

@@ -24,7 +24,7 @@ from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
 from pdd.router.breaker import PATH
 from pdd.router.control import ControlPlane, Overloaded, Unavailable
-from pdd.router.placement import SERVING_ROLES
+from pdd.router.placement import SERVING_ROLES, ClusterView
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
 from pdd.security import control_security
@@ -203,17 +203,20 @@ class Router:
         return [{**w.summary(), "estimate": view.get(w.worker_id, {})} for w in self.registry.workers.values()]
 
     def placement_status(self) -> dict:
-        """Decisions so far by kind and reason, the prefill demand and the role balance."""
+        """The policy that places requests, its settings and what it reads of
+        each worker now; decisions so far by kind and reason, the prefill demand
+        and the role balance."""
         counts: dict[str, dict[str, int]] = {}
         for metric in self.metrics.placements.collect():
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     kind, reason = sample.labels["kind"], sample.labels["reason"]
                     counts.setdefault(kind, {})[reason] = int(sample.value)
-        estimator = self.control.estimator
-        return {"mode": self.cfg.router.mode, "decisions": counts,
-                "prefill_demand_tokens_s": round(self._estimates().demand_tokens_s, 1),
-                "prefill_leaning": sorted(estimator.prefill_leaning)}
+        policy, estimates = self.control.policy, self._estimates()
+        view = ClusterView(tuple(self.registry.workers.values()), estimates=estimates)   # drained ones too
+        return {"policy": policy.name, "settings": policy.settings(), "estimates": policy.estimates(view),
+                "decisions": counts, "prefill_demand_tokens_s": round(estimates.demand_tokens_s, 1),
+                "prefill_leaning": sorted(self.control.estimator.prefill_leaning)}
 
     def _estimates(self):
         """What placement estimates now, read only (the balance as the last event set it)."""

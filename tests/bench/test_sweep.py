@@ -20,7 +20,7 @@ def test_layouts_become_pdd_up_arguments():
 
 
 @pytest.mark.parametrize("text", ["colocated:0", "colocated:1p1d", "disagg:2", "disagg:0p1d", "mystery:2",
-                                  "colocated:2,colocated:2", ""])
+                                  "colocated:2,colocated:2", "", "threshold:2"])
 def test_bad_layouts_are_refused(text):
     with pytest.raises(ValueError):
         parse_layouts(text)
@@ -36,6 +36,13 @@ def test_adaptive_layouts_turn_adaptive_placement_on(monkeypatch):
     assert lay.env == {"PDD_ROUTER__ADAPTIVE__TTFT_SLO_S": "1"}
     with pytest.raises(ValueError, match="not among"):
         parse_layouts("auto:2", ["auto:3=--x"])
+
+
+def test_threshold_layouts_select_the_policy_through_the_environment():
+    (lay,) = parse_layouts("threshold:1p1d",
+                           extra_env=["threshold:1p1d=PDD_ROUTER__THRESHOLD__MAX_LOCAL_PREFILL_TOKENS=256"])
+    assert lay.up_args == ("--mode", "disagg", "--prefill", "1", "--decode", "1")
+    assert lay.env == {"PDD_ROUTER__MODE": "threshold", "PDD_ROUTER__THRESHOLD__MAX_LOCAL_PREFILL_TOKENS": "256"}
 
 
 def point(rate: float, attainment: float | None, layout: str = "colocated:1") -> SweepPoint:

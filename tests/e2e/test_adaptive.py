@@ -46,6 +46,8 @@ def test_adaptive_layout_serves_and_shows_its_decisions(tmp_path, tiny_model, of
         # One of the two leans to prefill from the start; short prompts decode on the other.
         status = c.admin("status")
         assert status["placement"]["prefill_leaning"] == ["colocated-0"]
+        assert status["placement"]["policy"] == "adaptive"
+        assert status["placement"]["estimates"]["colocated-0"]["leaning"] == "prefill"
         short, long = random_prompts([12, 700], seed=5)
         greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
         expected_short = offline.generate([short], greedy)[0].text

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 
 import aiohttp
 import msgpack
@@ -223,6 +225,19 @@ def test_admin_status_and_drain(cluster):
     ids = sorted(w["worker_id"] for w in status["workers"])
     assert ids == ["colocated-0", "colocated-1"]
     assert all(w["num_blocks"] > 0 and "free_blocks" in w for w in status["workers"])
+    # The placement policy, its settings and what it reads of each worker (colocated: the load it picks by).
+    placement = status["placement"]
+    assert (placement["policy"], placement["settings"]) == ("colocated", {})
+    assert sorted(placement["estimates"]) == ids
+    assert all(0.0 <= e["load"] < 2.0 for e in placement["estimates"].values()), placement
+    shown = subprocess.run([sys.executable, "-m", "pdd.cli", "admin", "--config", str(cluster.run_dir / "cluster.toml"),
+                            "status"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "placement: policy=colocated" in lines, shown.stdout
+    header = lines.index("placement: policy=colocated") + 2
+    assert lines[header].split() == ["worker_id", "load"], shown.stdout
+    assert sorted(line.split()[0] for line in lines[header + 1:header + 3]) == ids, shown.stdout
 
     cluster.admin("drain", "colocated-0")
     try:

@@ -10,9 +10,9 @@ from pdd.config import AdaptiveConfig
 from pdd.kv.hashing import block_hashes
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
-from pdd.router.estimator import (LEAN_DECODE, LEAN_PREFILL, PRIOR_PAIR_S, PRIOR_TOKEN_S, Estimates, Estimator,
-                                  WorkerEstimate)
-from pdd.router.placement import DISAGG, LOCAL_PREFILL, PlaceRequest, Plan, place
+from pdd.router.cost.constants import COSTS
+from pdd.router.estimator import LEAN_DECODE, LEAN_PREFILL, Estimates, Estimator, WorkerEstimate
+from pdd.router.placement import DISAGG, LOCAL_PREFILL, AdaptivePolicy, ClusterView, PlaceRequest, Plan, place
 from pdd.router.registry import WorkerInfo
 from tests.router.sim import SimCluster
 from tests.router.test_control import expected, run_to_end
@@ -42,9 +42,9 @@ def prompt(n: int, seed: int = 1) -> PlaceRequest:
     return PlaceRequest(block_hashes(tokens, LAYOUT.block_size), num_tokens=n, max_tokens=256)
 
 
-def adaptive(request, workers, ests, pair_allowed=lambda p, d: True):
-    return place(request, workers, "adaptive", estimates=ests, slo=SLO, pair_allowed=pair_allowed,
-                 block_size=LAYOUT.block_size)
+def adaptive(request, workers, ests, pair_allowed=lambda p, d: True, slo=SLO):
+    view = ClusterView.of(workers, pair_allowed=pair_allowed, estimates=ests, block_size=LAYOUT.block_size)
+    return place(request, view, AdaptivePolicy(slo))
 
 
 @pytest.fixture
@@ -108,12 +108,10 @@ def test_a_decode_worker_already_prefilling_does_not_take_another_chunk_per_step
     slo = AdaptiveConfig(itl_slo_s=0.04)
     ests["p0"] = est(LEAN_PREFILL, step_token_s=2.5e-5, pending_tokens=50_000)
     ests["d0"] = est(decoding=100, step_decode_s=1e-4, step_token_s=2.5e-5, pending_tokens=3000)
-    plan = place(prompt(2000), workers, "adaptive", estimates=estimates(**ests), slo=slo,
-                 pair_allowed=lambda p, d: True, block_size=LAYOUT.block_size)
+    plan = adaptive(prompt(2000), workers, estimates(**ests), slo=slo)
     assert (plan.kind, plan.prefill, plan.decode) == (DISAGG, "p0", "d0")
     ests["d0"] = est(decoding=100, step_decode_s=1e-4, step_token_s=2.5e-5)       # nothing riding: one chunk fits
-    plan = place(prompt(2000), workers, "adaptive", estimates=estimates(**ests), slo=slo,
-                 pair_allowed=lambda p, d: True, block_size=LAYOUT.block_size)
+    plan = adaptive(prompt(2000), workers, estimates(**ests), slo=slo)
     assert (plan.kind, plan.decode, plan.reason) == (LOCAL_PREFILL, "d0", "prefill_queue")
 
 
@@ -214,8 +212,8 @@ def test_the_step_model_calibrates_from_heartbeats():
     assert fitted.step_base_s == pytest.approx(0.004, rel=0.05)
     assert fitted.step_token_s == pytest.approx(2e-5, rel=0.05)
     # no pairs reported: a whole-budget prompt's are priced at the prior
-    assert fitted.prefill_rate == pytest.approx(2048 / (0.004 + 2e-5 * 2048 + PRIOR_PAIR_S * query_key_pairs(0, 2048)),
-                                                rel=0.05)
+    whole_budget = 0.004 + 2e-5 * 2048 + COSTS.prior_pair_s * query_key_pairs(0, 2048)
+    assert fitted.prefill_rate == pytest.approx(2048 / whole_budget, rel=0.05)
     assert fitted.samples == 160
 
 
@@ -288,7 +286,7 @@ def test_a_worker_that_only_decodes_keeps_the_prior_cost_per_token():
         e.observe(heartbeat("d0", [(1, 0.3 + 0.01 * ((i + j) % 3)) for j in range(8)], decodes=[1] * 8))
     fitted = e.snapshot([w], LAYOUT, 0.0).workers["d0"]
     assert fitted.step_s(1) == pytest.approx(0.31, rel=0.05)
-    assert fitted.step_token_s == pytest.approx(PRIOR_TOKEN_S, rel=0.05)
+    assert fitted.step_token_s == pytest.approx(COSTS.prior_token_s, rel=0.05)
 
 
 def test_decode_and_prefill_tokens_are_fitted_apart():
@@ -472,8 +470,7 @@ def test_a_local_prompt_keeps_the_workers_chunk_when_that_already_keeps_the_gap_
     plan = adaptive(prompt(16_000), workers, estimates(p0=queued, d0=est(decoding=120, **DEEP)))
     assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
     off = AdaptiveConfig(local_chunk_gap_s=0.0)
-    plan = place(prompt(10_000), workers, "adaptive", estimates=estimates(p0=queued, d0=est(decoding=80, **DEEP)),
-                 slo=off, block_size=LAYOUT.block_size)
+    plan = adaptive(prompt(10_000), workers, estimates(p0=queued, d0=est(decoding=80, **DEEP)), slo=off)
     assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
 
 
@@ -487,8 +484,8 @@ def test_a_deep_prompt_beside_decodes_is_priced_at_its_depth(static_pd):
     slo = AdaptiveConfig(local_chunk_gap_s=0.0, itl_slo_s=0.03)
     p0 = est(LEAN_PREFILL, pending_tokens=40_000, **DEEP)
     flat = {**DEEP, "step_pair_s": 0.0}
-    plans = [place(prompt(6_000), workers, "adaptive", estimates=estimates(p0=p0, d0=est(decoding=80, **costs)),
-                   slo=slo, block_size=LAYOUT.block_size) for costs in (flat, DEEP)]
+    plans = [adaptive(prompt(6_000), workers, estimates(p0=p0, d0=est(decoding=80, **costs)), slo=slo)
+             for costs in (flat, DEEP)]
     assert [(p.kind, p.reason) for p in plans] == [(LOCAL_PREFILL, "prefill_queue"), (DISAGG, "slo")]
 
 
