@@ -20,7 +20,7 @@ class CostModelConstants:
     prior_pair_s: float = 2e-9        # e: a query-key pair (H200, Llama-3.1-8B shape: "A prompt chunk beside decodes")
     # The ridge: how many measured step groups the prior weighs, and at what size of each feature.
     prior_weight: float = 0.1         # a, b, c: a tenth of a group, so a few groups of work override it
-    prior_pair_weight: float = 3.0    # e: 3 groups; at 0.1 the fit traded e for b (ninth session: 2 ps and 41 us)
+    prior_pair_weight: float = 3.0    # e: 3 groups; at 0.1 the fit traded e for b (2 ps and 41 us on H200 mixed steps)
     prior_decodes_at: int = 64        # ... c held at 64 decodes, a typical decode batch
     prior_tokens_at: int = 512        # ... b at 512 prompt tokens, one engine chunk
     prior_mpairs_at: float = 2.0      # ... e at 2M pairs: a 512-token chunk 4k deep in its prompt
