@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -237,6 +238,20 @@ class RouterConfig:
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
     allow_fault_injection: bool = False
+    # An HTTP client that takes no byte of what it is sent for this long (the
+    # server's send buffer for it stays full) is disconnected; its request is
+    # aborted on the worker.
+    http_send_timeout_s: float = 30.0
+    # Tokens of one request the router holds for a client that has not taken
+    # them (a stream whose client stopped reading); past it the request is
+    # aborted with an error. 1024 tokens are ~10 s of decoding at 100 tokens/s,
+    # and cost the router ~0.5 KB each (~5 KB with top_logprobs 20): at most
+    # ~0.5 GB (~5 GB) over 1024 connections that all stop reading.
+    max_buffered_tokens: int = 1024
+    # Host names a key-less HTTP API answers besides IP addresses, "localhost"
+    # and `host` ("*": any name). Other names are refused (403): a web page
+    # that rebinds its own domain to this server's address names that domain.
+    allowed_hosts: tuple[str, ...] = ()
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     threshold: ThresholdConfig = ThresholdConfig()
@@ -252,6 +267,14 @@ class RouterConfig:
             raise ConfigError("router.request_timeout_s and router.max_queued_requests: must be >= 0 (0 = off)")
         if self.max_body_bytes < 1024:
             raise ConfigError("router.max_body_bytes: must be >= 1024")
+        if self.http_send_timeout_s <= 0:
+            raise ConfigError("router.http_send_timeout_s: must be > 0")
+        if self.max_buffered_tokens < 1:
+            raise ConfigError("router.max_buffered_tokens: must be >= 1")
+        for host in self.allowed_hosts:
+            if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
+                raise ConfigError(f"router.allowed_hosts: {host!r} is not a host name; want a name such as "
+                                  "'gpu-box.lan' (no scheme, port or path), or '*' for any")
         return self
 
 

@@ -6,16 +6,18 @@ stop strings) and then into SSE chunks or one JSON body. Whatever way a
 handler ends — finished, stop string, client gone, error — `finally` makes
 sure the router forgets the request and the worker frees its blocks.
 
-Access (config `[security]`): with API keys every path but `open_paths` needs
-`Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); bodies
-must arrive within `http_body_timeout_s` (408); idle and slow connections and
-the connection limit are pdd.http.guard's. Large prompts are tokenized in a
-child process (pdd.http.tokenize), so one 4 MB prompt does not stall every stream.
+Access (pdd.http.access): with API keys every path but `open_paths` needs
+`Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); without,
+what a web page could send is refused (403, 415). Bodies must arrive within
+`http_body_timeout_s` (408); a Content-Length over `router.max_body_bytes` is
+answered 413 before any of the body is read. Idle, slow and non-reading
+connections and the connection limit are pdd.http.guard's. Large prompts are
+tokenized in a child process (pdd.http.tokenize), so one 4 MB prompt does not
+stall every stream.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from concurrent.futures.process import BrokenProcessPool
@@ -27,6 +29,7 @@ from pdd import security
 from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
+from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
@@ -61,6 +64,10 @@ class OpenAIServer:
 
     async def _body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
+        if request.content_length is not None and request.content_length > request.client_max_size:
+            # It would be refused once that much had come: no reason to wait for it.
+            raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size,
+                                                actual_size=request.content_length)
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 return await request.read()
@@ -236,25 +243,8 @@ class OpenAIServer:
         return resp
 
 
-class ApiKeys:
-    """The configured `Authorization: Bearer` keys; none = the API is open."""
-
-    def __init__(self, keys, open_paths):
-        self.keys = [k.encode() for k in keys]
-        self.open_paths = frozenset(open_paths)
-
-    def allows(self, request: web.Request) -> bool:
-        if not self.keys or request.path in self.open_paths:
-            return True
-        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        given = value.strip().encode("utf-8", "replace")
-        ok = False
-        for key in self.keys:  # every key compared, in constant time: no timing hint of which matched
-            ok |= hmac.compare_digest(given, key)
-        return ok and scheme.lower() == "bearer"
-
-
 API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
+KEYLESS_KEY = web.AppKey("keyless_checks", KeylessChecks)
 CORS_KEY = web.AppKey("cors_origins", frozenset)
 
 
@@ -290,7 +280,8 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 @web.middleware
 async def access_middleware(request: web.Request, handler):
-    """Tells the connection guard a request is in progress; refuses it without a valid API key."""
+    """Tells the connection guard a request is in progress; refuses it without a
+    valid API key or, key-less, when a web page could have sent it."""
     guard = request.app[GUARDS_KEY].get(request.transport)
     if guard is not None:
         guard.request_started()
@@ -302,6 +293,11 @@ async def access_middleware(request: web.Request, handler):
                                   code="invalid_api_key")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
+        refusal = request.app[KEYLESS_KEY].refusal(request)
+        if refusal is not None:
+            security.count(f"http.{refusal.code}")
+            request.app[ROUTER_KEY].metrics.http_errors.labels(str(refusal.status)).inc()
+            return json_response(refusal.body(), refusal.status)
         return await handler(request)
     finally:
         if guard is not None:
@@ -352,8 +348,10 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
     app.on_response_prepare.append(_cors_headers)
     server = OpenAIServer(router, tokenizer, model_name, eos_token_ids)
     app[ROUTER_KEY] = router
-    app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s)
+    app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s,
+                             router.cfg.router.http_send_timeout_s)
     app[API_KEYS_KEY] = ApiKeys(sec.api_keys, sec.open_paths)
+    app[KEYLESS_KEY] = KeylessChecks(not sec.api_keys, router.cfg.router.host, router.cfg.router.allowed_hosts)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)

@@ -1,18 +1,29 @@
 """HTTP connection guard: a connection limit and timeouts aiohttp does not have.
 
-aiohttp waits forever for the first request of a connection and for headers
-that trickle in (slowloris), so each connection is wrapped in a protocol that
-sits between the transport and aiohttp's own and keeps one timer:
+aiohttp waits forever for the first request of a connection, for headers
+that trickle in (slowloris) and for a client to take what it is sent, so each
+connection is wrapped in a protocol that sits between the transport and
+aiohttp's own. It keeps one timer for the connection's state:
 
     idle     no request in progress and no byte of the next one: closed quietly
     headers  bytes of a request arrived but its handler has not started:
              answered 408 (OpenAI error shape) and closed
 
+and one for sending, whatever a handler is doing (a handler blocked writing
+to a client that does not read would otherwise hold its connection for good):
+
+    send     the transport's buffer stayed full — the client took no byte — for
+             router.http_send_timeout_s, or a close of the guard's own did not
+             get its bytes out in that time: the connection is cut (abort: a
+             close waits for the buffer to drain). That cancels its handler,
+             whose `finally` aborts the request on the worker.
+
 The app's middleware says when a request's handler starts and ends (the
 headers are complete once it starts). The body has its own timeout, in the
 handler that reads it (pdd.http.app), where a 408 can still be answered
 normally. Past the connection limit a new connection gets a 503 and is closed
-before aiohttp sees it.
+before aiohttp sees it. aiohttp's own answers to requests it cannot parse
+(400) are OpenAI-shaped too (ShapedErrors).
 """
 from __future__ import annotations
 
@@ -21,16 +32,17 @@ import logging
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from pdd import security
+from pdd.http.validate import APIError
 
 log = logging.getLogger(__name__)
 
 
 def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
     """A complete HTTP/1.1 error response, for when aiohttp is not (or no longer) in charge."""
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": code}})
+    body = orjson.dumps(APIError(status, message, code=code).body())
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
     return head.encode() + body
@@ -39,10 +51,12 @@ def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
 class Guards:
     """The live connections of one server, found by their transport."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float, idle_timeout_s: float):
+    def __init__(self, max_connections: int, header_timeout_s: float, idle_timeout_s: float,
+                 send_timeout_s: float):
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.live: dict[asyncio.BaseTransport, "Guard"] = {}
 
     def factory(self, inner_factory):
@@ -63,6 +77,7 @@ class Guard(asyncio.Protocol):
         self.busy = False            # a handler is running
         self.receiving = False       # bytes of a request whose handler has not started
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None   # armed while the client takes nothing
 
     # -- transport -> aiohttp ------------------------------------------------
 
@@ -72,7 +87,7 @@ class Guard(asyncio.Protocol):
             security.count("http.connection_limit")
             transport.write(raw_error(503, "Service Unavailable", "too many connections; retry later",
                                       "too_many_connections"))
-            transport.close()
+            self._close()
             return
         self.guards.live[transport] = self
         self.forwarded = True
@@ -92,15 +107,20 @@ class Guard(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._disarm_send()
         if self.forwarded:
             self.guards.live.pop(self.transport, None)
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        # The transport's buffer is full: the client is not taking what it is sent.
+        self._arm_send()
         if self.forwarded:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        if not self.transport.is_closing():   # a close keeps its deadline (_close)
+            self._disarm_send()
         if self.forwarded:
             self.inner.resume_writing()
 
@@ -125,17 +145,76 @@ class Guard(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _arm_send(self) -> None:
+        if self._send_timer is None:
+            self._send_timer = asyncio.get_running_loop().call_later(self.guards.send_timeout_s,
+                                                                     self._send_expired)
+
+    def _disarm_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _close(self) -> None:
+        """Close once what is buffered is sent; cut if that takes longer than the send timeout."""
+        self.transport.close()
+        self._arm_send()
+
     def _idle_expired(self) -> None:
         if not self.busy and not self.receiving and self.transport is not None:
             security.count("http.idle_timeout")
-            self.transport.close()
+            self._close()
 
     def _headers_expired(self) -> None:
         if not self.busy and self.transport is not None:
             security.count("http.header_timeout")
             self.transport.write(raw_error(408, "Request Timeout", f"the request headers did not arrive "
                                            f"within {self.guards.header_timeout_s:g}s", "request_timeout"))
-            self.transport.close()
+            self._close()
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        security.count("http.send_timeout")
+        log.info("an HTTP client took no byte for %gs: connection cut", self.guards.send_timeout_s)
+        self.transport.abort()
+
+
+class ShapedErrors(RequestHandler):
+    """aiohttp's protocol, with its own error answers in OpenAI's shape: a
+    request it cannot parse (400), or an error no middleware caught (500).
+    Those are written before any middleware runs."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:   # anyone can send garbage: not worth more than a count
+            security.count("http.malformed_request")
+            log.debug("malformed HTTP request from %s: %s", request.remote, message)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already started; the connection is broken")
+        if status >= 500:
+            error = APIError(status, "internal server error", type="server_error")
+        else:
+            detail = (message or "").split("\n", 1)[0].strip().rstrip(":")   # its first line names the fault
+            error = APIError(status, f"malformed HTTP request: {detail or 'cannot parse it'}",
+                             code="malformed_request")
+        resp = web.Response(status=status, body=orjson.dumps(error.body()), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def shaped_errors(server: web.Server):
+    """A protocol factory like `server` (aiohttp's), whose protocols answer errors in OpenAI's shape."""
+    def make() -> RequestHandler:
+        handler = server()
+        # Same slots, one method more: aiohttp builds its protocol with settings
+        # only it knows (the runner's), so the instance is re-classed, not rebuilt.
+        handler.__class__ = ShapedErrors
+        return handler
+    return make
 
 
 class GuardedServer:
@@ -157,5 +236,5 @@ class GuardedServer:
 async def serve_guarded(runner: web.AppRunner, guards: Guards, host: str, port: int) -> GuardedServer:
     """Listen on host:port with every connection wrapped (runner already set up)."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(guards.factory(runner.server), host, port)
+    server = await loop.create_server(guards.factory(shaped_errors(runner.server)), host, port)
     return GuardedServer(runner, server)

@@ -512,6 +512,10 @@ class ControlPlane:
         if event.finished:
             self.metrics.cached_tokens.inc(state.num_cached_tokens)
             self._retire(state)
+        elif state.buffered_tokens > self.cfg.max_buffered_tokens:   # its client is not reading
+            self.metrics.rejected.labels("client_not_reading").inc()
+            self._fail(state, f"the client did not read its stream: {state.buffered_tokens} tokens waited for "
+                              f"it (router.max_buffered_tokens = {self.cfg.max_buffered_tokens})")
 
     def _fail(self, state: RequestState, error: str) -> None:
         log.warning("request %s failed: %s", state.request_id, error)

@@ -66,8 +66,11 @@ class RequestState:
     finish_reason: str | None = None
     num_migrations: int = 0
     # What the router produced and the client's handler has not taken yet
-    # (TokenEvents, then at most one RequestError); see take_events.
+    # (TokenEvents, then at most one RequestError); see take_events. A handler
+    # blocked on a client that does not read takes nothing: pdd.router.control
+    # bounds `buffered_tokens` (router.max_buffered_tokens).
     events: list = field(default_factory=list)
+    buffered_tokens: int = 0            # tokens in `events`
     _waiter: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -83,6 +86,7 @@ class RequestState:
         self.last_token_at = now
         if event.finished:
             self.finished, self.finish_reason = True, event.finish_reason
+        self.buffered_tokens += len(event.token_ids)
         self._post(event)
 
     def fail(self, error: str) -> None:
@@ -104,7 +108,7 @@ class RequestState:
                 await self._waiter
             finally:
                 self._waiter = None
-        taken, self.events = self.events, []
+        taken, self.events, self.buffered_tokens = self.events, [], 0
         return taken
 
     def cached_block_hashes(self, block_size: int) -> list[int]:
@@ -126,4 +130,5 @@ class RequestState:
                 "worker_id": self.decode_worker, "prefill_worker": self.prefill_worker, "mode": self.mode,
                 "transfer_backend": self.transfer_backend,
                 "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
-                "age_s": round(now - self.arrival, 3), "migrations": self.num_migrations}
+                "buffered_tokens": self.buffered_tokens, "age_s": round(now - self.arrival, 3),
+                "migrations": self.num_migrations}

@@ -145,7 +145,7 @@ def test_clients_leaving_before_the_first_byte_leave_nothing_behind(tmp_path, ti
                                "ignore_eos": True}).encode()
             host, port = c.url.removeprefix("http://").split(":")
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
             writer.transport.abort()   # reset: gone before any answer

@@ -129,7 +129,7 @@ def test_connection_limit(keys):
         held = []
         for _ in range(2):   # two keep-alive connections, each known to be accepted (answered)
             r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
             held.append((r, w))
         r, w = await asyncio.open_connection("127.0.0.1", port)
