@@ -209,6 +209,10 @@ class RouterConfig:
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
     allow_fault_injection: bool = False
+    # SIGTERM: stop taking requests and wait up to this long for those in
+    # flight; then end them with an error and exit. The units' TimeoutStopSec
+    # is above the default; the router asks systemd for this long when it begins.
+    drain_timeout_s: float = 30.0
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
 
@@ -223,6 +227,8 @@ class RouterConfig:
             raise ConfigError("router.request_timeout_s and router.max_queued_requests: must be >= 0 (0 = off)")
         if self.max_body_bytes < 1024:
             raise ConfigError("router.max_body_bytes: must be >= 1024")
+        if not 0 < self.drain_timeout_s < float("inf"):
+            raise ConfigError(f"router.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
         return self
 
 
@@ -250,6 +256,10 @@ class WorkerConfig:
     # A colocated worker that also prefills prompts for other workers and ships
     # their KV (adaptive placement moves it between prefill and decode work).
     prefill_for_others: bool = False
+    # SIGTERM (or the router's drain): take nothing new and finish the running
+    # requests for up to this long; then stop as a second signal does, and
+    # the router moves what still runs to other workers.
+    drain_timeout_s: float = 60.0
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
@@ -264,6 +274,8 @@ class WorkerConfig:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")
         if self.step_timeout_s <= 0:
             raise ConfigError("worker.step_timeout_s: must be > 0")
+        if not 0 < self.drain_timeout_s < float("inf"):
+            raise ConfigError(f"worker.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
         if self.ipc_layers_per_copy < 0:
             raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
         if self.prefill_for_others and self.role != "colocated":
