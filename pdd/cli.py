@@ -47,15 +47,19 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from pdd.lifetime import follow_supervisor
+    from pdd.serve import parse_instance, serve
 
     follow_supervisor()   # started by `pdd up`: ends with it
     try:
+        if args.instance:   # a worker unit's instance name: pdd-worker@decode-0
+            if args.worker_id:
+                raise ValueError("--instance ROLE-N is the worker id too: drop --worker-id")
+            args.role, args.worker_id = parse_instance(args.instance)
         cfg = _serve_config(args)
-    except ValueError as e:   # a bad config file, key, value or --set
+    except ValueError as e:   # a bad instance name, config file, key, value or --set
         print(f"pdd serve: {e}", file=sys.stderr)
         from pdd.config import EXIT_REFUSED
         return EXIT_REFUSED   # the systemd units do not restart on it: a retry fails the same way
-    from pdd.serve import serve
     return serve(args.role, cfg)
 
 
@@ -127,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="run one process of a cluster (what a systemd unit runs)")
-    p.add_argument("--role", required=True, choices=["router", "colocated", "prefill", "decode"])
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--role", choices=["router", "colocated", "prefill", "decode"])
+    who.add_argument("--instance", metavar="ROLE-N",
+                     help="a worker named as its systemd unit's instance (pdd-worker@decode-0): role decode, "
+                          "worker id decode-0; another name exits 78")
     p.add_argument("--config", default=None, help="TOML config (conf/*.toml); PDD_<TABLE>__<KEY> env overrides")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override one config value")

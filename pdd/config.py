@@ -252,6 +252,10 @@ class RouterConfig:
     # and `host` ("*": any name). Other names are refused (403): a web page
     # that rebinds its own domain to this server's address names that domain.
     allowed_hosts: tuple[str, ...] = ()
+    # SIGTERM: stop taking requests and wait up to this long for those in
+    # flight; then end them with an error and exit. The units' TimeoutStopSec
+    # is above the default; the router asks systemd for this long when it begins.
+    drain_timeout_s: float = 30.0
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     threshold: ThresholdConfig = ThresholdConfig()
@@ -275,6 +279,8 @@ class RouterConfig:
             if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
                 raise ConfigError(f"router.allowed_hosts: {host!r} is not a host name; want a name such as "
                                   "'gpu-box.lan' (no scheme, port or path), or '*' for any")
+        if not 0 < self.drain_timeout_s < float("inf"):
+            raise ConfigError(f"router.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
         return self
 
 
@@ -302,6 +308,10 @@ class WorkerConfig:
     # A colocated worker that also prefills prompts for other workers and ships
     # their KV (adaptive placement moves it between prefill and decode work).
     prefill_for_others: bool = False
+    # SIGTERM (or the router's drain): take nothing new and finish the running
+    # requests for up to this long; then stop as a second signal does, and
+    # the router moves what still runs to other workers.
+    drain_timeout_s: float = 60.0
 
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
@@ -316,6 +326,8 @@ class WorkerConfig:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")
         if self.step_timeout_s <= 0:
             raise ConfigError("worker.step_timeout_s: must be > 0")
+        if not 0 < self.drain_timeout_s < float("inf"):
+            raise ConfigError(f"worker.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
         if self.ipc_layers_per_copy < 0:
             raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
         if self.prefill_for_others and self.role != "colocated":

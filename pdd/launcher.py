@@ -33,6 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdd import sdnotify
 from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_config
 from pdd.lifetime import SUPERVISOR_ENV
 from pdd.run_dir import RunDirBusy, RunDirRefused, claim_run_dir, run_dir_keys
@@ -128,7 +129,8 @@ class Cluster:
         with open(self.run_dir / f"{name}.log", "ab") as log:
             cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
                    "serve", "--config", str(self.config_path), *args]
-            child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV}
+            # NOTIFY_SOCKET and the watchdog are this process's to answer, not its children's.
+            child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV and k not in sdnotify.ENV_VARS}
             child_env.update(env or {})
             child_env[SUPERVISOR_ENV] = str(os.getpid())   # it stops if this process dies
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
@@ -317,8 +319,14 @@ def main(args) -> int:
         return 1
     print(f"pdd up: ready at {cluster.url}/v1  ({len(cluster.workers)} worker(s), logs in {cluster.run_dir})")
     print(f"pdd up: admin: pdd admin --config {cluster.config_path} status", flush=True)
+    notify = sdnotify.notifier()
+    notify.ready(f"serving {cluster.url}/v1 with {len(cluster.workers)} worker(s)")
+    pinged = time.monotonic()
     code = 0
     while stop["signal"] is None:
+        if notify.ping_interval_s and time.monotonic() - pinged >= notify.ping_interval_s:
+            notify.status(f"serving {cluster.url}/v1", watchdog=True)   # from the loop that supervises
+            pinged = time.monotonic()
         dead = cluster.dead_child()
         if dead is not None and (dead.name == "router" or dead.crash_looping(time.monotonic())
                                  or dead.proc.returncode == EXIT_REFUSED):
@@ -328,8 +336,10 @@ def main(args) -> int:
             break
         if dead is not None:
             print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; restarting it", file=sys.stderr)
+            notify.status(f"serving {cluster.url}/v1; restarted {dead.name} (exit {dead.proc.returncode})")
             cluster.restart(dead)
         time.sleep(0.2)
     print("pdd up: stopping (router drains first)", flush=True)
+    notify.stopping("stopping: the router drains first", within_s=2 * STOP_TIMEOUT_S)
     cluster.stop()
     return code

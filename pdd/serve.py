@@ -8,27 +8,53 @@ Before anything starts, the security set-up is checked (pdd.security.check_start
 missing keys without security.insecure, or an empty or placeholder admin token
 on the router, end the process with EXIT_REFUSED (78, EX_CONFIG: systemd's
 RestartPreventExitStatus keeps it from restarting in a loop).
+
+Under systemd (`Type=notify`, pdd.sdnotify) each process says READY=1 once it
+serves — the router when HTTP is bound and the control bus is up, a worker
+once the router has registered it — keeps a STATUS= line, pings the watchdog
+only while it makes progress (the router: its event loop runs; a worker: its
+engine thread moves, see EngineProgress), and says STOPPING=1 with the time
+its drain may take (router.drain_timeout_s, worker.drain_timeout_s).
 """
 from __future__ import annotations
 
 import asyncio
 import errno
 import logging
+import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
 
-from pdd.config import EXIT_REFUSED, ClusterConfig, ConfigError
+from pdd import sdnotify
+from pdd.config import EXIT_REFUSED, ROLES, ClusterConfig, ConfigError
 
 if TYPE_CHECKING:
     from pdd.model.config import ModelConfig
+    from pdd.worker.engine_thread import EngineThread
+    from pdd.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 30.0
+# What a router's stop takes beyond its drain: closing HTTP, the admin socket
+# and the control bus (flushed for up to 2 s). Asked of systemd with the drain.
+ROUTER_STOP_MARGIN_S = 10.0
+
+
+def parse_instance(name: str) -> tuple[str, str]:
+    """A worker unit's instance name, ROLE-N (pdd-worker@decode-0): its role and
+    worker id. ConfigError if it is not one: a unit that cannot start must
+    not restart in a loop (EXIT_REFUSED)."""
+    workers = ROLES[1:]
+    m = re.fullmatch(rf"({'|'.join(workers)})-\d+", name)
+    if m is None:
+        raise ConfigError(f"worker instance {name!r}: expected ROLE-N, ROLE one of {', '.join(workers)} "
+                          "and N a number unique in the cluster (e.g. pdd-worker@decode-0)")
+    return m.group(1), name
 
 
 def install_event_loop() -> None:
@@ -55,20 +81,36 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     await admin.start(router.ctx)
     runner = await serve_http(build_app(router, tokenizer, cfg.served_model_name(model_dir), eos_token_ids),
                               cfg.router.host, cfg.router.port)
-    log.info("router listening on http://%s:%d", cfg.router.host, cfg.router.port)
+    url = f"http://{cfg.router.host}:{cfg.router.port}"
+    log.info("router listening on %s", url)
     _warn_open_http(cfg)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    notify = sdnotify.notifier()
+    notify.ready(f"serving {url}, control bus {router.chan.addr}")
+    # The loop that serves is the one that pings: stuck, it falls silent.
+    watch = asyncio.create_task(sdnotify.keep_alive(notify, lambda: True, lambda: _router_status(router, url)))
     await stop.wait()
-    log.info("router draining (up to %.0fs)", DRAIN_TIMEOUT_S)
-    await router.drain(DRAIN_TIMEOUT_S)
+    drain_s = cfg.router.drain_timeout_s
+    log.info("router draining (up to %gs)", drain_s)
+    notify.stopping(f"draining {len(router.requests)} request(s), up to {drain_s:g}s",
+                    within_s=drain_s + ROUTER_STOP_MARGIN_S)
+    await router.drain(drain_s)
+    watch.cancel()
     await runner.cleanup()
     await admin.stop()
     await router.stop()
     return 0
+
+
+def _router_status(router, url: str) -> str:
+    workers = router.registry.workers.values()
+    accepting = sum(1 for w in workers if w.accepting)
+    return (f"serving {url}: {accepting} of {len(workers)} worker(s) accepting, "
+            f"{len(router.requests)} request(s) in flight")
 
 
 def _warn_open_http(cfg: ClusterConfig) -> None:
@@ -83,7 +125,61 @@ def _warn_open_http(cfg: ClusterConfig) -> None:
 async def run_worker(cfg: ClusterConfig) -> int:
     from pdd.worker.worker import Worker
 
-    return await Worker(cfg).serve()
+    worker = Worker(cfg)
+    progress = EngineProgress(cfg.worker.step_timeout_s)
+    watch = asyncio.create_task(sdnotify.keep_alive(
+        sdnotify.notifier(), lambda: progress.moved(worker.engine_thread), lambda: _worker_status(worker, progress)))
+    try:
+        return await worker.serve()
+    finally:
+        watch.cancel()
+
+
+class EngineProgress:
+    """Whether a worker's engine thread has moved since the last look: the
+    watchdog's evidence that the worker works, not just that its event loop runs
+    (which goes on heartbeating while a step hangs).
+
+    The engine thread publishes a new snapshot after each pass of its loop —
+    after steps while busy, after each wait for commands while idle — and
+    `moved` wakes it for the next look, so an idle engine answers within the
+    window too. It has moved if a new snapshot came since the last look and no
+    step has run longer than worker.step_timeout_s (the router's measure of a
+    hang: from the heartbeat that shows it on, no ping can come)."""
+
+    def __init__(self, step_timeout_s: float):
+        self.step_timeout_s = step_timeout_s
+        self._seen = None
+        self.step_running_s = 0.0
+
+    def moved(self, thread: EngineThread | None) -> bool:
+        if thread is None or not thread.is_alive():
+            return False
+        started = thread.step_started_at   # read once: the engine thread clears it when the step ends
+        self.step_running_s = time.monotonic() - started if started is not None else 0.0
+        snapshot = thread.snapshot
+        moved = self._seen is not None and snapshot is not self._seen
+        self._seen = snapshot
+        thread.wake()   # an idle engine publishes a snapshot for the next look
+        return moved and not self.hung
+
+    @property
+    def hung(self) -> bool:
+        return self.step_running_s > self.step_timeout_s
+
+
+def _worker_status(worker: Worker, progress: EngineProgress) -> str:
+    where = f"{worker.worker_id} ({worker.role}), router {worker.router_addr}"
+    if progress.step_running_s >= 1.0:
+        hung = " (beyond worker.step_timeout_s: hung)" if progress.hung else ""
+        return f"{where}: an engine step has run {progress.step_running_s:.0f}s{hung}"
+    if worker.draining:
+        return f"{where}: draining"
+    registered = getattr(worker, "registered", None)
+    if registered is None or not registered.is_set():
+        return f"{where}: waiting for the router to register it"
+    snap = worker.engine_thread.snapshot
+    return f"{where}: {snap.running} running, {snap.waiting} waiting, {snap.free_blocks} free blocks"
 
 
 def serve(role: str, cfg: ClusterConfig) -> int:

@@ -29,7 +29,7 @@ import uuid
 
 import zmq.asyncio
 
-from pdd import faults
+from pdd import faults, sdnotify
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
@@ -45,6 +45,9 @@ ENGINE_COMMANDS = (m.Admit, m.Abort, m.Reserve, m.PrefillLocally, m.Prefill, m.K
 # How long a stop waits for the engine thread to finish its step; past that
 # the step is taken to hang and the process exits without it.
 ENGINE_STOP_TIMEOUT_S = 10.0
+# A stop's time beyond the drain and the engine thread's end (goodbye, sockets
+# closed); asked of systemd with them when a drain begins.
+STOP_MARGIN_S = 5.0
 
 
 class Worker:
@@ -116,9 +119,21 @@ class Worker:
             log.info("worker %s stopping without draining", self.worker_id)
             self.stopping.set()
             return
-        log.info("worker %s draining", self.worker_id)
+        drain_s = self.cfg.worker.drain_timeout_s
+        log.info("worker %s draining (up to %gs)", self.worker_id, drain_s)
         self.draining = True
         self.engine_thread.drain()
+        sdnotify.notifier().stopping(f"{self.worker_id} draining, up to {drain_s:g}s",
+                                     within_s=drain_s + ENGINE_STOP_TIMEOUT_S + STOP_MARGIN_S)
+        asyncio.get_running_loop().call_later(drain_s, self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        """Past worker.drain_timeout_s: stop as a second signal does; the router
+        moves the requests still running here."""
+        if not self.stopping.is_set():
+            log.warning("worker %s: still busy after worker.drain_timeout_s (%gs); stopping without draining",
+                        self.worker_id, self.cfg.worker.drain_timeout_s)
+            self.stopping.set()
 
     async def _stop_engine(self) -> None:
         t = self.engine_thread
@@ -197,6 +212,7 @@ class Worker:
         if msg.ok:
             if not self.registered.is_set():
                 log.info("worker %s registered", self.worker_id)
+                sdnotify.notifier().ready(f"{self.worker_id} ({self.role}) registered at {self.router_addr}")
             self.heartbeat_interval = msg.heartbeat_interval_s
             self.engine_thread.idle_wakeup_s = msg.heartbeat_interval_s
             self.registered.set()
