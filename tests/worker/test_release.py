@@ -117,9 +117,13 @@ def reserve(decode: Worker, rid: str) -> m.Reserved:
     return reserved
 
 
-def target(decode: Worker, rid: str, reserved: m.Reserved) -> m.KVTarget:
-    return m.KVTarget(rid, 1, "decode-0", decode.side.data_addr, reserved.block_ids,
-                      reserved.num_cached_tokens // 16, reserved.lease_id)
+def disaggregate(decode: Worker, prefill: Worker, rid: str) -> None:
+    """As the router does: the prompt to the prefill worker and the reservation
+    to the decode worker, then the KV target from the Reserved."""
+    prefill.send(m.Prefill(rid, 1, PROMPT, SAMPLING))
+    reserved = reserve(decode, rid)
+    prefill.send(m.KVTarget(rid, 1, "decode-0", decode.side.data_addr, reserved.block_ids,
+                            reserved.num_cached_tokens // 16, reserved.lease_id))
 
 
 def test_decode_side_reserved(decode):
@@ -147,9 +151,7 @@ def test_whole_request_running(decode):
 
 
 def test_decode_side_landed_and_prefill_side_done(decode, prefill):
-    prefill.send(m.Prefill("r", 1, PROMPT, SAMPLING))
-    reserved = reserve(decode, "r")
-    prefill.send(target(decode, "r", reserved))
+    disaggregate(decode, prefill, "r")
     prefill.until(lambda: prefill.got(m.PrefillDone), "PrefillDone")
     assert prefill.held() == {}                        # done: the transfer's end released it
     decode.until(lambda: decode.got(m.TokenBatch), "start on the KV that landed")
@@ -168,9 +170,7 @@ def test_prefill_side_computing_before_its_target(prefill):
 
 
 def test_prefill_side_computing_with_pages_in_flight(decode, prefill):
-    prefill.send(m.Prefill("r", 1, PROMPT, SAMPLING))
-    reserved = reserve(decode, "r")
-    prefill.send(target(decode, "r", reserved))
+    disaggregate(decode, prefill, "r")
     prefill.step()
     prefill.step()                                     # some chunks shipped, more to come
     assert prefill.state("r") is PlacementState.COMPUTING and not prefill.got(m.FirstToken)
@@ -191,9 +191,7 @@ def test_prefill_side_shipping_with_no_target_yet(prefill):
 
 
 def test_prefill_side_shipping_with_its_transfer_in_flight(decode, prefill):
-    prefill.send(m.Prefill("r", 1, PROMPT, SAMPLING))
-    reserved = reserve(decode, "r")
-    prefill.send(target(decode, "r", reserved))
+    disaggregate(decode, prefill, "r")
     prefill.until(lambda: prefill.got(m.FirstToken), "first token")
     assert prefill.state("r") is PlacementState.SHIPPING
     prefill.abort("r")
