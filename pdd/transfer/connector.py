@@ -22,7 +22,7 @@ data-plane message carries it, and the decode worker starts on it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,21 @@ class _Shipment:
     block_indices: list[int]
 
 
+@dataclass
+class _Outgoing:
+    """One request's KV on its way out."""
+
+    target: TransferTarget | None = None   # None: expected, the target comes later
+    next_block: int = 0                    # first block index not yet sent complete
+    # Expected only: its block table and the end (in tokens) of the steps
+    # launched for it so far; once computed, its blocks are held (kept out of
+    # reuse) and its first token kept until the target comes.
+    table: list[int] = field(default_factory=list)
+    end: int = 0
+    computed: bool = False
+    handoff: Handoff | None = None
+
+
 class PrefillConnector:
     def __init__(self, sender: KVSender, kv_cache: torch.Tensor, block_size: int, kv=None):
         """kv: the engine's KVCacheManager (hold/release), for prompts computed before their target came."""
@@ -43,59 +58,56 @@ class PrefillConnector:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.kv = kv
-        self.targets: dict[str, TransferTarget] = {}
-        self.next_block: dict[str, int] = {}   # first block index not yet sent complete
-        # Expected requests (no target yet): their block table and the end (in
-        # tokens) of the steps launched for them so far.
-        self.expected: dict[str, tuple[list[int], int]] = {}
-        # Expected and computed: blocks kept out of reuse, and the first token, until the target comes.
-        self.held: dict[str, Handoff | None] = {}
+        self.requests: dict[str, _Outgoing] = {}
         self.plan: list[_Shipment] = []
+
+    def __contains__(self, request_id: str) -> bool:
+        """The connector still keeps something of the request (it is expected or not finished)."""
+        return request_id in self.requests
 
     def expect(self, request_id: str) -> None:
         """A prompt starts computing; its target comes later (set_target)."""
-        self.expected[request_id] = ([], 0)
+        self.requests[request_id] = _Outgoing()
 
     def add(self, target: TransferTarget) -> None:
-        self.targets[target.request_id] = target
-        self.next_block[target.request_id] = target.skip_blocks
+        self.requests[target.request_id] = _Outgoing(target, target.skip_blocks)
         self.sender.prepare(target)
 
     def set_target(self, target: TransferTarget) -> None:
         """An expected request's target: what its launched steps computed goes now
         (call between steps, on the engine thread)."""
-        rid = target.request_id
-        table, end = self.expected.pop(rid)
-        self.add(target)
-        indices = list(range(target.skip_blocks, -(-end // self.block_size)))
+        o = self.requests[target.request_id]
+        o.target = target
+        self.sender.prepare(target)
+        indices = list(range(target.skip_blocks, -(-o.end // self.block_size)))
         if indices:
-            src = [table[i] for i in indices]
+            src = [o.table[i] for i in indices]
             for layer in range(self.kv_cache.shape[0]):
                 self.sender.send_layer(target, layer, self.kv_cache[layer], src, indices)
             self.sender.step_done()   # queued after the launched steps, before any later write
-        self.next_block[rid] = max(target.skip_blocks, end // self.block_size)
-        if rid in self.held:
-            handoff = self.held.pop(rid)
-            self.kv.release(table)
-            self.finish(rid, handoff)
+        o.next_block = max(target.skip_blocks, o.end // self.block_size)
+        if o.computed:
+            o.computed = False
+            self.kv.release(o.table)
+            self.finish(target.request_id, o.handoff)
 
     def begin_step(self, out, block_tables: list[list[int]]) -> None:
         """out: the step's SchedulerOutput."""
         plan = []
         for (req, num_new), start, table in zip(out.scheduled, out.starts, block_tables):
-            rid = req.request_id
-            if rid in self.expected:
-                self.expected[rid] = (list(table), start + num_new)
-            target = self.targets.get(rid)
-            if target is None:
+            o = self.requests.get(req.request_id)
+            if o is None:
                 continue
             end = start + num_new
-            first = self.next_block[rid]
+            if o.target is None:
+                o.table, o.end = list(table), end
+                continue
+            first = o.next_block
             last = (end - 1) // self.block_size
             indices = list(range(first, last + 1))
             if indices:
-                plan.append(_Shipment(target, [table[i] for i in indices], indices))
-            self.next_block[rid] = max(first, end // self.block_size)
+                plan.append(_Shipment(o.target, [table[i] for i in indices], indices))
+            o.next_block = max(first, end // self.block_size)
         self.plan = plan
 
     def save_layer(self, layer: int) -> None:
@@ -109,20 +121,18 @@ class PrefillConnector:
     def finish(self, request_id: str, handoff: Handoff | None = None) -> None:
         """The prompt is computed (`handoff`: its first token): no more pages will
         follow. Without a target yet, its blocks are held until the target comes."""
-        if request_id in self.expected:
-            self.kv.hold(self.expected[request_id][0])
-            self.held[request_id] = handoff
+        o = self.requests.get(request_id)
+        if o is None:
             return
-        target = self.targets.pop(request_id, None)
-        self.next_block.pop(request_id, None)
-        if target is not None:
-            self.sender.finish(request_id, blocks_skipped=target.skip_blocks, handoff=handoff)
+        if o.target is None:
+            self.kv.hold(o.table)
+            o.computed, o.handoff = True, handoff
+            return
+        del self.requests[request_id]
+        self.sender.finish(request_id, blocks_skipped=o.target.skip_blocks, handoff=handoff)
 
     def abort(self, request_id: str) -> None:
-        self.targets.pop(request_id, None)
-        self.next_block.pop(request_id, None)
-        expected = self.expected.pop(request_id, None)
-        if request_id in self.held:
-            del self.held[request_id]
-            self.kv.release(expected[0])
+        o = self.requests.pop(request_id, None)
+        if o is not None and o.computed:
+            self.kv.release(o.table)
         self.sender.abort(request_id)

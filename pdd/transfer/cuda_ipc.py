@@ -32,10 +32,11 @@ dead process's GPU memory stays allocated while anyone maps it.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -60,26 +61,41 @@ _REOPEN_AFTER_S = 5.0  # a pool that failed to open is asked for again after thi
 _GRANT_WAIT_S = 5.0
 
 
+class WriteState(enum.Enum):
+    """Where one request's writes stand with the decode worker."""
+
+    ASKING = "asking"          # ipc_begin sent, not answered: no copy launches yet
+    WRITING = "writing"        # the decode worker counts us as a writer: copies launch until the deadline
+    COMMITTING = "committing"  # its copies completed, the commit is out: no more copies, a writer until answered
+    ENDED = "ended"            # settled, or settling: no more copies, no longer a writer
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a request's commit carries (known once finish() was called)."""
+
+    blocks_skipped: int = 0
+    handoff: Handoff | None = None      # to the decode side, which starts the request on it
+
+
 @dataclass
 class IpcWrite:
-    """One request's transfer. Fields the engine thread reads are set under the sender's lock."""
+    """One request's transfer. `state` moves on the I/O thread only; it and the
+    fields the engine thread reads (pool, deadline, error, copied) are set under
+    the sender's lock."""
 
     target: TransferTarget
     progress: Progress
-    granted: threading.Event = field(default_factory=threading.Event)  # begin answered (or failed)
+    state: WriteState = WriteState.ASKING
     pool: torch.Tensor | None = None    # the decode worker's pool, opened here
     pool_id: str = ""
     deadline: float = 0.0               # perf_counter(): no copy launched after it
-    error: str = ""                     # why it failed; no more copies
-    closed: bool = False                # no more copies (finishing or failed)
-    begun: bool = False                 # the decode worker counts us as a writer
+    error: str = ""                     # why it fails: no more copies, the I/O thread settles it
     # Recorded on the side stream right after its last copy: it completes when
     # this request's pages are there, not behind copies launched for later steps.
     copied: "torch.cuda.Event | None" = None
-    finished: bool = False              # finish() was called
-    aborted: bool = False               # abort() was called: report nothing
-    blocks_skipped: int = 0
-    handoff: Handoff | None = None      # what the commit carries to the decode side
+    commit: Commit | None = None        # set once finish() was called: the commit follows
+    aborted: bool = False               # abort() was called: its end is reported to no one
     ids: "StepIds | None" = None
 
 
@@ -150,6 +166,9 @@ class CudaIpcSender(IoSender):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._side = torch.cuda.Stream(self.device)
         self._lock = threading.Lock()
+        # Notified (under the lock) when a write leaves ASKING: the engine thread
+        # waits for its ipc_begin's answer before its first copy.
+        self._answered = threading.Condition(self._lock)
         self._writes: dict[str, IpcWrite] = {}
         self._failed = Tombstones()    # settled before finish(): later calls for them are silent
         # I/O-thread state: asked control messages, by token -> (kind, request id
@@ -192,7 +211,7 @@ class CudaIpcSender(IoSender):
             if not src_layer.is_contiguous():
                 raise ValueError("source layer must be one contiguous layer of a [layers, 2, blocks, ...] pool")
             wait = min(self.timeout_s, _GRANT_WAIT_S)
-            if not w.granted.wait(wait):
+            if not self._wait_answered(w, wait):
                 self._fail_soon(w, f"no answer to ipc_begin from the decode worker in {wait:g}s")
                 return
             ids = w.ids = StepIds(src_block_ids, block_indices, dst, index_tensor(src_block_ids, self.device),
@@ -214,8 +233,8 @@ class CudaIpcSender(IoSender):
         everything queued so far on the compute stream (those layers' writes, the ids)."""
         compute = torch.cuda.current_stream(self.device)
         with self._lock:
-            if w.error or w.closed:
-                if w.finished and not w.error:   # its commit may be out: these pages would be missing
+            if w.error or w.state is not WriteState.WRITING:
+                if w.commit is not None and not w.error:   # its commit may be out: these pages would be missing
                     log.error("kv ipc sender: a copy for %s launched after it finished; not copied",
                               w.target.request_id)
                 return
@@ -262,6 +281,11 @@ class CudaIpcSender(IoSender):
             w.error = w.error or "aborted"
         self._mail.put(("abort", request_id))
 
+    def _wait_answered(self, w: IpcWrite, timeout: float) -> bool:
+        """Wait until `w`'s ipc_begin is answered (or it ended); False on timeout."""
+        with self._answered:
+            return self._answered.wait_for(lambda: w.state is not WriteState.ASKING, timeout)
+
     def _fail_locked(self, w: IpcWrite, error: str) -> None:
         if not w.error:
             w.error = error
@@ -281,13 +305,13 @@ class CudaIpcSender(IoSender):
         if kind == "begin":
             self._begin(w)
         elif kind == "finish":
-            w.finished, w.blocks_skipped, w.handoff = True, cmd[2], cmd[3]
+            w.commit = Commit(cmd[2], cmd[3])
             if w.error:
                 self._settle(w, False, w.error)
-            elif w.begun:
+            elif w.state is WriteState.WRITING:
                 self._commit(w)
             # else: the commit follows the begin's answer
-        elif kind in ("abort", "fail") and w.granted.is_set():
+        elif kind in ("abort", "fail") and w.state is not WriteState.ASKING:
             self._settle(w, False, w.error)
         # (abort/fail before the begin was answered: _on_begin settles it)
 
@@ -338,16 +362,19 @@ class CudaIpcSender(IoSender):
                   request_id=w.target.request_id, lease_id=w.target.lease_id)
 
     def _commit(self, w: IpcWrite) -> None:
-        self._wait_copies(w)   # the commit says the pages are there: only once they are
+        self._stop_copies(w, WriteState.COMMITTING)   # the commit says the pages are there: only once they are
         dest = self._dests[self._dest_key(w.target)]
+        handoff = w.commit.handoff
         self._ask(dest, "ipc_commit", w.target.request_id, request_id=w.target.request_id,
                   lease_id=w.target.lease_id, pool_id=w.pool_id,
-                  handoff=w.handoff.to_dict() if w.handoff is not None else None)
+                  handoff=handoff.to_dict() if handoff is not None else None)
 
-    def _wait_copies(self, w: IpcWrite) -> None:
-        """Block until every copy launched for `w` has completed (none can start after)."""
+    def _stop_copies(self, w: IpcWrite, state: WriteState) -> None:
+        """Move `w` on to `state`, in which no copy starts, then block until
+        every copy launched for it has completed."""
         with self._lock:
-            w.closed = True
+            w.state = state
+            self._answered.notify_all()
             done = w.copied
         # Not an event recorded now: by the time the engine thread finishes a
         # request (it reads a step's tokens after launching the next step), the
@@ -361,23 +388,23 @@ class CudaIpcSender(IoSender):
         """End a request's transfer exactly once: copies completed, the decode
         worker told (end) if it counted us as a writer, the result reported."""
         rid = w.target.request_id
-        self._wait_copies(w)
+        writer = w.state in (WriteState.WRITING, WriteState.COMMITTING)
+        self._stop_copies(w, WriteState.ENDED)   # an engine thread waiting for the begin's answer sees it end
         with self._lock:
             if self._writes.get(rid) is not w:
                 return
             del self._writes[rid]
-            if not ok and not w.finished and not w.aborted:
+            if not ok and w.commit is None and not w.aborted:
                 self._failed.add(rid)   # its later pages are dropped, finish() is silent
-        if not ok and w.begun:
+        if not ok and writer:
             dest = self._dests.get(self._dest_key(w.target))
             if dest is not None:
                 self._send(dest, rid, encode_control("ipc_end", self._next_token(), request_id=rid,
                                                      lease_id=w.target.lease_id, pool_id=w.pool_id))
-        w.granted.set()  # an engine thread waiting on it sees the error
         if not w.aborted:
             if ok:
                 w.progress.t_last = time.perf_counter()
-            self._emit(w.progress.result(ok, error, w.blocks_skipped))
+            self._emit(w.progress.result(ok, error, w.commit.blocks_skipped if w.commit is not None else 0))
 
     # -- control messages --------------------------------------------------
 
@@ -409,7 +436,8 @@ class CudaIpcSender(IoSender):
         if kind == "ipc_begin":
             self._on_begin(w, ok, error, data)
         elif kind == "ipc_commit":
-            w.begun = False  # the commit ended us as a writer, whatever its answer
+            with self._lock:
+                w.state = WriteState.ENDED   # the commit ended us as a writer, whatever its answer
             self._settle(w, ok, "" if ok else f"refused by the decode worker: {error}")
 
     def _on_open(self, key: DestKey, ok: bool, error: str, data: dict) -> None:
@@ -449,12 +477,12 @@ class CudaIpcSender(IoSender):
         dest = self._dests[self._dest_key(w.target)]
         if ok:
             with self._lock:
-                w.pool, w.pool_id, w.begun = dest.pool, dest.pool_id, True
+                w.pool, w.pool_id, w.state = dest.pool, dest.pool_id, WriteState.WRITING
                 w.deadline = time.perf_counter() + float(data.get("seconds", 0.0)) - _DEADLINE_MARGIN_S
-            w.granted.set()
+                self._answered.notify_all()
             if w.error:                 # aborted or failed while we asked
                 self._settle(w, False, w.error)
-            elif w.finished:
+            elif w.commit is not None:
                 self._commit(w)
             return
         if error.startswith("stale pool"):  # the decode worker restarted: open it afresh next time

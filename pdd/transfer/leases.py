@@ -12,8 +12,10 @@ this pool) cannot be fenced by a lock. Such a writer registers first
 (`begin_writer`, refused unless the lease is live) and says when its last
 store has completed (`end_writer`). Closing a lease whose writer has not ended
 answers "held": the owner keeps the blocks out of use until `released()`
-lists the lease (the writer ended, or its lease deadline plus WRITER_GRACE_S
-passed: a writer never starts a copy after the deadline it was given).
+hands the lease back (the writer ended, or its lease deadline plus
+WRITER_GRACE_S passed: a writer never starts a copy after the deadline it was
+given). The table keeps a held lease, blocks and all, beyond the request it
+was granted for: the blocks are the writer's until then, not the request's.
 
 A request's KV is complete when the sender's last message is accepted here:
 `complete` (tcp, local: every pages message the sender sent was written under
@@ -60,8 +62,10 @@ class LeaseTable:
         self._landed: list[Landed] = []
         # One-sided writers: lease id -> the time after which it surely stopped.
         self._writers: dict[str, float] = {}
-        self._held: dict[str, float] = {}     # closed leases whose writer has not ended
-        self._released: list[str] = []        # held leases now safe to reuse
+        # Closed leases whose writer has not ended: the lease, and the time after
+        # which the writer surely stopped.
+        self._held: dict[str, tuple[Lease, float]] = {}
+        self._released: list[Lease] = []      # held leases now safe to reuse, until released() hands them back
 
     def grant(self, request_id: str, block_ids: Iterable[int], ttl_s: float) -> str:
         """A new lease over `block_ids` for `ttl_s` seconds; returns its unguessable id."""
@@ -76,13 +80,14 @@ class LeaseTable:
         reused now) or "held" (a one-sided writer may still store into them:
         keep them out of use until released() lists this lease)."""
         with self._lock:
-            if self._leases.pop(lease_id, None) is None:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
                 return "none"
             self._pages.pop(lease_id, None)
             until = self._writers.pop(lease_id, None)
             if until is None:
                 return "free"
-            self._held[lease_id] = until
+            self._held[lease_id] = (lease, until)
             return "held"
 
     def begin_writer(self, lease_id: str, request_id: str) -> tuple[str | None, float]:
@@ -105,8 +110,9 @@ class LeaseTable:
             if lease is not None and lease.request_id != request_id:
                 return "lease belongs to another request"
             self._writers.pop(lease_id, None)
-            if self._held.pop(lease_id, None) is not None:
-                self._released.append(lease_id)
+            held = self._held.pop(lease_id, None)
+            if held is not None:
+                self._released.append(held[0])
             err = self._check(lease_id, request_id, ())
             landed = err is None and self._land(lease_id, request_id, handoff)
         if landed:
@@ -142,21 +148,24 @@ class LeaseTable:
             out, self._landed = self._landed, []
         return out
 
-    def released(self, now: float | None = None) -> list[str]:
-        """Held leases whose blocks may now be reused (each listed once)."""
+    def released(self, now: float | None = None) -> list[Lease]:
+        """Held leases whose blocks (Lease.block_ids) may now be reused, each
+        handed back once."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            for lid, until in list(self._held.items()):
+            for lid, (lease, until) in list(self._held.items()):
                 if now >= until:
                     del self._held[lid]
-                    self._released.append(lid)
+                    self._released.append(lease)
             out, self._released = self._released, []
         return out
 
     @property
     def num_held(self) -> int:
+        """Closed leases whose blocks are still kept out of use: held, or
+        released and not yet handed back."""
         with self._lock:
-            return len(self._held)
+            return len(self._held) + len(self._released)
 
     def expired(self, now: float | None = None) -> list[tuple[str, str]]:
         """(lease_id, request_id) of leases past their deadline. Lists only: the

@@ -19,11 +19,14 @@ in the transfer's last message to the decode worker, and report PrefillDone
 once the decode worker accepted that message.
 
 Both live on the worker's engine thread and are driven between steps, so
-they touch the engine only while no step runs. The engine knows each request
-by its placement's engine id (pdd.worker.placements); every reply carries the
-request id and epoch of that placement. Invariant on the decode side: a lease
-is revoked before its blocks are freed or start being used, so a late page can
-never land in blocks that belong to another request.
+they touch the engine only while no step runs. They are handlers over the
+worker's placement records (pdd.worker.records): what they know of a
+placement is on its record, its state says where it stands, and each frees
+what it holds for one when the table releases it. The engine knows each
+request by its placement's engine id; every reply carries the request id and
+epoch of that placement. Invariant on the decode side: a lease is revoked
+before its blocks are freed or start being used, so a late page can never
+land in blocks that belong to another request.
 """
 from __future__ import annotations
 
@@ -41,16 +44,19 @@ from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backen
 from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
-from pdd.worker.placements import PlacementTable
+from pdd.worker.records import PlacementState, PlacementTable, WorkerPlacement
 
 log = logging.getLogger(__name__)
+
+RESERVED, LANDED, RUNNING = PlacementState.RESERVED, PlacementState.LANDED, PlacementState.RUNNING
+COMPUTING, SHIPPING, DONE = PlacementState.COMPUTING, PlacementState.SHIPPING, PlacementState.DONE
 
 
 def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.Admit) -> list[m.Message]:
     """Run a request whole here: prompt (+ tokens streamed elsewhere before) and decode."""
     try:
-        with placements.placing(msg.request_id, msg.epoch) as eid:
-            engine.add_request(eid, msg.prompt_token_ids, msg.sampling,
+        with placements.placing(msg.request_id, msg.epoch, RUNNING) as p:
+            engine.add_request(p.engine_id, msg.prompt_token_ids, msg.sampling,
                                num_prior_output_tokens=msg.num_prior_output_tokens, block_hashes=msg.block_hashes,
                                prefill_chunk=msg.prefill_chunk)
     except InvalidRequest as e:
@@ -63,10 +69,22 @@ def token_batch(worker_id: str, placements: PlacementTable, outputs: list[Engine
     A finished request's placement ends here."""
     items = []
     for o in outputs:
-        p = placements.remove(o.request_id) if o.finished else placements.get(o.request_id)
+        p = placements.get(o.request_id)
+        if o.finished:
+            placements.release(o.request_id)
         items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
                                  o.finish_reason, o.logprobs or None, o.num_cached_tokens))
     return [m.TokenBatch(worker_id, items)] if items else []
+
+
+def step_messages(worker_id: str, placements: PlacementTable, prefill_side: PrefillSide | None,
+                  outputs: list[EngineOutput]) -> list[m.Message]:
+    """What a step's outputs tell the router. Prompts computed for other
+    workers end in a first token to ship; the requests running here (on a
+    prefill worker: whole, the last resort) stream their tokens."""
+    computed = {o.request_id for o in outputs if placements.state_of(o.request_id) is COMPUTING}
+    replies = prefill_side.on_outputs([o for o in outputs if o.request_id in computed]) if computed else []
+    return replies + token_batch(worker_id, placements, [o for o in outputs if o.request_id not in computed])
 
 
 class DecodeSide:
@@ -77,16 +95,15 @@ class DecodeSide:
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
+        placements.add_holder(self)
+        # The data plane's view of the reservations: which blocks a sender may
+        # write until when, and blocks a one-sided writer may still store into
+        # after their placement ended. A reserved placement holds its lease id.
         self.leases = LeaseTable(on_landed=wakeup)
         # One socket at data_addr takes tcp pages and cuda_ipc control messages.
         self.receiver = make_receiver(wc.transfer_backend, engine.runner.kv_cache, layout, self.leases,
                                       wc.data_addr, security=security)
         self.receiver.start()
-        self.lease_of: dict[str, str] = {}     # engine id -> its live lease
-        # Engine id -> the lease it ran under, for requests started by the data
-        # plane: a PrefillLocally that crossed the start names that lease.
-        self.started: dict[str, str] = {}
-        self.held: dict[str, list[int]] = {}   # closed leases whose writer may still store
 
     @property
     def data_addr(self) -> str:
@@ -99,62 +116,53 @@ class DecodeSide:
             return self._prefill_locally(msg)
         raise TypeError(f"DecodeSide does not take {msg.TYPE} messages")
 
-    def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
-        for o in outputs:
-            if o.finished:
-                self.started.pop(o.request_id, None)
-        return token_batch(self.worker_id, self.placements, outputs)
-
     def _reserve(self, msg: m.Reserve) -> m.Reserved:
         wid = self.worker_id
         try:
-            with self.placements.placing(msg.request_id, msg.epoch) as eid:
-                reserved = self.engine.reserve(eid, msg.prompt_token_ids, msg.sampling, msg.block_hashes)
+            with self.placements.placing(msg.request_id, msg.epoch, RESERVED) as p:
+                reserved = self.engine.reserve(p.engine_id, msg.prompt_token_ids, msg.sampling, msg.block_hashes)
         except InvalidRequest as e:
             return m.Reserved(wid, msg.request_id, msg.epoch, ok=False, error=str(e))
         if reserved is None:
-            self.placements.remove(eid)
+            self.placements.release(p.engine_id)
             return m.Reserved(wid, msg.request_id, msg.epoch, ok=False, error="no free KV blocks on this decode worker")
         blocks, num_cached = reserved
         skip = num_cached // self.engine.cfg.block_size
         # Only the blocks the transfer may write are leased; cached prefix blocks
         # may be shared with other requests and must never be written.
-        self.lease_of[eid] = self.leases.grant(eid, blocks[skip:], msg.lease_ttl_s)
-        return m.Reserved(wid, msg.request_id, msg.epoch, ok=True, lease_id=self.lease_of[eid], block_ids=blocks,
+        p.lease_id = self.leases.grant(p.engine_id, blocks[skip:], msg.lease_ttl_s)
+        return m.Reserved(wid, msg.request_id, msg.epoch, ok=True, lease_id=p.lease_id, block_ids=blocks,
                           num_cached_tokens=num_cached)
 
     def _prefill_locally(self, msg: m.PrefillLocally) -> list[m.Message]:
         """The KV will not come (as the router sees it): the reservation under
         msg.lease_id computes its prompt here. The router may have re-placed it
         under a new epoch: replies carry the message's epoch from now on."""
-        eid = self._reservation(msg.request_id, msg.lease_id)
-        if eid is None:
-            eid = next((e for e in self.placements.of_request(msg.request_id)
-                        if self.started.get(e) == msg.lease_id), None)
-            if eid is None:
-                return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
-                                        "no reservation for this request (lease expired?)", retriable=True)]
+        p = next((p for p in self.placements.of_request(msg.request_id)
+                  if p.lease_id == msg.lease_id and p.state in (RESERVED, LANDED)), None)
+        if p is None:
+            return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
+                                    "no reservation for this request (lease expired?)", retriable=True)]
+        if p.state is LANDED:
             # It started on its KV meanwhile (the data plane was faster than the
             # router heard): it runs, nothing to redo.
-            return self._run_as(eid, msg.epoch, lambda: None)
+            return self._run_as(p, msg.epoch, lambda: None)
         # Revoked before the blocks are used (or freed): no page may land after this.
-        self._close(self.lease_of.pop(eid))
-        return self._run_as(eid, msg.epoch, lambda: self.engine.prefill_locally(eid, msg.first_token))
+        self._end_lease(p, RUNNING)
+        return self._run_as(p, msg.epoch, lambda: self.engine.prefill_locally(p.engine_id, msg.first_token))
 
-    def _run_as(self, eid: str, epoch: int, start: Callable[[], EngineOutput | None]) -> list[m.Message]:
+    def _run_as(self, p: WorkerPlacement, epoch: int, start: Callable[[], EngineOutput | None]) -> list[m.Message]:
         """Hold the placement under `epoch` from now on and `start` it; its
         output if the first token ends it."""
         try:
-            self.placements.renew(eid, epoch)
+            self.placements.renew(p, epoch)
             out = start()
         except InvalidRequest as e:
-            return self._failed(eid, epoch, str(e))
-        return self.on_outputs([out]) if out is not None else []
+            return self._failed(p, epoch, str(e))
+        return token_batch(self.worker_id, self.placements, [out]) if out is not None else []
 
-    def _failed(self, eid: str, epoch: int, error: str) -> list[m.Message]:
-        self.engine.abort_request(eid)
-        self.started.pop(eid, None)
-        p = self.placements.remove(eid)
+    def _failed(self, p: WorkerPlacement, epoch: int, error: str) -> list[m.Message]:
+        self.placements.release(p.engine_id)
         return [m.RequestFailed(self.worker_id, p.request_id, epoch, error, retriable=False)]
 
     def _landed(self, landed: Landed) -> list[m.Message]:
@@ -162,42 +170,40 @@ class DecodeSide:
         and the first token goes to the router from here too (position 0; the
         router keeps one copy). A lease no longer live here is dropped: the
         request was aborted, or its lease expired (the router hears of that)."""
-        eid = landed.request_id
-        if self.lease_of.get(eid) != landed.lease_id or eid not in self.engine.scheduler.waiting_for_kv:
-            log.debug("KV landed for %s under lease %s, which is not live here: dropped", eid, landed.lease_id)
+        p = self.placements.get(landed.request_id)
+        if p is None or p.state is not RESERVED or p.lease_id != landed.lease_id:
+            log.debug("KV landed for %s under lease %s, which is not live here: dropped", landed.request_id,
+                      landed.lease_id)
             return []
-        self._close(self.lease_of.pop(eid))
+        self._end_lease(p, LANDED)
         h = landed.handoff
         try:
-            out = self.engine.kv_ready(eid, h.first_token)
+            out = self.engine.kv_ready(p.engine_id, h.first_token)
         except InvalidRequest as e:   # e.g. a first token outside the vocabulary
-            return self._failed(eid, self.placements.get(eid).epoch, str(e))
-        if out is None:
-            self.started[eid] = landed.lease_id
-        p = self.placements.remove(eid) if out is not None else self.placements.get(eid)
+            return self._failed(p, p.epoch, str(e))
+        if out is not None:
+            self.placements.release(p.engine_id)
         item = m.TokenItem(p.request_id, p.epoch, 0, [h.first_token], out is not None,
                            out.finish_reason if out is not None else None, h.logprobs, h.num_cached_tokens)
         return [m.TokenBatch(self.worker_id, [item])]
 
-    def _reservation(self, request_id: str, lease_id: str) -> str | None:
-        """The engine id of the request's live reservation under `lease_id`."""
-        return next((eid for eid in self.placements.of_request(request_id)
-                     if self.lease_of.get(eid) == lease_id and eid in self.engine.scheduler.waiting_for_kv), None)
+    def _end_lease(self, p: WorkerPlacement, state: PlacementState) -> None:
+        """A reservation moves on to `state`: its lease is revoked first."""
+        self._close(p.lease_id)
+        p.state = state
 
     def _close(self, lease_id: str) -> None:
         """Revoke a lease; if a one-sided writer may still store into its blocks,
         hold them (beyond their request's life) until the writer ends."""
         lease = self.leases.get(lease_id)
         if self.leases.close(lease_id) == "held" and lease is not None:
-            blocks = sorted(lease.block_ids)
-            self.engine.kv.hold(blocks)
-            self.held[lease_id] = blocks
+            self.engine.kv.hold(sorted(lease.block_ids))
 
-    def abort(self, eid: str) -> None:
-        self.started.pop(eid, None)
-        lease = self.lease_of.pop(eid, None)
-        if lease is not None:
-            self._close(lease)
+    def release(self, p: WorkerPlacement) -> None:
+        """(PlacementTable.release) A reservation's lease is revoked before the
+        engine frees its blocks; other states hold nothing here."""
+        if p.state is RESERVED and p.lease_id:
+            self._close(p.lease_id)
 
     def poll(self) -> list[m.Message]:
         """Between steps: start the reservations whose KV landed, then expire
@@ -212,29 +218,28 @@ class DecodeSide:
         """Reservations whose KV did not come in time: free them, tell the router.
         Blocks held for writers that have since ended go back to the pool."""
         for lease in self.leases.released():
-            blocks = self.held.pop(lease, None)
-            if blocks:
-                self.engine.kv.release(blocks)
+            self.engine.kv.release(sorted(lease.block_ids))
         replies = []
-        for lease, eid in self.leases.expired():
-            self._close(lease)
-            if self.lease_of.get(eid) == lease:
-                del self.lease_of[eid]
-                self.engine.abort_request(eid)
-                p = self.placements.remove(eid)
-                log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch)
-                replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch,
-                                               "KV lease expired before the KV arrived", retriable=True))
+        for lease_id, eid in self.leases.expired():
+            p = self.placements.get(eid)
+            if p is None or p.state is not RESERVED or p.lease_id != lease_id:
+                self._close(lease_id)   # no reservation holds it any more
+                continue
+            self.placements.release(eid)
+            log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch)
+            replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch,
+                                           "KV lease expired before the KV arrived", retriable=True))
         return replies
 
     @property
-    def waiting_for_kv(self) -> bool:
-        return bool(self.lease_of)
+    def reservations_pending(self) -> bool:
+        """Some placement here still waits for its KV."""
+        return self.placements.any_in(RESERVED)
 
     def stats(self) -> dict:
         st = self.receiver.stats
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
-                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": len(self.held),
+                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": self.leases.num_held,
                 "ipc_writers": self.receiver.ipc.num_writers}
 
     def close(self) -> None:
@@ -249,6 +254,7 @@ class PrefillSide:
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
+        placements.add_holder(self)
         device = engine.device
         ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
         self.sender = MultiSender({
@@ -258,14 +264,6 @@ class PrefillSide:
         self.sender.set_wakeup(wakeup)
         self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size, engine.kv)
         engine.attach_connector(self.connector)
-        # Prompts whose target has not come yet: the backend their Prefill named, their length.
-        self.backends: dict[str, str] = {}
-        self.prompt_lens: dict[str, int] = {}
-        # Prompts computed, pages in flight: (first token, logprobs, own cache hits) by engine id.
-        self.first_tokens: dict[str, tuple[int, list | None, int]] = {}
-        # Prompts computing here for a decode worker (engine ids); the engine's
-        # other requests run whole here (Admit), or are a colocated worker's own.
-        self.computing: set[str] = set()
 
     def handle(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.KVTarget):
@@ -276,37 +274,29 @@ class PrefillSide:
             if msg.transfer_backend not in self.sender.senders:
                 raise InvalidRequest(f"transfer_backend: {msg.transfer_backend!r} is not offered by this worker "
                                      f"({', '.join(self.sender.senders)})")
-            with self.placements.placing(msg.request_id, msg.epoch) as eid:
-                self.engine.add_request(eid, msg.prompt_token_ids, msg.sampling, prefill_only=True,
+            with self.placements.placing(msg.request_id, msg.epoch, COMPUTING) as p:
+                self.engine.add_request(p.engine_id, msg.prompt_token_ids, msg.sampling, prefill_only=True,
                                         block_hashes=msg.block_hashes)
         except InvalidRequest as e:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
-        self.backends[eid] = msg.transfer_backend
-        self.prompt_lens[eid] = len(msg.prompt_token_ids)
-        self.computing.add(eid)
-        self.connector.expect(eid)
+        p.backend, p.num_prompt_tokens = msg.transfer_backend, len(msg.prompt_token_ids)
+        self.connector.expect(p.engine_id)
         return []
 
     def _target(self, msg: m.KVTarget) -> list[m.Message]:
         """Where an expected prompt's KV goes (the decode worker's reservation)."""
-        eid = self.placements.find(msg.request_id, msg.epoch)
-        if eid is None or eid not in self.backends:
+        p = self.placements.find(msg.request_id, msg.epoch)
+        if p is None or p.state not in (COMPUTING, SHIPPING) or p.target is not None:
             return []   # aborted meanwhile, or failed already: nothing to send
         try:
-            self._check_target(msg, self.prompt_lens[eid])
+            self._check_target(msg, p.num_prompt_tokens)
         except InvalidRequest as e:
-            self._forget(eid)
+            self.placements.release(p.engine_id)
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
-        self.connector.set_target(TransferTarget(
-            eid, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids), msg.skip_blocks,
-            backend=self.backends.pop(eid), dst_public_key=msg.dst_public_key))
-        self.prompt_lens.pop(eid, None)
+        p.target = TransferTarget(p.engine_id, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids),
+                                  msg.skip_blocks, backend=p.backend, dst_public_key=msg.dst_public_key)
+        self.connector.set_target(p.target)
         return []
-
-    def _forget(self, eid: str) -> None:
-        self.engine.abort_request(eid)
-        self.abort(eid)
-        self.placements.remove(eid)
 
     def _check_target(self, msg: m.KVTarget, prompt_len: int) -> None:
         """Where the KV goes must hold the whole prompt: a short block list found
@@ -319,17 +309,18 @@ class PrefillSide:
             raise InvalidRequest(f"skip_blocks: must be in [0, {num_blocks}], got {msg.skip_blocks}")
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[m.Message]:
-        """The step sampled first tokens: those prompts are done, their pages all
-        handed over. The tokens go to the router now, ahead of the pages, and
-        to the decode worker with the transfer's last message."""
+        """The step sampled first tokens of computing prompts: those are done,
+        their pages all handed over. The tokens go to the router now, ahead of
+        the pages, and to the decode worker with the transfer's last message."""
         replies = []
         for o in outputs:
-            self.computing.discard(o.request_id)
-            first = self.first_tokens[o.request_id] = (o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
-            # An injected failure (pdd.faults) withholds the start, as a lost last message would.
-            self.connector.finish(o.request_id, None if faults.fail_transfer(o.request_id) else Handoff(*first))
             p = self.placements.get(o.request_id)
-            replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, *first))
+            p.state = SHIPPING
+            h = p.handoff = Handoff(o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
+            # An injected failure (pdd.faults) withholds the start, as a lost last message would.
+            self.connector.finish(p.engine_id, None if faults.fail_transfer(p.engine_id) else h)
+            replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, h.first_token, h.logprobs,
+                                        h.num_cached_tokens))
         return replies
 
     def poll(self) -> list[m.Message]:
@@ -339,36 +330,39 @@ class PrefillSide:
         replies = []
         wid = self.worker_id
         for r in faults.transfer_results(self.sender.poll()):   # injected failures/delays, if set
-            eid = r.request_id
-            first = self.first_tokens.pop(eid, None)
-            if first is None:
-                if not r.ok and self.engine.abort_request(eid):
+            p = self.placements.get(r.request_id)
+            if p is None or p.state not in (COMPUTING, SHIPPING):
+                continue   # aborted meanwhile
+            if p.state is COMPUTING:
+                if not r.ok:
                     # Failed while the prompt still computes: stop computing it.
-                    self.abort(eid)
-                    p = self.placements.remove(eid)
+                    self.placements.release(p.engine_id)
                     log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
                     replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
-                continue  # else: aborted meanwhile
-            p = self.placements.remove(eid)
+                continue
+            p.state = DONE
+            self.placements.release(p.engine_id)
             if r.ok:
+                h = p.handoff
                 stats = {"bytes": r.bytes, "seconds": r.seconds, "blocks_sent": r.blocks_sent,
                          "blocks_skipped": r.blocks_skipped}
-                replies.append(m.PrefillDone(wid, p.request_id, p.epoch, first[0], first[1], first[2], stats))
+                replies.append(m.PrefillDone(wid, p.request_id, p.epoch, h.first_token, h.logprobs,
+                                             h.num_cached_tokens, stats))
             else:
                 log.warning("KV transfer of %s failed: %s", p.request_id, r.error)
                 replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
         return replies
 
-    def abort(self, eid: str) -> None:
-        self.connector.abort(eid)
-        self.computing.discard(eid)
-        self.first_tokens.pop(eid, None)
-        self.backends.pop(eid, None)
-        self.prompt_lens.pop(eid, None)
+    def release(self, p: WorkerPlacement) -> None:
+        """(PlacementTable.release) A prompt whose transfer is not over: its
+        unsent pages are dropped, blocks held for a target that never came go
+        back; other states hold nothing here."""
+        if p.state in (COMPUTING, SHIPPING):
+            self.connector.abort(p.engine_id)
 
     @property
     def transfers_pending(self) -> bool:
-        return bool(self.first_tokens)
+        return self.placements.any_in(SHIPPING)
 
     def close(self) -> None:
         self.sender.close()

@@ -43,8 +43,8 @@ from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer import offered_backends
-from pdd.worker.disagg import DecodeSide, PrefillSide, admit, token_batch
-from pdd.worker.placements import Placement, PlacementTable, engine_id
+from pdd.worker.disagg import DecodeSide, PrefillSide, admit, step_messages
+from pdd.worker.records import PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class EngineThread(threading.Thread):
         self.engine: LLMEngine | None = None
         self.decode_side: DecodeSide | None = None
         self.prefill_side: PrefillSide | None = None
-        self.placements = PlacementTable()
+        self.placements: PlacementTable | None = None   # made with the engine
         self.stats = EngineStats()
 
     # ------------------------------------------------------------ any thread
@@ -178,6 +178,7 @@ class EngineThread(threading.Thread):
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
         e = self.engine = LLMEngine(engine_cfg)
+        self.placements = PlacementTable(e)
         if engine_cfg.warm_up and e.device.type == "cuda":
             # Before registering: the router's first requests must not pay the
             # Triton compilation of eager steps (on CPU nothing is compiled).
@@ -252,8 +253,8 @@ class EngineThread(threading.Thread):
             if held:
                 log.warning("worker %s: the router holds none of our %d request(s); dropping them", self.worker_id,
                             len(held))
-            for eid in held:
-                self._forget(eid)
+            for p in held:
+                self.placements.release(p.engine_id)
         elif item is not _Control.WAKE:
             try:
                 self._replies += self._dispatch(item)
@@ -263,8 +264,8 @@ class EngineThread(threading.Thread):
     def _dispatch(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.Abort):
             for rid in msg.request_ids:
-                for eid in self.placements.of_request(rid):
-                    self._forget(eid)
+                for p in self.placements.of_request(rid):
+                    self.placements.release(p.engine_id)
             return []
         if isinstance(msg, m.Admit):   # every role can run a request whole
             return admit(self.engine, self.worker_id, self.placements, msg)
@@ -281,18 +282,10 @@ class EngineThread(threading.Thread):
         log.error("worker %s: applying %s failed", self.worker_id, msg.TYPE, exc_info=e)
         if isinstance(msg, m.Abort):
             return []
-        self._forget(self.placements.find(msg.request_id, msg.epoch) or engine_id(msg.request_id, msg.epoch))
+        p = self.placements.find(msg.request_id, msg.epoch)
+        self.placements.release(p.engine_id if p is not None else engine_id(msg.request_id, msg.epoch))
         return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
                                 f"the worker failed to apply {msg.TYPE}: {type(e).__name__}: {e}")]
-
-    def _forget(self, eid: str) -> Placement | None:
-        """Drop a placement wherever it is: lease (closed before its blocks are
-        freed), transfer, engine."""
-        for side in (self.decode_side, self.prefill_side):
-            if side is not None:
-                side.abort(eid)
-        self.engine.abort_request(eid)
-        return self.placements.remove(eid)
 
     def _step(self) -> None:
         delay = faults.get(f"{self.role}.step_delay_s")
@@ -313,14 +306,7 @@ class EngineThread(threading.Thread):
         # Nothing scheduled and nothing came back (e.g. waiting requests, no
         # free block): wait for a command or a wakeup instead of spinning.
         self._stalled = step.num_tokens == 0 and not outputs and self.engine.in_flight is None
-        own = outputs
-        if self.prefill_side is not None:   # prompts computed for others: their first tokens
-            firsts = [o for o in outputs if o.request_id in self.prefill_side.computing]
-            own = [o for o in outputs if o.request_id not in self.prefill_side.computing]
-            self._replies += self.prefill_side.on_outputs(firsts)
-        # Requests running here (on a prefill worker: whole, the last resort) stream.
-        self._replies += (self.decode_side.on_outputs(own) if self.decode_side is not None
-                          else token_batch(self.worker_id, self.placements, own))
+        self._replies += step_messages(self.worker_id, self.placements, self.prefill_side, outputs)
 
     def _step_failed(self, e: Exception) -> list[m.Message]:
         self._consecutive_failures += 1
@@ -336,14 +322,14 @@ class EngineThread(threading.Thread):
         error = f"engine step failed: {type(e).__name__}: {e}"
         replies = []
         for eid in failed:
-            p = self._forget(eid)
+            p = self.placements.release(eid)
             if p is not None:
                 replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch, error, retriable=False))
         return replies
 
     def _transfers_pending(self) -> bool:
         return bool((self.prefill_side and self.prefill_side.transfers_pending)
-                    or (self.decode_side and self.decode_side.waiting_for_kv))
+                    or (self.decode_side and self.decode_side.reservations_pending))
 
     def _publish_snapshot(self) -> None:
         transfer = self.decode_side.stats() if self.decode_side else {}

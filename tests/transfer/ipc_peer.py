@@ -35,7 +35,7 @@ def serve_pool(conn, layout: dict, device: str, seed: int, keys_dir: str | None 
             elif cmd == "close":
                 conn.send(leases.close(*args))
             elif cmd == "released":
-                conn.send(leases.released())
+                conn.send([lease.lease_id for lease in leases.released()])
             elif cmd == "pool":
                 torch.cuda.synchronize(device)
                 conn.send(pool.cpu())

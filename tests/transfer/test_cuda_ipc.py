@@ -21,8 +21,8 @@ PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 e
 
 
 class Peer:
-    def __init__(self, dtype: str):
-        self.layout = make_layout(dtype)
+    def __init__(self, dtype: str, **layout):
+        self.layout = make_layout(dtype, **layout)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve_pool, args=(child, self.layout.to_dict(), PEER, 2), daemon=True)
@@ -157,3 +157,43 @@ def test_a_commit_waits_for_its_own_copies_not_a_later_steps(peer, sender):
     sender.finish("r7")
     assert wait_result(sender, "r7").ok
     assert peer("close", first.lease_id) == peer("close", later.lease_id) == "free"
+
+
+@pytest.fixture(scope="module")
+def deep_peer():
+    """A pool of 7 layers: copies of 3 layers each leave a last group of one."""
+    p = Peer("bfloat16", num_layers=7)
+    yield p
+    p.stop()
+
+
+@pytest.mark.parametrize("layers_per_copy", [1, 3])
+def test_layer_wise_copies_land_every_layer(deep_peer, layers_per_copy):
+    """worker.ipc_layers_per_copy >= 1: a copy is launched every N layers as the
+    forward writes them (the last group may be shorter), over two steps of one
+    prompt; every page of every layer lands in its leased block."""
+    s = make_sender("cuda_ipc", deep_peer.layout, timeout_s=10, device="cuda:0", layer_group=layers_per_copy)
+    try:
+        src = make_pool(deep_peer.layout, seed=10 + layers_per_copy).cuda()
+        before = deep_peer("pool")
+        rid = f"g{layers_per_copy}"
+        lease = deep_peer("grant", rid, [2, 9, 4], 30)
+        target = TransferTarget(rid, lease, "d", deep_peer.address, (2, 9, 4), backend="cuda_ipc")
+        s.prepare(target)
+        first, second = [5, 1], [7]                    # the prompt's blocks 0-1, then block 2
+        for layer in range(src.shape[0]):
+            s.send_layer(target, layer, src[layer], first, [0, 1])
+        s.step_done()
+        for layer in range(src.shape[0]):
+            s.send_layer(target, layer, src[layer], second, [2])
+        s.step_done()
+        s.finish(rid)
+        r = wait_result(s, rid)
+        assert r.ok, r.error
+        assert r.blocks_sent == 3 and r.bytes == src[:, :, :3].numel() * src.element_size()
+        expected = before.clone()
+        expected[:, :, [2, 9, 4]] = src[:, :, [5, 1, 7]].cpu()
+        assert torch.equal(deep_peer("pool"), expected)
+        assert deep_peer("close", lease) == "free"      # committed: nothing held
+    finally:
+        s.close()

@@ -15,7 +15,7 @@ from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.transfer.wire import decode_reply, encode_control
 from pdd.worker.disagg import DecodeSide
-from pdd.worker.placements import PlacementTable, engine_id
+from pdd.worker.records import PlacementTable, engine_id
 from tests.engine.helpers import random_prompts
 
 
@@ -25,7 +25,7 @@ def decode(tiny_model):
     mc = engine.model_config
     layout = KVLayout("tiny", "w", str(engine.dtype).removeprefix("torch."), engine.cfg.block_size,
                       mc.num_layers, mc.num_kv_heads, mc.head_dim)
-    side = DecodeSide(engine, "decode-0", WorkerConfig(role="decode"), layout, PlacementTable(), lambda: None)
+    side = DecodeSide(engine, "decode-0", WorkerConfig(role="decode"), layout, PlacementTable(engine), lambda: None)
     yield side
     side.close()
 
@@ -55,8 +55,7 @@ def test_aborted_reservation_is_held_until_the_writer_ends(decode, writer):
     eid = engine_id("r", 1)   # what the prefill worker of this placement sends under
     assert writer("ipc_begin", request_id=eid, lease_id=reply.lease_id)["ok"]
     # The router aborts the request while the prefill worker's copies may still run.
-    decode.abort(eid)
-    decode.engine.abort_request(eid)
+    decode.placements.release(eid)
     assert kv.num_free_blocks == total - len(reply.block_ids)     # held, not reusable
     assert decode.expire() == [] and decode.stats()["held_leases"] == 1 and decode.stats()["ipc_writers"] == 1
     assert kv.num_free_blocks == total - len(reply.block_ids)
@@ -72,6 +71,5 @@ def test_committed_transfer_frees_normally(decode, writer):
     eid = engine_id("q", 1)
     assert writer("ipc_begin", request_id=eid, lease_id=reply.lease_id)["ok"]
     assert writer("ipc_commit", request_id=eid, lease_id=reply.lease_id, handoff=None)["ok"]
-    decode.abort(eid)
-    decode.engine.abort_request(eid)
+    decode.placements.release(eid)
     assert kv.num_free_blocks == total and decode.stats()["held_leases"] == 0

@@ -21,6 +21,7 @@ import torch
 
 from pdd.transfer import make_receiver
 from pdd.transfer.base import TransferTarget
+from pdd.transfer.cuda_ipc import WriteState
 from pdd.transfer.leases import LeaseTable
 from tests.transfer.conftest import make_layout, make_pool
 
@@ -78,7 +79,8 @@ def test_a_dropped_connection_fails_the_write_and_unmaps_the_pool(cpu_ipc_sender
     target = TransferTarget("r", lease, "d", receiver.address, (1, 2), backend="cuda_ipc")
     cpu_ipc_sender.prepare(target)
     write = cpu_ipc_sender._writes["r"]
-    assert write.granted.wait(5) and not write.error          # opened, registered as a writer
+    assert cpu_ipc_sender._wait_answered(write, 5) and not write.error   # opened, registered as a writer
+    assert write.state is WriteState.WRITING
     dest = cpu_ipc_sender._dests[(receiver.address, "")]   # (address, server key: none without keys)
     assert dest.pool is pool
     t0 = time.monotonic()
@@ -120,6 +122,7 @@ def test_the_pool_is_opened_only_under_a_live_lease(cpu_ipc_sender, monkeypatch)
         lease = leases.grant("r2", [3], 30)
         cpu_ipc_sender.prepare(TransferTarget("r2", lease, "d", receiver.address, (3,), backend="cuda_ipc"))
         write = cpu_ipc_sender._writes["r2"]
-        assert write.granted.wait(5) and write.begun and write.pool is pool and len(exported) == 1
+        assert cpu_ipc_sender._wait_answered(write, 5) and write.state is WriteState.WRITING
+        assert write.pool is pool and len(exported) == 1
     finally:
         receiver.close()

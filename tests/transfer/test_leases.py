@@ -78,7 +78,10 @@ def test_one_sided_writer_holds_revoked_blocks_until_it_ends():
     assert t.close(lid) == "held" and t.num_held == 1
     assert t.released() == []
     assert t.end_writer(lid, "r") == "unknown or revoked lease"   # ended, but its KV is not wanted
-    assert t.released() == [lid] and t.released() == [] and t.num_held == 0
+    assert t.num_held == 1                                        # until the owner takes the blocks back
+    (back,) = t.released()
+    assert (back.lease_id, back.block_ids) == (lid, {1, 2})       # the blocks to give back
+    assert t.released() == [] and t.num_held == 0
 
 
 def test_committed_writer_frees_normally_and_refusals():
@@ -100,4 +103,4 @@ def test_silent_writer_is_released_after_deadline_plus_grace():
     assert t.close(lid) == "held"
     now = time.monotonic()
     assert t.released(now + 5 + WRITER_GRACE_S - 1) == []
-    assert t.released(now + 5 + WRITER_GRACE_S + 1) == [lid]
+    assert [lease.lease_id for lease in t.released(now + 5 + WRITER_GRACE_S + 1)] == [lid]

@@ -118,7 +118,7 @@ def test_control_messages_on_the_data_socket(pair, dealer):
     assert pair.leases.close(lease) == "held"           # aborted while the writer may still store
     r = ask(encode_control("ipc_commit", 9, request_id="r", lease_id=lease, pool_id=ipc.pool_id, handoff=None))
     assert not r["ok"] and r["error"] == "unknown or revoked lease"
-    assert pair.leases.released() == [lease]
+    assert [held.lease_id for held in pair.leases.released()] == [lease]
     lease2 = pair.leases.grant("r2", [2], ttl_s=30)
     assert ask(encode_control("ipc_begin", 10, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id, handoff=None))["ok"]
     assert ask(encode_control("ipc_commit", 11, request_id="r2", lease_id=lease2, pool_id=ipc.pool_id,
