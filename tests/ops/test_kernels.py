@@ -237,6 +237,7 @@ def test_chunked_prefill_long_context():
     check_attention(q, kv, meta, torch.float32)
 
 
+@pytest.mark.slow   # deep contexts split many ways: the interpreter's costliest case
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 def test_prefill_split_counts(monkeypatch, splits):
     """Chunks over a deep cached context with their keys split across programs
