@@ -115,6 +115,9 @@ def _print(args, result) -> None:
         print(f"model {result['model']}  ready={result['ready']}  accepting={result['accepting']}  "
               f"in flight={result['requests_in_flight']}  uptime={result['uptime_s']}s")
         print(_format_workers(result["workers"]))
+        for d in result.get("departed", []):
+            print(f"departed {d['worker_id']}: gone {d['gone_s']}s, forgotten in {d['forget_in_s']}s "
+                  f"unless it registers again")
     elif args.admin_command == "workers":
         print(_format_workers(result))
     else:

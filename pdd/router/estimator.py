@@ -296,11 +296,20 @@ class Estimator:
 
     def rebalance(self, workers: Iterable[WorkerInfo], now: float) -> None:
         """The role balance brought up to date with the registered workers and the demand."""
-        workers = list(workers)
-        ids = {w.worker_id for w in workers}
-        for gone in set(self.workers) - ids:       # unregistered: its measurements go with it
-            del self.workers[gone]
-        self._balance(workers, now)
+        self._balance(list(workers), now)
+
+    def left(self, worker_id: str) -> None:
+        """A worker unregistered: its queue went with it (its requests were placed
+        again); its step-time fit stays for its return (restarted under its id,
+        it is the same GPU)."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.pending = w.decoding = w.placed_tokens = w.placed_decodes = 0
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that left for good: its measurements go."""
+        self.workers.pop(worker_id, None)
+        self.prefill_leaning.discard(worker_id)
 
     def estimates(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
         """Every worker's estimate as things stand (the balance as last set)."""
