@@ -97,10 +97,12 @@ class EngineConfig:
 
 
 ROLES = ("router", "colocated", "prefill", "decode")
+MAX_WORKER_ID_BYTES = 200
 ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive", "threshold")
 
-# Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
-# Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
+# Exit status of a worker the router refused (KV layout mismatch), or told that
+# another process registered under its worker id since: EX_CONFIG. Supervisors
+# (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
 EXIT_REFUSED = 78
 # Exit status of a worker that cannot go on (its engine failed: a device error,
 # steps failing in a row; or its control loop did): EX_SOFTWARE. Supervisors
@@ -218,6 +220,12 @@ class RouterConfig:
     served_model_name: str | None = None
     heartbeat_interval_s: float = 0.5
     heartbeat_misses: int = 3        # missed heartbeats before a worker is dead
+    # A worker gone this long without registering again is forgotten: its
+    # breakers, estimates and metric series are dropped. Long enough for a
+    # restart under its id (systemd's RestartSec, then loading and warming up
+    # a large checkpoint) to find them again; short enough that the dead ids of
+    # a long life (a default id, role-host-pid, is new at every restart) go.
+    forget_after_s: float = 300.0
     max_body_bytes: int = 4 * 2**20
     default_max_tokens: int = 16     # /v1/completions without max_tokens, as OpenAI
     # auto: disaggregated when prefill and decode workers are registered, else colocated.
@@ -267,6 +275,8 @@ class RouterConfig:
             raise ConfigError(f"router.port: {self.port} is not a TCP port")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
             raise ConfigError("router.heartbeat_interval_s must be > 0 and heartbeat_misses >= 1")
+        if self.forget_after_s < 0:
+            raise ConfigError(f"router.forget_after_s: must be >= 0, got {self.forget_after_s}")
         if self.request_timeout_s < 0 or self.max_queued_requests < 0:
             raise ConfigError("router.request_timeout_s and router.max_queued_requests: must be >= 0 (0 = off)")
         if self.max_body_bytes < 1024:
@@ -316,6 +326,10 @@ class WorkerConfig:
     def validate(self) -> "WorkerConfig":
         if self.role not in ROLES[1:]:
             raise ConfigError(f"worker.role: must be one of {ROLES[1:]}, got {self.role!r}")
+        if self.worker_id is not None and not 0 < len(self.worker_id.encode()) <= MAX_WORKER_ID_BYTES:
+            # With its incarnation it names the control connection: ZeroMQ takes 255 bytes.
+            raise ConfigError(f"worker.worker_id: must be 1 to {MAX_WORKER_ID_BYTES} bytes, "
+                              f"got {len(self.worker_id.encode())}")
         if self.transfer_backend == "local":
             raise ConfigError("worker.transfer_backend: 'local' joins two engines of one process (tests); "
                               "a worker is a process of its own: use auto, tcp or cuda_ipc")

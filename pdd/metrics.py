@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdd.router.breaker import STATE_VALUE
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -80,6 +82,15 @@ class RouterMetrics:
             if step.num_decodes:
                 self.decode_batch.labels(w).observe(step.num_decodes)
 
+    def forget_worker(self, worker_id: str, pairs: list[tuple[str, str]]) -> None:
+        """Drop the series of a worker that left for good, and of its breaker `pairs`."""
+        for per_worker in (self.step_latency, self.prefill_chunk, self.decode_batch):
+            _remove(per_worker, worker_id)
+        for prefill, decode in pairs:
+            _remove(self.breaker_state, prefill, decode)
+            for state in STATE_VALUE:
+                _remove(self.breaker_transitions, prefill, decode, state)
+
     def observe_transfer(self, stats: dict) -> None:
         self.transfer_seconds.observe(float(stats.get("seconds", 0.0)))
         self.transfer_bytes.inc(int(stats.get("bytes", 0)))
@@ -96,6 +107,14 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _remove(metric, *labels: str) -> None:
+    """One series gone (older prometheus_client versions raise KeyError for one never set)."""
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
 
 
 class _WorkerCollector:

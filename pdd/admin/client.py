@@ -156,6 +156,9 @@ def _print(args, result) -> None:
         print(_format_workers(result["workers"]))
         if "placement" in result:
             print(_format_placement(result["placement"]))
+        for d in result.get("departed", []):
+            print(f"departed {d['worker_id']}: gone {d['gone_s']}s, forgotten in {d['forget_in_s']}s "
+                  f"unless it registers again")
     elif args.admin_command == "workers":
         print(_format_workers(result))
     else:

@@ -1,7 +1,8 @@
 """Typed asyncio wrappers around the ZeroMQ control sockets.
 
 The router binds one ROUTER socket; each worker connects a DEALER whose
-identity is its worker id. No other module touches zmq control sockets
+identity is its own per process (worker id and incarnation: see
+pdd.router.connections for why). No other module touches zmq control sockets
 directly. Malformed frames are logged and dropped here: handlers only ever
 see well-formed `Message`s.
 
@@ -41,10 +42,11 @@ class RouterChannel:
         _configure(self.sock)
         # Sending to a peer that is gone raises instead of vanishing silently.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A worker restarted under its id while its old connection still looks open
-        # (a host rebooted, a partition) takes the id over; without this the router
-        # drops the new connection and the worker waits, unregistered, in silence.
-        # Its Register is then a new incarnation: the old one's requests move.
+        # A peer reconnecting under its identity while its old connection still
+        # looks open (a partition, a half-open TCP connection) takes the identity
+        # over; without this the router drops the new connection and the peer
+        # waits in silence. (Two processes never share an identity: each worker
+        # process has its own, so a handover never orphans another process.)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.security = security
         self.watch = None

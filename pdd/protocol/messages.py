@@ -12,6 +12,10 @@ Every message about one request carries its `epoch`: the router bumps it each
 time it places the request anew (migration, fallback), a worker holds a
 request as (request_id, epoch), and the router drops whatever a worker says
 about an earlier placement.
+
+Every message from a worker names its `worker_id`: the router's state is keyed
+by it, while the connection it arrives on is one process's own (two processes
+under one id are two connections; pdd.router.connections tells them apart).
 """
 from __future__ import annotations
 
@@ -156,12 +160,30 @@ class RegisterReply(Message):
     ok: bool
     error: str = ""
     heartbeat_interval_s: float = 0.5
+    # The router counts a worker it has not heard from for this long as lost;
+    # a worker it has not answered for this long says so (0: no watch).
+    liveness_s: float = 0.0
+
+
+@dataclass
+class HeartbeatAck(Message):
+    """The router heard this worker's heartbeat and holds it registered: every
+    heartbeat is answered, by this, ReRegister or Replaced."""
+    TYPE: ClassVar[str] = "heartbeat_ack"
 
 
 @dataclass
 class ReRegister(Message):
     """The router does not know this worker (it restarted): register again."""
     TYPE: ClassVar[str] = "reregister"
+
+
+@dataclass
+class Replaced(Message):
+    """Another process registered under this worker's id after this one: this
+    process is not the worker any more and must exit, and not be restarted
+    (pdd.config.EXIT_REFUSED) into a fight over the id."""
+    TYPE: ClassVar[str] = "replaced"
 
 
 @dataclass

@@ -137,6 +137,13 @@ class Breakers:
         if old != new:
             self.on_transition(key, old, new)
 
+    def forget(self, worker_id: str) -> list[tuple[str, str]]:
+        """Drop every pair `worker_id` is part of (it left for good); the pairs dropped."""
+        pairs = [key for key in self.breakers if key != PATH and worker_id in key]
+        for key in pairs:
+            del self.breakers[key]
+        return pairs
+
     # ---------------------------------------------------------------- operator
 
     def force(self, state: str | None, keys: list[tuple[str, str]]) -> None:

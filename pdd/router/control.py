@@ -88,6 +88,7 @@ class ControlPlane:
         self.send = send
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
+        self.departed: dict[str, float] = {}     # unregistered worker id -> when it left
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
@@ -201,10 +202,14 @@ class ControlPlane:
         error = self.registry.register(msg)
         if error:
             log.error("refused worker %s: %s", peer, error)
+            if replaced is not None:
+                self._depart(peer)
         else:
+            self.departed.pop(peer, None)
             log.info("worker %s registered (%s on %s, %d blocks)", peer, msg.role, msg.device, msg.num_blocks)
         self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
-                                        heartbeat_interval_s=self.cfg.heartbeat_interval_s))
+                                        heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+                                        liveness_s=self.registry.timeout_s))
         self._rebalance()
         if replaced is not None:
             # Its requests may move to the new process itself: it registered first.
@@ -216,6 +221,7 @@ class ControlPlane:
         if not self.registry.heartbeat(msg):
             self.send(peer, m.ReRegister())
             return
+        self.send(peer, m.HeartbeatAck())
         self.metrics.observe_heartbeat(msg)
         self.estimator.observe(msg)
         self._rebalance()
@@ -365,7 +371,30 @@ class ControlPlane:
 
     def worker_lost(self, worker_id: str, why: str) -> None:
         if self.registry.remove(worker_id) is not None:
+            self._depart(worker_id)
             self._orphaned(worker_id, why)
+
+    def _depart(self, worker_id: str) -> None:
+        """Unregistered: what the router keeps of it (breakers, estimates, metric
+        series) waits router.forget_after_s for it to come back under its id."""
+        self.departed[worker_id] = self.clock()
+        self.estimator.left(worker_id)
+
+    def forget_departed(self) -> list[str]:
+        """Workers gone for router.forget_after_s without registering again lose
+        what the router kept of them, so that the dead ones of a long life (each
+        restart under a default id, role-host-pid, is a new worker) do not pile
+        up. Returns their ids."""
+        cutoff = self.clock() - self.cfg.forget_after_s
+        gone = [wid for wid, at in self.departed.items() if at <= cutoff]
+        for wid in gone:
+            del self.departed[wid]
+            pairs = self.breakers.forget(wid)
+            self.metrics.forget_worker(wid, pairs)
+            self.estimator.forget(wid)
+            log.info("worker %s forgotten: gone for %gs (router.forget_after_s); %d breaker(s), its estimates "
+                     "and metric series dropped", wid, self.cfg.forget_after_s, len(pairs))
+        return gone
 
     def _orphaned(self, worker_id: str, why: str) -> None:
         """The process registered as `worker_id` is gone (a new one may hold the
@@ -392,9 +421,11 @@ class ControlPlane:
         return self._timers[0][0] if self._timers else None
 
     def postpone_timers(self, seconds: float) -> None:
-        """Every phase and request deadline `seconds` later (the router stalled)."""
+        """Every phase and request deadline, and every departed worker's time to
+        be forgotten, `seconds` later (the router stalled)."""
         self._timers = [(deadline + seconds, seq, rid) for deadline, seq, rid in self._timers]
         heapq.heapify(self._timers)
+        self.departed = {wid: at + seconds for wid, at in self.departed.items()}
 
     def fire_timers(self) -> None:
         now = self.clock()

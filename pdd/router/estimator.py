@@ -90,12 +90,23 @@ class Estimator:
     def rebalance(self, workers: Iterable[WorkerInfo], now: float) -> None:
         """The role balance brought up to date with the registered workers and the demand."""
         workers = list(workers)
-        ids = {w.worker_id for w in workers}
-        for gone in set(self.workers) - ids:       # unregistered: its measurements go with it
-            del self.workers[gone]
         shared = self._shared_token_cost(workers)
         self.prefill_leaning = balance(self.prefill_leaning, workers, lambda w: self._estimate(w, shared).prefill_rate,
                                        lambda wid: self._worker(wid).load.decoding, self.demand(now), self.cfg)
+
+    def left(self, worker_id: str) -> None:
+        """A worker unregistered: its queue went with it (its requests were placed
+        again); its step-time fit stays for its return (restarted under its id,
+        it is the same GPU)."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            load = w.load
+            load.pending = load.decoding = load.placed_tokens = load.placed_decodes = 0
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that left for good: its measurements go."""
+        self.workers.pop(worker_id, None)
+        self.prefill_leaning.discard(worker_id)
 
     def estimates(self, workers: Iterable[WorkerInfo], layout: KVLayout | None, now: float) -> Estimates:
         """Every worker's estimate as things stand (the balance as last set)."""

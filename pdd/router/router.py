@@ -3,8 +3,11 @@
 pdd.router.control holds every request's state machine and decides; this
 module feeds it events — control messages, timer expiries, lost workers — and
 delivers what it sends, in order, from one task (a peer found unreachable is
-a lost worker, fed back as an event). The HTTP layer calls `submit` and
-iterates the returned request's events. It runs no model.
+a lost worker, fed back as an event). Between the two, worker ids and the
+connections of worker processes are translated (pdd.router.connections): a
+process replaced under its id is told so here and heard no further. The HTTP
+layer calls `submit` and iterates the returned request's events. It runs no
+model.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
 from pdd.router.breaker import PATH
+from pdd.router.connections import Connections
 from pdd.router.control import ControlPlane, Overloaded, Unavailable
 from pdd.router.placement import SERVING_ROLES, ClusterView
 from pdd.router.registry import WorkerRegistry
@@ -47,7 +51,12 @@ class Router:
         self.control.on_timer_change = self._rearm
         self.accepting = True
         self.started_at = time.time()
-        self._outbox: deque[tuple[str, m.Message]] = deque()
+        self.connections = Connections()
+        # (worker id, connection) while a message from that connection is handled:
+        # what the control plane sends that worker meanwhile answers that connection
+        # (a registration in progress, or one not registered at all).
+        self._speaking: tuple[str, str] | None = None
+        self._outbox: deque[tuple[str, str | None, m.Message]] = deque()   # (connection, worker id, message)
         self._outbox_ready = asyncio.Event()
         self._timers_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -114,8 +123,16 @@ class Router:
 
     # ------------------------------------------------------------------ loops
 
-    def _post(self, peer: str, msg: m.Message) -> None:
-        self._outbox.append((peer, msg))
+    def _post(self, worker_id: str, msg: m.Message) -> None:
+        speaking = self._speaking
+        conn = speaking[1] if speaking and speaking[0] == worker_id else self.connections.of(worker_id)
+        if conn is None:
+            log.warning("router: no connection of worker %s; %s not sent", worker_id, msg.TYPE)
+            return
+        self._queue(conn, worker_id, msg)
+
+    def _queue(self, conn: str, worker_id: str | None, msg: m.Message) -> None:
+        self._outbox.append((conn, worker_id, msg))
         self._outbox_ready.set()
 
     def _rearm(self) -> None:
@@ -127,14 +144,15 @@ class Router:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             while self._outbox:
-                peer, msg = self._outbox.popleft()
+                conn, worker_id, msg = self._outbox.popleft()
                 try:
-                    delivered = await self.chan.send(peer, msg)
+                    delivered = await self.chan.send(conn, msg)
                 except Exception:
-                    log.exception("router: cannot send %s to %s", msg.TYPE, peer)
+                    log.exception("router: cannot send %s to %s", msg.TYPE, conn)
                     continue
-                if not delivered and peer in self.registry.workers:
-                    self.control.worker_lost(peer, f"unreachable (sending {msg.TYPE})")
+                if (not delivered and worker_id in self.registry.workers
+                        and self.connections.of(worker_id) == conn):
+                    self.control.worker_lost(worker_id, f"unreachable (sending {msg.TYPE})")
 
     async def _flush(self, timeout_s: float = 2.0) -> None:
         """Let the send loop deliver what is queued (bounded: a stuck peer must not stop a shutdown)."""
@@ -144,11 +162,34 @@ class Router:
 
     async def _recv_loop(self) -> None:
         while True:
-            peer, msg = await self.chan.recv()
+            conn, msg = await self.chan.recv()
             try:
-                self.control.handle(peer, msg)
+                self._received(conn, msg)
             except Exception:
-                log.exception("router: error handling %s from %s", msg.TYPE, peer)
+                log.exception("router: error handling %s from %s", msg.TYPE, conn)
+
+    def _received(self, conn: str, msg: m.Message) -> None:
+        """A message from connection `conn`, to the control plane as its worker's."""
+        worker_id = getattr(msg, "worker_id", None)
+        if worker_id is None:
+            log.warning("router: ignoring %s from %s: it names no worker", msg.TYPE, conn)
+            return
+        registering = isinstance(msg, m.Register)
+        if not self.connections.speaks_for(worker_id, conn, registering):
+            log.info("router: %s from %s, a process replaced as worker %s: told to exit", msg.TYPE, conn,
+                     worker_id)
+            self._queue(conn, None, m.Replaced())
+            return
+        self._speaking = (worker_id, conn)
+        try:
+            self.control.handle(worker_id, msg)
+        finally:
+            self._speaking = None
+        if registering and worker_id in self.registry.workers and not self.registry.is_new_incarnation(msg):
+            old = self.connections.registered(worker_id, conn)
+            if old is not None:
+                log.warning("worker %s: a new process registered from %s; the old one (%s) is told to exit "
+                            "when it next speaks", worker_id, conn, old)
 
     async def _timer_loop(self) -> None:
         """Request timers and worker liveness, one loop."""
@@ -176,6 +217,8 @@ class Router:
                 if time.monotonic() >= next_liveness:
                     next_liveness = time.monotonic() + interval
                     self.control.expire_workers()
+                    for worker_id in self.control.forget_departed():
+                        self.connections.forget(worker_id)
                     self.control.show_breakers()
             except Exception:
                 log.exception("router: error in the timer loop")
@@ -193,6 +236,7 @@ class Router:
             "max_queued_requests": self.cfg.router.max_queued_requests,
             "overloaded": self.overloaded,
             "workers": self.worker_summaries(),
+            "departed": self.departed(),
             "breakers": self.breakers(),
             "placement": self.placement_status(),
         }
@@ -222,6 +266,13 @@ class Router:
         """What placement estimates now, read only (the balance as the last event set it)."""
         return self.control.estimator.estimates(self.registry.workers.values(), self.registry.layout,
                                                 time.monotonic())
+
+    def departed(self) -> list[dict]:
+        """Workers gone and not forgotten yet: back under their id before then, they
+        find their breakers and estimates again."""
+        now, after = time.monotonic(), self.cfg.router.forget_after_s
+        return [{"worker_id": wid, "gone_s": round(now - at, 1), "forget_in_s": round(max(0.0, at + after - now), 1)}
+                for wid, at in sorted(self.control.departed.items())]
 
     @property
     def overloaded(self) -> bool:

@@ -16,6 +16,9 @@ a transfer ends.)
 SIGTERM/SIGINT drain (take nothing new, finish what runs, say goodbye, exit);
 a second signal stops at once. If the engine or a control task cannot go on,
 the process exits with EXIT_WORKER_FAILED so that its supervisor restarts it.
+A process the router refuses, or tells that another process registered under
+its worker id since (Replaced), exits with EXIT_REFUSED: restarted, it would
+only fight the other one for the id.
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ class Worker:
         # This process start: the router tells a restarted worker from a live one.
         self.incarnation = uuid.uuid4().hex
         self.heartbeat_interval = cfg.router.heartbeat_interval_s
+        self.liveness_s = 0.0          # the router's, from its RegisterReply (0: it does not answer heartbeats)
+        self.last_heard = time.monotonic()   # the router's last message
+        self.unanswered = False        # said so: no answer for the liveness window
         self.heartbeats = HeartbeatReader(self.worker_id)
         self.draining = False
         self.exit_code = 0
@@ -81,7 +87,10 @@ class Worker:
             await self._stop_engine()
             return self.exit_code
         ctx = zmq.asyncio.Context()
-        self.chan = DealerChannel(ctx, self.router_addr, self.worker_id, control)
+        # The connection is this process's own (pdd.router.connections): a process
+        # started later under this worker id does not take it over, and the router
+        # can tell this one that it was replaced.
+        self.chan = DealerChannel(ctx, self.router_addr, f"{self.worker_id}/{self.incarnation}", control)
         sender = self._start_task(self._send_loop())
         tasks = [self._start_task(t) for t in (self._recv_loop(), self._heartbeat_loop(), self._register_loop())]
         log.info("worker %s (%s) on %s, router %s", self.worker_id, self.role, self.info.device, self.router_addr)
@@ -189,12 +198,20 @@ class Worker:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.chan.recv()
+            self._heard()
             if isinstance(msg, m.Reserve) and faults.should_fail("reserve"):
                 log.warning("fault injection (reserve.drop_rate): dropped the Reserve of %s", msg.request_id)
             elif isinstance(msg, ENGINE_COMMANDS):
                 self.engine_thread.submit(msg)
+            elif isinstance(msg, m.HeartbeatAck):
+                pass   # its arrival is what counts (_heard)
             elif isinstance(msg, m.RegisterReply):
                 self._on_register_reply(msg)
+            elif isinstance(msg, m.Replaced):
+                log.error("worker %s: another process registered under this worker id; this one exits "
+                          "(status %d: not to be restarted)", self.worker_id, EXIT_REFUSED)
+                self.exit_code = EXIT_REFUSED
+                self.stopping.set()
             elif isinstance(msg, m.ReRegister):
                 # The router does not know us (it restarted, or took us for lost and
                 # moved our requests): whatever we hold is nobody's. Drop it all first.
@@ -214,6 +231,7 @@ class Worker:
                 log.info("worker %s registered", self.worker_id)
                 sdnotify.notifier().ready(f"{self.worker_id} ({self.role}) registered at {self.router_addr}")
             self.heartbeat_interval = msg.heartbeat_interval_s
+            self.liveness_s = msg.liveness_s
             self.engine_thread.idle_wakeup_s = msg.heartbeat_interval_s
             self.registered.set()
         else:
@@ -236,7 +254,30 @@ class Worker:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             if self.registered.is_set():
+                self._watch_router()
                 await self.chan.send(self.heartbeat())
+
+    def _watch_router(self) -> None:
+        """The router answers every heartbeat (HeartbeatAck, ReRegister or
+        Replaced); none for its liveness window means it is down, stalled or cut
+        off from here, and has counted this worker lost unless it stalled. Said
+        once, and the heartbeats go on: not an exit, which would take every
+        worker with a router restart or stall (a stalled router answers late and
+        keeps the requests; a restarted one, or one that moved them, answers
+        ReRegister and they are dropped; a process replaced meanwhile is told)."""
+        silent_s = time.monotonic() - self.last_heard
+        if self.liveness_s and silent_s > self.liveness_s and not self.unanswered:
+            self.unanswered = True
+            log.warning("worker %s: no answer from the router for %.1fs (its liveness window is %gs): down, "
+                        "stalled or cut off from this worker; heartbeats go on", self.worker_id, silent_s,
+                        self.liveness_s)
+
+    def _heard(self) -> None:
+        now = time.monotonic()
+        if self.unanswered:
+            self.unanswered = False
+            log.warning("worker %s: the router answers again, after %.1fs", self.worker_id, now - self.last_heard)
+        self.last_heard = now
 
     def heartbeat(self) -> m.Heartbeat:
         t = self.engine_thread

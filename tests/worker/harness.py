@@ -38,7 +38,10 @@ class FakeRouter:
         self.worker_ids = worker_ids
         self.chan = RouterChannel(ctx, "tcp://127.0.0.1:0")
         self.addr = self.chan.addr
-        self.registrations: dict[str, m.Register] = {}   # by worker id (its socket identity)
+        self.registrations: dict[str, m.Register] = {}   # by worker id
+        self.connections: dict[str, str] = {}           # worker id -> its process's socket identity
+        # The answer to every Register (a test may change it).
+        self.register_reply = m.RegisterReply(ok=True, heartbeat_interval_s=0.02)
         self.received: list[m.Message] = []     # everything, in arrival order
         self._seen = 0                          # how far next() has looked
 
@@ -59,8 +62,9 @@ class FakeRouter:
     async def _receive(self) -> None:
         peer, msg = await self.chan.recv()
         if isinstance(msg, m.Register):
-            self.registrations[peer] = msg
-            await self.chan.send(peer, m.RegisterReply(ok=True, heartbeat_interval_s=0.02))
+            self.registrations[msg.worker_id] = msg
+            self.connections[msg.worker_id] = peer
+            await self.chan.send(peer, self.register_reply)
         self.received.append(msg)
 
     async def registered(self, worker_id: str) -> m.Register:
@@ -75,7 +79,7 @@ class FakeRouter:
         if to is None:
             (to,) = self.worker_ids
         await self.registered(to)
-        assert await self.chan.send(to, msg)
+        assert await self.chan.send(self.connections[to], msg)
 
     async def until(self, condition: Callable[[], bool]) -> None:
         """Receive until `condition()` (which looks at self.received) holds;
