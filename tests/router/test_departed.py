@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdd.api import StepSample
 from pdd.protocol import messages as m
 from tests.router.sim import SimCluster
 
@@ -13,8 +14,8 @@ GRACE_S = 60.0
 
 def busy_heartbeat(wid: str) -> m.Heartbeat:
     """A heartbeat with steps in it: per-worker series and a step-time fit."""
-    return m.Heartbeat(wid, 1, 0, 60, 64, step_latencies=[0.01] * 4, prefill_chunks=[16] * 4,
-                       decode_batches=[1] * 4, step_tokens=[17] * 4, step_decodes=[1] * 4)
+    step = StepSample(latency_s=0.01, num_tokens=17, num_decodes=1, prefill_chunks=[16])
+    return m.Heartbeat(wid, 1, 0, 60, 64, steps=[step] * 4)
 
 
 def cluster_with_history() -> SimCluster:
