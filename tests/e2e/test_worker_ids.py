@@ -63,7 +63,9 @@ def test_a_process_started_under_a_live_workers_id_replaces_it_and_the_old_one_e
         assert registered(c, "extra-0", new.pid)
         c.admin("drain", "colocated-0")                # what is served now, the new extra-0 serves
         assert served(c, offline, seed=31)
-        assert c.workers()["extra-0"]["steps_completed"] > 0 and new.poll() is None
+        # Its heartbeat after those steps says so (the status is as of the last heartbeat).
+        _wait_for(lambda: c.workers()["extra-0"]["steps_completed"] > 0, START_S, "extra-0 reports its steps")
+        assert new.poll() is None
     finally:
         stop(*procs)
         assert c.stop() == 0, c.logs()
