@@ -222,7 +222,8 @@ class DecodeSide:
                 del self.lease_of[eid]
                 self.engine.abort_request(eid)
                 p = self.placements.remove(eid)
-                log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch)
+                log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch,
+                            extra={"request_id": p.request_id})
                 replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch,
                                                "KV lease expired before the KV arrived", retriable=True))
         return replies
@@ -346,7 +347,8 @@ class PrefillSide:
                     # Failed while the prompt still computes: stop computing it.
                     self.abort(eid)
                     p = self.placements.remove(eid)
-                    log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
+                    log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error,
+                                extra={"request_id": p.request_id})
                     replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
                 continue  # else: aborted meanwhile
             p = self.placements.remove(eid)
@@ -355,7 +357,7 @@ class PrefillSide:
                          "blocks_skipped": r.blocks_skipped}
                 replies.append(m.PrefillDone(wid, p.request_id, p.epoch, first[0], first[1], first[2], stats))
             else:
-                log.warning("KV transfer of %s failed: %s", p.request_id, r.error)
+                log.warning("KV transfer of %s failed: %s", p.request_id, r.error, extra={"request_id": p.request_id})
                 replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
         return replies
 
