@@ -11,9 +11,10 @@ never pay for importing torch.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from pdd import logs
+from pdd.config import LOG_LEVELS
 from pdd.engine.args import add_engine_args, engine_kwargs
 
 
@@ -60,6 +61,8 @@ def cmd_serve(args) -> int:
         print(f"pdd serve: {e}", file=sys.stderr)
         from pdd.config import EXIT_REFUSED
         return EXIT_REFUSED   # the systemd units do not restart on it: a retry fails the same way
+    logs.configure_from(cfg.log, "router" if args.role == "router" else cfg.worker.worker_id or args.role,
+                        level=args.log_level)
     return serve(args.role, cfg)
 
 
@@ -103,9 +106,21 @@ def cmd_keys_generate(args) -> int:
     return 0
 
 
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
+
+
+def _add_log_level(p: argparse.ArgumentParser, help: str) -> None:
+    # SUPPRESS: given after the command it wins, else the one before it (pdd --log-level X serve) holds.
+    p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL", help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", type=_log_level, default=None, metavar="LEVEL",
+                        help=f"{', '.join(LOG_LEVELS)} (default: warning; serve and up: the config's log.level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
@@ -139,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="TOML config (conf/*.toml); PDD_<TABLE>__<KEY> env overrides")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override one config value")
+    _add_log_level(p, "this process's log level (default: log.level, PDD_LOG__LEVEL; info)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
@@ -160,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", action="append", metavar="FILE",
                    help="require 'Authorization: Bearer KEY' on the HTTP API for the keys in FILE, one a line "
                         "(blank lines and # comments skipped; repeatable); or PDD_SECURITY__API_KEYS=KEY1,KEY2")
+    _add_log_level(p, "the router's and workers' log level (default: log.level, PDD_LOG__LEVEL; info)")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="as --api-key-file, but on the command line, where other users can read it (warned)")
     p.set_defaults(func=cmd_up)
@@ -175,10 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", default=None, help="keys directory with admin.key_secret and router.key "
                                                 "(default: --config's security.keys_dir)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--slow", action="store_true",
+                   help="requests: the slowest finished requests, with the time each spent in each phase")
+    p.add_argument("--worker", default=None, metavar="ID|all",
+                   help="log-level: set it on this worker, or on the router and every worker (all); "
+                        "default: the router")
     p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config",
-                                             "security", "breaker", "faults"])
+                                             "security", "breaker", "faults", "trace", "log-level"])
     p.add_argument("args", nargs="*", help="drain/undrain: WORKER; breaker: [open|close|auto [PREFILL DECODE | all]]; "
-                                           "faults: [set NAME=VALUE[,...] [WORKER] | clear [WORKER]]")
+                                           "faults: [set NAME=VALUE[,...] [WORKER] | clear [WORKER]]; "
+                                           "trace: REQUEST_ID; log-level: [LEVEL]")
     p.set_defaults(func=cmd_admin)
 
     p = sub.add_parser("keys", help="CURVE keys that authenticate every socket of a cluster")
@@ -199,8 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level or "warning")   # serve: again, once its config is read
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -391,6 +391,42 @@ class SecurityConfig:
         return self
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """[log]: what every process logs, how, and the request traces the router keeps (pdd.logs)."""
+    # `pdd serve` and `pdd up`'s children; `pdd serve --log-level` wins, and
+    # `pdd admin log-level` changes it at run time.
+    level: str = "info"                  # debug | info | warning | error | critical
+    format: str = "text"                 # text | json (one object per line)
+    # A message logged again and again (same logger, same template) is let
+    # through `repeat_limit` times per `repeat_interval_s`, then summed up in
+    # one "... N more like this" line (0: no limit). Access and audit lines are never limited.
+    repeat_limit: int = 10
+    repeat_interval_s: float = 10.0
+    # The router keeps the phase timeline of this many recently finished
+    # requests, and of this many of the slowest apart (`pdd admin trace`,
+    # `pdd admin requests --slow`).
+    trace_recent_requests: int = 1000
+    trace_slow_requests: int = 100
+
+    def validate(self) -> "LogConfig":
+        if self.level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
+        if self.format not in LOG_FORMATS:
+            raise ConfigError(f"log.format: must be text or json, got {self.format!r}")
+        if self.repeat_limit < 0:
+            raise ConfigError("log.repeat_limit: must be >= 0 (0: no limit)")
+        if self.repeat_interval_s <= 0:
+            raise ConfigError("log.repeat_interval_s: must be > 0")
+        if self.trace_recent_requests < 0 or self.trace_slow_requests < 0:
+            raise ConfigError("log.trace_recent_requests and log.trace_slow_requests: must be >= 0 (0: none kept)")
+        return self
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything one config file holds; each process reads the tables it needs."""
@@ -398,6 +434,7 @@ class ClusterConfig:
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
     security: SecurityConfig = SecurityConfig()
+    log: LogConfig = LogConfig()
 
     def served_model_name(self, model_dir) -> str:
         """What clients put in "model": configured, else the checkpoint directory's name."""
@@ -409,7 +446,9 @@ class ClusterConfig:
 
 
 _TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig,
-           "security": SecurityConfig}
+           "security": SecurityConfig, "log": LogConfig}
+# Older names of PDD_* variables, still read when the new one is not set.
+ENV_ALIASES = {"PDD_LOG_LEVEL": "PDD_LOG__LEVEL"}
 
 
 def load_cluster_config(path: str | Path | None = None, env: dict | None = None,
@@ -419,12 +458,19 @@ def load_cluster_config(path: str | Path | None = None, env: dict | None = None,
     unknown = set(raw) - set(_TABLES)
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; known: {sorted(_TABLES)}")
+    env = with_aliases(os.environ if env is None else env)
     parts = {}
     for name, cls in _TABLES.items():
         table = dict(raw.get(name) or {})
         table.update((overrides or {}).get(name) or {})
         parts[name] = build(cls, table, name, env)
     return ClusterConfig(**parts)
+
+
+def with_aliases(env: dict) -> dict:
+    """`env` with each alias of ENV_ALIASES read as its new name (which wins when both are set)."""
+    extra = {new: env[old] for old, new in ENV_ALIASES.items() if old in env and new not in env}
+    return {**env, **extra} if extra else env
 
 
 def dump_toml(cfg: ClusterConfig) -> str:

@@ -127,7 +127,8 @@ class Cluster:
 
     def _popen(self, name: str, args: list[str], env: dict | None) -> subprocess.Popen:
         with open(self.run_dir / f"{name}.log", "ab") as log:
-            cmd = [sys.executable, "-m", "pdd.cli", "--log-level", os.environ.get("PDD_LOG_LEVEL", "INFO"),
+            # The level as `up` resolved it (flag, env, config): a child's environment must not undo a flag.
+            cmd = [sys.executable, "-m", "pdd.cli", "--log-level", self.cfg.log.level,
                    "serve", "--config", str(self.config_path), *args]
             # NOTIFY_SOCKET and the watchdog are this process's to answer, not its children's.
             child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV and k not in sdnotify.ENV_VARS}
@@ -223,7 +224,9 @@ class Cluster:
 
 
 def build_cluster(args) -> Cluster:
-    overrides: dict = {"engine": {}, "router": {}}
+    overrides: dict = {"engine": {}, "router": {}, "log": {}}
+    if getattr(args, "log_level", None):
+        overrides["log"]["level"] = args.log_level
     if args.model:
         overrides["engine"]["model"] = args.model
     overrides["router"]["port"] = args.port

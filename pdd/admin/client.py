@@ -96,6 +96,31 @@ def _format_placement(placement: dict) -> str:
     return "\n".join(lines)
 
 
+SLOW_COLUMNS = ["request_id", "mode", "finish_reason", "duration_s", "ttft_s", "queued_s", "reserving_s",
+                "prefilling_s", "decoding_s", "prefill_worker", "decode_worker", "fallbacks", "migrations"]
+
+
+def _format_trace(t: dict) -> str:
+    """One request's timeline: its figures, the time in each phase, then each event."""
+    ttft = f"{t['ttft_s']:.3f}s" if t.get("ttft_s") is not None else "-"
+    head = (f"request {t['request_id']}  mode={t['mode']}  finish={t['finish_reason'] or '-'}"
+            f"{'  (in flight)' if t.get('in_flight') else ''}  started {t['started_at']}\n"
+            f"prompt={t['prompt_tokens']} cached={t['cached_tokens']} output={t['output_tokens']}  "
+            f"ttft={ttft}  total={t['duration_s']:.3f}s  migrations={t['migrations']}\n"
+            "time in phase: " + "  ".join(f"{p}={t[p + '_s']:.3f}s"
+                                          for p in ("queued", "reserving", "prefilling", "decoding")))
+    events = [{**e, "t_s": f"+{e['t_s']:.3f}", "prefill": e["prefill"] or "-", "decode": e["decode"] or "-"}
+              for e in t["events"]]
+    return head + "\n" + _table(events, ["t_s", "event", "epoch", "prefill", "decode", "note"])
+
+
+def _format_log_level(r: dict) -> str:
+    parts = [f"router: {r['router']}"] if "router" in r else []
+    if r.get("sent_to"):
+        parts.append(f"{r['level']} sent to {', '.join(r['sent_to'])}")
+    return "; ".join(parts) or "no worker to send it to"
+
+
 def _connection(args) -> tuple[str, str, Curve | None]:
     """(address, token, CURVE identity or None) from the flags, the config and the environment."""
     addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
@@ -133,10 +158,24 @@ def _flag_token(args) -> str:
     return tokens[0]
 
 
+def _wire_args(args) -> list:
+    """The command's arguments as the admin socket takes them (its flags become arguments)."""
+    out = list(args.args)
+    if getattr(args, "slow", False):
+        if args.admin_command != "requests":
+            raise AdminError("--slow goes with requests: pdd admin requests --slow")
+        out = ["slow", *out]
+    if getattr(args, "worker", None) is not None:
+        if args.admin_command != "log-level" or not out:
+            raise AdminError("--worker goes with log-level LEVEL: pdd admin log-level LEVEL --worker ID|all")
+        out.append(args.worker)
+    return out
+
+
 def main(args) -> int:
     try:
         addr, token, keys = _connection(args)
-        result = call(addr, token, args.admin_command, *args.args, security=keys)
+        result = call(addr, token, args.admin_command, *_wire_args(args), security=keys)
     except AdminError as e:
         print(f"pdd admin: {e}", file=sys.stderr)
         return 1
@@ -161,5 +200,11 @@ def _print(args, result) -> None:
                   f"unless it registers again")
     elif args.admin_command == "workers":
         print(_format_workers(result))
+    elif args.admin_command == "requests" and getattr(args, "slow", False):
+        print(_table(result, SLOW_COLUMNS) if result else "no finished request kept yet")
+    elif args.admin_command == "trace":
+        print("\n\n".join(_format_trace(t) for t in result))
+    elif args.admin_command == "log-level":
+        print(_format_log_level(result))
     else:
         print(json.dumps(result, indent=2))

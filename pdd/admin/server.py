@@ -9,6 +9,12 @@ token, which the router refuses to start without (placeholders included).
 Whatever arrives — garbage, a wrong type anywhere, an oversize message, a
 command that raises — gets an error reply and the loop serves on; the token
 and other secrets are never logged nor echoed.
+
+Every command leaves an audit line on logger `pdd.audit` (pdd.logs): the
+command, its arguments, who sent it (the admin key's name under CURVE, and the
+peer's address) and how it ended — at INFO for a command that changes
+something (drain, undrain, breaker/faults/log-level with arguments), at DEBUG
+for one that only reads (monitors poll `status`).
 """
 from __future__ import annotations
 
@@ -17,20 +23,29 @@ import dataclasses
 import hmac
 import logging
 
+import time
+
 import msgpack
 import zmq
 import zmq.asyncio
 
-from pdd import security
+from pdd import logs, security
+from pdd.protocol import messages as m
+from pdd.router.traces import Timeline, matches
 from pdd.security import Curve, HandshakeWatch
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger(logs.AUDIT_LOGGER)
 
 MAX_REQUEST_BYTES = 64 * 1024   # larger requests get an error reply
 _HARD_LIMIT_BYTES = 1 << 20     # larger ones are not even read: zmq drops the connection
 MAX_ARGS = 16
 # (table, key) of the config values the `config` command masks.
 SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"))
+# Commands that only read; the others, and these with arguments where they take
+# some (breaker open ..., faults set ..., log-level LEVEL), change something.
+READS = frozenset({"status", "workers", "requests", "config", "security", "trace"})
+READS_WITHOUT_ARGS = frozenset({"breaker", "faults", "log-level"})
 
 
 def _error(message: str) -> dict:
@@ -46,7 +61,11 @@ class AdminServer:
         self.commands = {
             "status": self._status,
             "workers": lambda: [w.summary() for w in router.registry.workers.values()],
-            "requests": lambda: [s.summary() for s in router.requests.values()],
+            # requests: in flight; requests slow [N]: the slowest finished, with their phase durations
+            "requests": self._requests,
+            "trace": self._trace,
+            # log-level: the router's; log-level LEVEL [WORKER | all]: set it on the router, one worker, or all
+            "log-level": self._log_level,
             "drain": lambda *worker: router.set_draining(_one_worker("drain", worker), True),
             "undrain": lambda *worker: router.set_draining(_one_worker("undrain", worker), False),
             "config": self._config,
@@ -66,6 +85,43 @@ class AdminServer:
 
     def _config(self) -> dict:
         return masked_config(self.router.cfg)
+
+    def _requests(self, *args) -> list[dict]:
+        if not args:
+            return [s.summary() for s in self.router.requests.values()]
+        if args[0] != "slow" or len(args) > 2:
+            raise ValueError("expected requests, or requests slow [N] (pdd admin requests --slow)")
+        n = int(args[1]) if len(args) > 1 else None
+        now = time.monotonic()
+        return [t.summary(now) for t in self.router.control.traces.slowest(n)]
+
+    def _trace(self, request_id: str) -> list[dict]:
+        """The timeline of the request(s) with this id: in flight, or finished and still kept."""
+        now, control = time.monotonic(), self.router.control
+        live = [Timeline.of(s, now, ended=False) for rid, s in control.requests.items() if matches(rid, request_id)]
+        found = control.traces.find(request_id) + sorted(live, key=lambda t: t.arrival)
+        if not found:
+            raise KeyError(f"no request {request_id!r} in flight, nor among the last "
+                           f"{control.traces.recent.maxlen} finished or the {control.traces.num_slowest} slowest kept "
+                           "(log.trace_recent_requests, log.trace_slow_requests)")
+        return [t.to_dict(now) for t in found]
+
+    def _log_level(self, level: str | None = None, worker: str | None = None) -> dict:
+        """No level: the router's. Else the router's (no WORKER), one worker's, or
+        the router's and every worker's (all), sent over the control bus."""
+        if level is None:
+            return {"router": logs.current_level()}
+        logs.level_number(level)   # a ValueError naming the levels
+        workers = self.router.registry.workers
+        if worker is not None and worker != "all" and worker not in workers:
+            raise KeyError(f"no worker {worker!r}; known: {sorted(workers)}")
+        targets = sorted(workers) if worker == "all" else [worker] if worker is not None else []
+        for wid in targets:
+            self.router.control.send(wid, m.SetLogLevel(level.lower()))
+        out = {"level": level.lower(), "sent_to": targets}
+        if worker in (None, "all"):
+            out["router"] = logs.set_level(level)
+        return out
 
     def register(self, name: str, fn) -> None:
         self.commands[name] = fn
@@ -96,10 +152,11 @@ class AdminServer:
     async def _loop(self) -> None:
         while True:
             try:
-                frames = await self.sock.recv_multipart()
+                frames = await self.sock.recv_multipart(copy=False)
                 if len(frames) < 2:
                     continue
-                await self.sock.send_multipart(frames[:-1] + [self._encode(self.handle(frames[-1]))])
+                reply = self.handle(frames[-1].bytes, _sender(frames[-1]))
+                await self.sock.send_multipart([f.bytes for f in frames[:-1]] + [self._encode(reply)])
             except asyncio.CancelledError:
                 raise
             except Exception:  # nothing a peer sends may stop the admin socket
@@ -113,15 +170,15 @@ class AdminServer:
             log.exception("admin: reply cannot be encoded")
             return msgpack.packb(_error(f"the result cannot be encoded ({type(e).__name__})"), use_bin_type=True)
 
-    def handle(self, payload: bytes) -> dict:
-        """One request in, one reply out; never raises."""
+    def handle(self, payload: bytes, sender: dict | None = None) -> dict:
+        """One request in, one reply out; never raises. `sender`: who sent it, for the audit line."""
         try:
-            return self._handle(payload)
+            return self._handle(payload, sender or {})
         except Exception:
             log.exception("admin: error handling a request")
             return _error("internal error (logged on the router)")
 
-    def _handle(self, payload: bytes) -> dict:
+    def _handle(self, payload: bytes, sender: dict) -> dict:
         if len(payload) > MAX_REQUEST_BYTES:
             return _error(f"request of {len(payload)} bytes exceeds the limit of {MAX_REQUEST_BYTES}")
         try:
@@ -147,13 +204,44 @@ class AdminServer:
             return _error(f"args must be a list of at most {MAX_ARGS} strings or numbers")
         fn = self.commands.get(cmd)
         if fn is None:
-            return _error(f"unknown command {cmd[:64]!r}; commands: {sorted(self.commands)}")
+            reply = _error(f"unknown command {cmd[:64]!r}; commands: {sorted(self.commands)}")
+        else:
+            reply = self._run(cmd, fn, args)
+        _audit(cmd[:64], args, reply, sender)
+        return reply
+
+    @staticmethod
+    def _run(cmd: str, fn, args: list) -> dict:
         try:
             return {"ok": True, "result": fn(*args)}
         except TypeError as e:
             return _error(f"{cmd}: bad arguments ({e})")
         except (KeyError, ValueError) as e:
             return _error(f"{cmd}: {e.args[0] if e.args else e}")
+
+
+def _sender(frame: zmq.Frame) -> dict:
+    """Who sent a request: the admin key's name (CURVE) and the peer's address, where zmq knows them."""
+    out = {}
+    for prop, key in (("User-Id", "admin_key"), ("Peer-Address", "peer")):
+        try:
+            value = frame.get(prop)
+        except zmq.ZMQError:   # not set on this socket (plaintext: no key)
+            continue
+        if value:
+            out[key] = value
+    return out
+
+
+def _audit(cmd: str, args: list, reply: dict, sender: dict) -> None:
+    changes = cmd not in READS and not (cmd in READS_WITHOUT_ARGS and not args)
+    fields = {"command": cmd, "arguments": [a[:256] if isinstance(a, str) else a for a in args],
+              "ok": reply["ok"], **sender}
+    if not reply["ok"]:
+        fields["error"] = reply["error"]
+    audit.log(logging.INFO if changes else logging.DEBUG, "admin %s%s: %s", cmd,
+              "".join(f" {a}" for a in fields["arguments"]), "ok" if reply["ok"] else f"refused ({reply['error']})",
+              extra=fields)
 
 
 def _one_worker(cmd: str, args: tuple) -> str:

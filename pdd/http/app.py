@@ -13,7 +13,8 @@ what a web page could send is refused (403, 415). Bodies must arrive within
 answered 413 before any of the body is read. Idle, slow and non-reading
 connections and the connection limit are pdd.http.guard's. Large prompts are
 tokenized in a child process (pdd.http.tokenize), so one 4 MB prompt does not
-stall every stream.
+stall every stream. Request ids (`X-Request-Id`) and the access line:
+pdd.http.request_log.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
+from pdd.http import request_log
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.model.tokenizer import Tokenizer
@@ -148,7 +150,10 @@ class OpenAIServer:
             ids = ids[-req.truncate_prompt_tokens:]
         self._check_length(req, len(ids))
         text, lp = self._builders(req, ids)
-        state = await self.router.submit(ids, req.sampling, req.request_id)
+        if not request[request_log.FROM_CLIENT]:
+            req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
+        state = await self.router.submit(ids, req.sampling, request[request_log.REQUEST_ID])
+        request[request_log.STATE], request[request_log.STREAMED] = state, req.stream
         try:
             if req.stream:
                 return await self._stream(request, req, state, text, lp)
@@ -211,8 +216,7 @@ class OpenAIServer:
         return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
 
     async def _stream(self, request: web.Request, req: s.GenerateRequest, state, text: TextStream, lp):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": req.request_id})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         chat = req.kind == "chat"
 
@@ -342,10 +346,12 @@ async def error_middleware(request: web.Request, handler):
 def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
               eos_token_ids: tuple[int, ...] = ()) -> web.Application:
     sec = router.cfg.security
-    app = web.Application(middlewares=[cors_middleware, access_middleware, error_middleware],
+    app = web.Application(middlewares=[request_log.request_log_middleware, cors_middleware, access_middleware,
+                                       error_middleware],
                           client_max_size=router.cfg.router.max_body_bytes)
     app[CORS_KEY] = frozenset(sec.cors_origins)
     app.on_response_prepare.append(_cors_headers)
+    app.on_response_prepare.append(request_log.add_headers)
     server = OpenAIServer(router, tokenizer, model_name, eos_token_ids)
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s,

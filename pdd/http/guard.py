@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from pdd import security
+from pdd.http.request_log import SERVER_NAME
 from pdd.http.validate import APIError
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class ShapedErrors(RequestHandler):
             error = APIError(status, f"malformed HTTP request: {detail or 'cannot parse it'}",
                              code="malformed_request")
         resp = web.Response(status=status, body=orjson.dumps(error.body()), content_type="application/json")
+        resp.headers["Server"] = SERVER_NAME
         resp.force_close()
         return resp
 

@@ -228,6 +228,13 @@ class SetFaults(Message):
     clear: bool = False
 
 
+@dataclass
+class SetLogLevel(Message):
+    """Set this worker's log level (`pdd admin log-level LEVEL WORKER|all`)."""
+    TYPE: ClassVar[str] = "set_log_level"
+    level: str
+
+
 # ---------------------------------------------------------------- disaggregation
 # Lifecycle: router -> decode Reserve and router -> prefill Prefill, at once;
 # decode -> router Reserved; router -> prefill KVTarget; prefill -> router

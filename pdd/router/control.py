@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pdd.api import SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
+from pdd.logs import request_context
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import STATE_VALUE, Breakers
@@ -59,6 +60,7 @@ from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, 
                                   transfer_backend)
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent
+from pdd.router.traces import TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ Send = Callable[[str, m.Message], None]
 
 class ControlPlane:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, send: Send,
-                 clock: Callable[[], float] = time.monotonic, step_timeout_s: float = 60.0):
+                 clock: Callable[[], float] = time.monotonic, step_timeout_s: float = 60.0,
+                 traces: TraceStore | None = None):
         self.cfg = cfg
         self.step_timeout_s = step_timeout_s
         self.registry = registry
@@ -89,6 +92,7 @@ class ControlPlane:
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
         self.departed: dict[str, float] = {}     # unregistered worker id -> when it left
+        self.traces = traces if traces is not None else TraceStore()   # timelines of finished requests
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
@@ -107,9 +111,14 @@ class ControlPlane:
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
                hashes: list[int] | None = None) -> RequestState:
-        """`hashes`: the prompt's block hashes if the caller computed them (off the event loop)."""
+        """`hashes`: the prompt's block hashes if the caller computed them (off the event loop).
+        An id already in flight (two clients sent the same X-Request-Id) gets `#2`, `#3`, ...:
+        the id of record is unique, and still starts with what the client sent."""
         if request_id in self.requests:
-            raise Unavailable(f"request id {request_id!r} is already in flight")
+            n = 2
+            while f"{request_id}#{n}" in self.requests:
+                n += 1
+            request_id = f"{request_id}#{n}"
         limit = self.cfg.max_queued_requests
         if limit and self.num_queued >= limit:
             self.metrics.rejected.labels("overloaded").inc()
@@ -119,6 +128,7 @@ class ControlPlane:
             hashes = self.prompt_hashes(prompt_token_ids)
         now = self.clock()
         state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now)
+        state.mark("queued", f"{len(prompt_token_ids)} prompt tokens", at=now)
         plan = self._place(PlaceRequest(hashes, num_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens),
                            pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
         if plan is None:
@@ -186,19 +196,21 @@ class ControlPlane:
         if getattr(msg, "worker_id", peer) != peer:
             log.warning("router: %s from %s claims to be %s; dropped", msg.TYPE, peer, msg.worker_id)
             return
+        rid = getattr(msg, "request_id", None)
         if type(msg) not in (m.Register, m.Heartbeat) and peer not in self.registry.workers:
             # Not registered (lost, or from before a router restart): whatever it
             # holds is nobody's; it re-registers on its next heartbeat.
-            rid = getattr(msg, "request_id", None)
             if rid is not None:
                 self.send(peer, m.Abort([rid]))
             return
-        handler(peer, msg)
+        with request_context(rid):   # what it logs carries the request's id
+            handler(peer, msg)
 
     def on_register(self, peer: str, msg: m.Register) -> None:
         replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
         if replaced is not None:
             self.registry.remove(peer)
+        again = peer in self.registry.workers   # the same process again (its Registers queued up while we were busy)
         error = self.registry.register(msg)
         if error:
             log.error("refused worker %s: %s", peer, error)
@@ -206,7 +218,8 @@ class ControlPlane:
                 self._depart(peer)
         else:
             self.departed.pop(peer, None)
-            log.info("worker %s registered (%s on %s, %d blocks)", peer, msg.role, msg.device, msg.num_blocks)
+            (log.debug if again else log.info)("worker %s registered (%s on %s, %d blocks)", peer, msg.role,
+                                               msg.device, msg.num_blocks)
         self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
                                         heartbeat_interval_s=self.cfg.heartbeat_interval_s,
                                         liveness_s=self.registry.timeout_s))
@@ -329,12 +342,14 @@ class ControlPlane:
         if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
                 and landed.prompt_at == peer and landed.prefill_worker is None):
             # The decode worker started on the KV (and told us) before this came.
+            self._mark(landed, "transfer", _transfer_note(peer, msg.transfer))
             self.metrics.observe_transfer(msg.transfer)
             self.estimator.transferred(landed.transfer_backend, msg.transfer)
             return
         state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
+        self._mark(state, "transfer", _transfer_note(peer, msg.transfer))
         self.metrics.observe_transfer(msg.transfer)
         self.estimator.transferred(state.transfer_backend, msg.transfer)
         self._kv_landed(state)
@@ -347,6 +362,7 @@ class ControlPlane:
         self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.placed_at)
         self.breakers.record(state.prefill_worker, state.decode_worker, True, self.clock())
         self.registry.workers[state.prefill_worker].note_hashes(state.block_hashes)
+        self._mark(state, "kv_landed")
         self._own(state, state.decode_worker, None)
         self._enter(state, DECODING)
 
@@ -458,6 +474,7 @@ class ControlPlane:
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
         self._own(state, plan.decode, plan.prefill)
         state.placed_at, state.prompt_at = self.clock(), None
+        self._mark(state, "placed", f"{plan.kind} ({plan.reason})" + (f" over {plan.backend}" if plan.backend else ""))
         self.metrics.placements.labels(plan.kind, plan.reason).inc()
         self.estimator.placed(plan.prefill or plan.decode, plan.decode,
                               plan.prefill_tokens or len(state.prompt_token_ids) + len(state.output_token_ids),
@@ -483,6 +500,7 @@ class ControlPlane:
         tokens so far) and decode on one worker."""
         if reason is not None:
             self.metrics.fallbacks.labels(reason).inc()
+        self._mark(state, "fallback", f"{reason or 'migrated'}: {why}")
         self.breakers.release(state.request_id)
         self._abort_owners(state)
         self._own(state, None, None)
@@ -504,6 +522,7 @@ class ControlPlane:
         """The KV will not come: the decode worker computes the prompt in the
         blocks it holds, after the first token if the client already has it."""
         self.metrics.fallbacks.labels(reason).inc()
+        self._mark(state, "fallback", f"{reason}: its decode worker prefills it")
         self.breakers.release(state.request_id)
         if state.prefill_worker in self.registry.workers:
             self.send(state.prefill_worker, m.Abort([state.request_id]))
@@ -539,6 +558,7 @@ class ControlPlane:
         self.metrics.generation_tokens.inc(len(event.token_ids))
         if event.token_ids and not state.output_token_ids:
             self.num_queued -= 1
+            self._mark(state, "first_token")
         state.deliver(event)
         if event.finished:
             self.metrics.cached_tokens.inc(state.num_cached_tokens)
@@ -550,12 +570,14 @@ class ControlPlane:
 
     def _fail(self, state: RequestState, error: str) -> None:
         log.warning("request %s failed: %s", state.request_id, error)
+        self._mark(state, "error", error)
         self._abort_owners(state)
         state.fail(error)
         self._retire(state)
 
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
+        self._mark(state, "end", state.finish_reason or "")
         self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1
@@ -567,6 +589,7 @@ class ControlPlane:
         state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
         self.metrics.inflight.dec()
         self.metrics.observe_finished(state)
+        self.traces.finished(state, self.clock())
 
     def _abort_owners(self, state: RequestState) -> None:
         for wid in state.owners:
@@ -599,8 +622,12 @@ class ControlPlane:
 
     def _enter(self, state: RequestState, phase: str, timeout_s: float | None = None) -> None:
         state.phase, state.phase_since, state.timer_seq = phase, self.clock(), 0
+        state.mark(phase, at=state.phase_since)
         if timeout_s is not None:
             state.timer_seq = self._add_timer(state.phase_since + timeout_s, state.request_id)
+
+    def _mark(self, state: RequestState, what: str, note: str = "") -> None:
+        state.mark(what, note, at=self.clock())
 
     def _add_timer(self, deadline: float, request_id: str) -> int:
         self._timer_seq += 1
@@ -636,3 +663,9 @@ class ControlPlane:
         for s in self.requests.values():
             assert not s.finished, f"{s.request_id} finished but still held"
             assert all(w in self.registry.workers for w in s.owners), f"{s.request_id}: owner not registered"
+
+
+def _transfer_note(peer: str, stats: dict) -> str:
+    """A transfer's figures as its prefill worker measured them."""
+    return (f"from {peer}: {float(stats.get('seconds', 0.0)):.4f}s, {int(stats.get('bytes', 0))} bytes, "
+            f"{int(stats.get('blocks_sent', 0))} blocks sent, {int(stats.get('blocks_skipped', 0))} skipped")

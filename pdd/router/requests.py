@@ -10,12 +10,18 @@ pdd.router.control changes them.
        │            (disaggregated)             ▲
        └────────────── colocated ───────────────┘
     any phase ──▶ placed again (epoch + 1) on a failure, or done with an error
+
+Each request keeps its timeline (`trace`): the events the state machine marks
+— queued, placed, each phase entered, first token, KV landed, fallbacks, end —
+with the epoch and the workers that owned it then (pdd.router.traces keeps
+those of finished requests).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdd.api import SamplingParams
 from pdd.kv.hashing import ROOT_HASH, block_hashes
@@ -35,6 +41,16 @@ class TokenEvent:
 
 
 QUEUED, RESERVING, PREFILLING, DECODING, DONE = "queued", "reserving", "prefilling", "decoding", "done"
+MAX_TRACE_EVENTS = 64   # a request placed again and again keeps its first events and its end
+
+
+class TraceEvent(NamedTuple):
+    at: float                # monotonic
+    what: str                # queued | placed | a phase | first_token | kv_landed | transfer | fallback | end
+    epoch: int
+    decode: str | None       # the phase owners at that moment
+    prefill: str | None
+    note: str = ""
 
 
 @dataclass
@@ -65,6 +81,7 @@ class RequestState:
     finished: bool = False
     finish_reason: str | None = None
     num_migrations: int = 0
+    trace: list[TraceEvent] = field(default_factory=list)
     # What the router produced and the client's handler has not taken yet
     # (TokenEvents, then at most one RequestError); see take_events. A handler
     # blocked on a client that does not read takes nothing: pdd.router.control
@@ -76,6 +93,13 @@ class RequestState:
     @property
     def owners(self) -> tuple[str, ...]:
         return tuple(w for w in (self.decode_worker, self.prefill_worker) if w is not None)
+
+    def mark(self, what: str, note: str = "", at: float | None = None) -> None:
+        """One event of its timeline, with the current epoch and owners."""
+        if len(self.trace) >= MAX_TRACE_EVENTS - 1 and what != "end":
+            return
+        self.trace.append(TraceEvent(time.monotonic() if at is None else at, what, self.epoch,
+                                     self.decode_worker, self.prefill_worker, note))
 
     def deliver(self, event: TokenEvent) -> None:
         self.output_token_ids.extend(event.token_ids)

@@ -31,6 +31,7 @@ from pdd.router.control import ControlPlane, Overloaded, Unavailable
 from pdd.router.placement import SERVING_ROLES, ClusterView
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
+from pdd.router.traces import TraceStore
 from pdd.security import control_security
 
 __all__ = ["Overloaded", "Router", "Unavailable"]
@@ -47,7 +48,8 @@ class Router:
         self.registry = WorkerRegistry(rc.heartbeat_interval_s, rc.heartbeat_misses)
         self.metrics = RouterMetrics(self.registry)
         self.control = ControlPlane(rc, self.registry, self.metrics, self._post,
-                                    step_timeout_s=cfg.worker.step_timeout_s)
+                                    step_timeout_s=cfg.worker.step_timeout_s,
+                                    traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
         self.accepting = True
         self.started_at = time.time()

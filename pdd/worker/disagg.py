@@ -226,7 +226,8 @@ class DecodeSide:
                 self._close(lease_id)   # no reservation holds it any more
                 continue
             self.placements.release(eid)
-            log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch)
+            log.warning("KV lease of %s (epoch %d) expired; its blocks are freed", p.request_id, p.epoch,
+                        extra={"request_id": p.request_id})
             replies.append(m.RequestFailed(self.worker_id, p.request_id, p.epoch,
                                            "KV lease expired before the KV arrived", retriable=True))
         return replies
@@ -337,7 +338,8 @@ class PrefillSide:
                 if not r.ok:
                     # Failed while the prompt still computes: stop computing it.
                     self.placements.release(p.engine_id)
-                    log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error)
+                    log.warning("KV transfer of %s failed mid-prefill: %s", p.request_id, r.error,
+                                extra={"request_id": p.request_id})
                     replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
                 continue
             p.state = DONE
@@ -349,7 +351,7 @@ class PrefillSide:
                 replies.append(m.PrefillDone(wid, p.request_id, p.epoch, h.first_token, h.logprobs,
                                              h.num_cached_tokens, stats))
             else:
-                log.warning("KV transfer of %s failed: %s", p.request_id, r.error)
+                log.warning("KV transfer of %s failed: %s", p.request_id, r.error, extra={"request_id": p.request_id})
                 replies.append(m.PrefillFailed(wid, p.request_id, p.epoch, f"KV transfer failed: {r.error}"))
         return replies
 

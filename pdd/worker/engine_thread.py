@@ -39,6 +39,7 @@ from pdd import faults
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.engine.engine import LLMEngine
 from pdd.kv.layout import KVLayout
+from pdd.logs import request_context
 from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
@@ -256,10 +257,11 @@ class EngineThread(threading.Thread):
             for p in held:
                 self.placements.release(p.engine_id)
         elif item is not _Control.WAKE:
-            try:
-                self._replies += self._dispatch(item)
-            except Exception as e:
-                self._replies += self._command_failed(item, e)
+            with request_context(getattr(item, "request_id", None)):   # its log lines carry the id
+                try:
+                    self._replies += self._dispatch(item)
+                except Exception as e:
+                    self._replies += self._command_failed(item, e)
 
     def _dispatch(self, msg: m.Message) -> list[m.Message]:
         if isinstance(msg, m.Abort):

@@ -32,7 +32,7 @@ import uuid
 
 import zmq.asyncio
 
-from pdd import faults, sdnotify
+from pdd import faults, logs, sdnotify
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
@@ -220,6 +220,8 @@ class Worker:
                 await self.chan.send(self.register_message())
             elif isinstance(msg, m.SetFaults):
                 self._set_faults(msg)
+            elif isinstance(msg, m.SetLogLevel):
+                self._set_log_level(msg.level)
             elif isinstance(msg, m.Shutdown):
                 self.begin_drain() if msg.drain else self.stopping.set()
             else:
@@ -244,6 +246,12 @@ class Worker:
             faults.apply(msg.faults, clear=msg.clear)
         except faults.FaultError as e:   # the router checked them: another version's name?
             log.error("worker %s: refused fault settings: %s", self.worker_id, e)
+
+    def _set_log_level(self, level: str) -> None:
+        try:
+            log.warning("worker %s: log level now %s (pdd admin log-level)", self.worker_id, logs.set_level(level))
+        except ValueError as e:
+            log.error("worker %s: refused a log level: %s", self.worker_id, e)
 
     async def _send_loop(self) -> None:
         """Sends what the engine thread handed over, in order, until None."""

@@ -1,0 +1,48 @@
+"""What the router's state machine logs (tests/router/sim.py: no sockets)."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from pdd import logs
+from tests.router.sim import SimCluster
+
+
+@pytest.fixture
+def control_log():
+    """pdd.router.control's lines, as JSON objects, at DEBUG."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.JsonFormatter())
+    logger = logging.getLogger("pdd.router.control")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield lambda: [json.loads(line) for line in out.getvalue().splitlines()]
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_registration_repeated_by_the_same_process_is_logged_once_at_info(control_log):
+    c = SimCluster()
+    w = c.add_worker("d0", "decode")
+    for _ in range(5):   # its Registers queued up while the router was busy
+        c.control.handle("d0", w.register_message())
+    registered = [line["level"] for line in control_log() if line["msg"].startswith("worker d0 registered")]
+    assert registered == ["INFO"] + ["DEBUG"] * 5
+    c.restart("d0")      # a new process under the id: a registration worth saying
+    assert [line["level"] for line in control_log() if line["msg"].startswith("worker d0 registered")][-1] == "INFO"
+
+
+def test_a_line_logged_while_handling_a_workers_message_carries_its_request_id(control_log):
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    c.step_inbox(d0)
+    c.step_inbox(p0)
+    c.act(p0, (s.request_id, s.epoch), "fail")
+    failed, = [line for line in control_log() if "failed" in line["msg"]]
+    assert failed["request_id"] == s.request_id and failed["level"] == "WARNING"
