@@ -59,7 +59,7 @@ from pdd.router.estimator import Estimator
 from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
                                   transfer_backend)
 from pdd.router.registry import WorkerRegistry
-from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent
+from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.traces import TraceStore
 
 log = logging.getLogger(__name__)
@@ -339,6 +339,10 @@ class ControlPlane:
 
     def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
         landed = self.requests.get(msg.request_id)
+        if landed is None:   # the decode worker, started by the data plane, has streamed it all
+            self.traces.late(msg.request_id, TraceEvent(self.clock(), "transfer", msg.epoch, None, peer,
+                                                        _transfer_note(peer, msg.transfer)))
+            return
         if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
                 and landed.prompt_at == peer and landed.prefill_worker is None):
             # The decode worker started on the KV (and told us) before this came.

@@ -27,9 +27,10 @@ from pdd.router.requests import DECODING, PREFILLING, QUEUED, RESERVING, Request
 PHASES = (QUEUED, RESERVING, PREFILLING, DECODING)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Timeline:
-    """A request's timeline and the figures around it (no prompt, no tokens)."""
+    """A request's timeline and the figures around it (no prompt, no tokens).
+    Only `TraceStore.late` changes one, once it is stored."""
     request_id: str
     started_at: float              # wall clock (time.time()) at arrival
     arrival: float                 # monotonic, as the events
@@ -40,13 +41,13 @@ class Timeline:
     output_tokens: int
     cached_tokens: int
     migrations: int
-    events: tuple[TraceEvent, ...]
+    events: list[TraceEvent]
 
     @classmethod
     def of(cls, state: RequestState, now: float, ended: bool) -> Timeline:
         return cls(state.request_id, time.time() - (now - state.arrival), state.arrival, now if ended else None,
                    state.mode, state.finish_reason, len(state.prompt_token_ids), len(state.output_token_ids),
-                   state.num_cached_tokens, state.num_migrations, tuple(state.trace))
+                   state.num_cached_tokens, state.num_migrations, list(state.trace))
 
     def ttft(self) -> float | None:
         return next((e.at - self.arrival for e in self.events if e.what == "first_token"), None)
@@ -117,6 +118,15 @@ class TraceStore:
             elif item[0] > self._slow[0][0]:
                 heapq.heapreplace(self._slow, item)
         return t
+
+    def late(self, request_id: str, event: TraceEvent) -> None:
+        """An event about a request that already ended: a prefill worker's
+        `PrefillDone` (the transfer's figures) may come after the decode worker,
+        started by the data plane, streamed the whole answer."""
+        t = next((t for t in reversed(self.recent) if t.request_id == request_id), None)
+        if t is not None and t.events and t.events[-1].epoch == event.epoch:
+            t.events.append(event)
+            t.events.sort(key=lambda e: e.at)
 
     def find(self, request_id: str) -> list[Timeline]:
         """Finished requests with this id (a client's id reused while in flight: `ID#2`, ... too), oldest first."""

@@ -3,6 +3,7 @@ and the store of finished ones behind `pdd admin trace` and `pdd admin requests 
 from __future__ import annotations
 
 from pdd.api import SamplingParams
+from pdd.router.requests import RequestState, TraceEvent
 from pdd.router.traces import TraceStore
 from tests.router.sim import SimCluster
 from tests.router.test_control import run_to_end
@@ -103,3 +104,17 @@ def test_the_store_keeps_the_recent_ring_and_the_slowest_apart():
     assert [t.duration(0.0) for t in store.slowest(1)] == [7.0]
     assert store.find(ids[1]) == []           # neither recent nor slow: gone
     assert [t.request_id for t in store.find(ids[0])] == [ids[0]]
+
+
+def test_a_transfer_reported_after_the_request_ended_joins_its_timeline():
+    """PrefillDone may come after the decode worker, started by the data plane,
+    streamed the whole answer: its figures still join the finished timeline."""
+    store = TraceStore()
+    state = RequestState("r", [1, 2, 3], SamplingParams(max_tokens=2), [], epoch=1)
+    state.mark("queued", at=1.0)
+    state.mark("end", "length", at=2.0)
+    store.finished(state, 2.0)
+    store.late("r", TraceEvent(3.0, "transfer", 1, None, "prefill-0", "1 KiB"))
+    store.late("r", TraceEvent(3.5, "transfer", 0, None, "prefill-0", "an older placement's"))
+    events = store.find("r")[0].events
+    assert [(e.what, e.note) for e in events] == [("queued", ""), ("end", "length"), ("transfer", "1 KiB")]
