@@ -37,6 +37,16 @@ log = logging.getLogger(__name__)
 
 _MAX_WAIT_MS = 1000  # longest poll when nothing is due
 
+# Connection events of a data socket that refused our CURVE handshake.
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def handshake_refused(addr: str) -> str:
+    """Why a request fails when the decode worker's data socket refused our handshake."""
+    return (f"CURVE handshake with the decode worker at {addr} failed: this worker's key is not authorized "
+            "there, or the key it registered is not the one it serves with")
+
 
 def dst_blocks_for(layout: KVLayout, target: TransferTarget, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> list[int]:
