@@ -55,7 +55,7 @@ def own_peer():
 
     yield make
     for p in made:
-        if p.proc.is_alive():
+        if p.alive():
             os.kill(p.pid, signal.SIGCONT)
             p.stop()
 
@@ -284,7 +284,7 @@ def test_a_killed_prefill_peer_leaves_no_held_block_and_its_restart_writes(monke
             restarted.stop()
         assert receiver._thread.is_alive()
     finally:
-        if prefill.proc.is_alive():
+        if prefill.alive():
             prefill.kill()
         receiver.close()
 
