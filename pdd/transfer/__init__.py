@@ -1,20 +1,20 @@
 """KV data plane: which backend a worker offers, and a sender or receiver by
 backend name (the interface is pdd.transfer.base).
 
-    base.py       the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
-    wire.py       frames on the data socket: pages, done, acks, cuda_ipc control
-    leases.py     which blocks a sender may write, until when; what landed
-    receiver.py   the decode worker's data socket (tcp pages, cuda_ipc control), PageWriter
-    sender.py     what senders share: staging, progress, the I/O-thread base (IoSender)
-    tcp.py        the tcp sender
-    writers.py    the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
-    cuda_ipc.py   the cuda_ipc sender (one-sided page copies into a peer's pool)
-    ipc.py        CUDA IPC: the pool's export/open, the decode side's writer bookkeeping
-    nixl.py       the nixl sender (one-sided NIXL/UCX writes into a peer's pool; optional extra)
+    base.py          the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
+    wire.py          frames on the data socket: pages, done, acks, one-sided control; nixl's notifications
+    leases.py        which blocks a sender may write, until when; what landed
+    receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
+    sender.py        what senders share: staging, progress, the I/O-thread base (IoSender)
+    tcp.py           the tcp sender
+    writers.py       the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
+    cuda_ipc.py      the cuda_ipc sender (one-sided page copies into a peer's pool)
+    ipc.py           CUDA IPC: the pool's export/open, the decode side's writer bookkeeping
+    nixl.py          the nixl sender (one-sided NIXL/UCX writes into a peer's pool; optional extra)
     nixl_control.py  the nixl decode side: the registered pool, its writers, write notifications
-    nixl_agent.py NIXL as pdd uses it: the optional import, the agent, descriptors, staging
-    local.py      both engines in one process (tests only)
-    connector.py  which pages of which request go out after each layer (prefill engine)
+    nixl_agent.py    NIXL as pdd uses it: the optional import, the agent, descriptors, staging
+    local.py         both engines in one process (tests only)
+    connector.py     which pages of which request go out after each layer (prefill engine)
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ send_layer() gathers a layer's pages into registered staging memory on the
 pool's device (pdd.transfer.nixl_agent.StagingArena), ordered after the
 layer's writes: the engine may reuse its blocks once the step ends, whatever
 the network does, and the pages of one write are contiguous at the source.
-The I/O thread (pdd.transfer.sender.IoSender) posts the write once the
+The I/O thread (pdd.transfer.sender.ControlSender) posts the write once the
 gather is done, naming one descriptor per k|v per run of consecutive
 destination blocks, and polls NIXL until it completed.
 
@@ -53,9 +53,9 @@ import zmq
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
-from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, Tombstones,
-                                 dst_blocks_for, handshake_refused, index_tensor)
-from pdd.transfer.wire import decode_reply, encode_control, encode_write_notif, layout_digest
+from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, Tombstones, dst_blocks_for,
+                                 handshake_refused, index_tensor)
+from pdd.transfer.wire import encode_write_notif, layout_digest
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,9 @@ class _PeerDest(Dest):
         self.failed_at = 0.0
 
 
-class NixlSender(IoSender):
+class NixlSender(ControlSender):
     thread_name = "kv-nixl-sender"
     dest_class = _PeerDest
-    decode_answer = staticmethod(decode_reply)
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, staging_bytes: int | None = None,
                  security=None):
@@ -138,8 +137,6 @@ class NixlSender(IoSender):
         self._draining: list[_Req] = []   # settled, with writes still running
         self._uncancelled: list[_Write] = []   # stalled writes NIXL could not cancel (yet)
         self._failed = Tombstones()
-        self._token = 0
-        self._asked: dict[int, tuple[str, _Req | DestKey, float]] = {}
         # The decode worker's socket closing means it exited or restarts: its
         # writes fail now and its agent is dropped (a new one will answer the
         # open). A refused CURVE handshake fails its requests at once too.
@@ -397,9 +394,8 @@ class NixlSender(IoSender):
             dest = self._dests.get(self._dest_key(req.target))
             if dest is not None:
                 req.begun = False
-                self._send(dest, req.target.request_id, encode_control(
-                    "nixl_end", self._next_token(), request_id=req.target.request_id,
-                    lease_id=req.target.lease_id, pool_id=req.pool_id))
+                self._tell(dest, "nixl_end", request_id=req.target.request_id, lease_id=req.target.lease_id,
+                           pool_id=req.pool_id)
 
     def _cancel(self, req: _Req) -> None:
         """Stop a stalled request's writes (they may still land: no end follows).
@@ -425,19 +421,14 @@ class NixlSender(IoSender):
             if req.progress.deadline(self.timeout_s) is not None and now >= req.progress.deadline(self.timeout_s):
                 self._cancel(req)
                 self._draining.remove(req)
-        for token, (kind, key, deadline) in list(self._asked.items()):
-            if now >= deadline:
-                del self._asked[token]
-                self._on_reply(kind, key, False, f"no answer to {kind} from the decode worker in "
-                                                 f"{self.timeout_s:g}s", {}, timed_out=True)
+        self._expire_asked(now)
 
     def _next_deadline(self) -> float | None:
         if any(r.inflight or (r.queue and r.granted) for r in self._reqs.values()) \
                 or self._draining or self._uncancelled:
             return time.perf_counter() + _POLL_S
         due = [d for r in self._reqs.values() if (d := r.progress.deadline(self.timeout_s)) is not None]
-        due += [d for _, _, d in self._asked.values()]
-        return min(due, default=None)
+        return min(due + [d for d in (self._asked_deadline(),) if d is not None], default=None)
 
     def _crashed(self, error: str) -> None:
         for req in list(self._reqs.values()):
@@ -465,24 +456,6 @@ class NixlSender(IoSender):
         self._ask(dest, "nixl_open", self._dest_key(req.target), layout=self.layout_dict,
                   request_id=req.target.request_id, lease_id=req.target.lease_id)
 
-    def _next_token(self) -> int:
-        self._token += 1
-        return self._token
-
-    def _ask(self, dest: _PeerDest, kind: str, key: _Req | DestKey, **fields) -> None:
-        token = self._next_token()
-        self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
-        self._send(dest, fields.get("request_id", ""), encode_control(kind, token, **fields))
-
-    def _send(self, dest: _PeerDest, request_id: str, frame: bytes) -> None:
-        dest.pending.append(Outgoing(request_id, [frame]))
-        dest.flush(self._poller)
-
-    def _on_answer(self, dest: _PeerDest, reply: dict) -> None:
-        asked = self._asked.pop(reply["token"], None)
-        if asked is not None:
-            self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
-
     def _on_reply(self, kind: str, key, ok: bool, error: str, data: dict, timed_out: bool = False) -> None:
         if kind == "nixl_open":
             self._on_open(key, ok, error, data)
@@ -491,6 +464,9 @@ class NixlSender(IoSender):
         elif kind == "nixl_commit":
             key.begun = False   # the commit ended us as a writer, whatever its answer
             self._settle(key, ok, error)
+
+    def _unanswered(self, kind: str, key, why: str) -> None:
+        self._on_reply(kind, key, False, why, {}, timed_out=True)
 
     def _on_open(self, key: DestKey, ok: bool, error: str, data: dict) -> None:
         dest = self._dests.get(key)
