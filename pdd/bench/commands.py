@@ -87,7 +87,11 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("chaos"))
 
-    b = sub.add_parser("transfer", help="KV transfer (tcp backend) throughput vs plain ZeroMQ on loopback")
+    b = sub.add_parser("transfer", help="KV transfer (tcp or nixl backend) throughput vs plain ZeroMQ on loopback")
+    b.add_argument("--backend", default="tcp", choices=["tcp", "nixl"],
+                   help="nixl: one-sided NIXL/UCX writes (needs pdd[nixl]; UCX_* from the environment)")
+    b.add_argument("--contiguous", action="store_true",
+                   help="consecutive block ids (one nixl descriptor per k|v per layer) instead of scattered ones")
     b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")
     b.add_argument("--layers", type=int, default=32)
     b.add_argument("--block-size", type=int, default=16)

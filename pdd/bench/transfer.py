@@ -1,4 +1,4 @@
-"""KV transfer throughput: the tcp backend against plain ZeroMQ on the same loopback.
+"""KV transfer throughput: the tcp (or nixl) backend against plain ZeroMQ on the same loopback.
 
 One request per measurement, its pages sent as the engine sends them: one
 send_layer() per layer (default 32 layers; the KV shape of Llama-3-8B at TP=2,
@@ -10,8 +10,13 @@ second ceiling sends the same bytes as N messages, each acked, the pattern
 the tcp backend uses: one huge zmq message makes the receiver allocate (and
 page-fault) the whole buffer, which per-layer messages avoid.
 
-    pdd bench transfer [--sizes 1,4,16,64,256] [--repeats 5] [--device cpu|cuda]
-                       [--receiver-process] [--json FILE]
+With --backend nixl the pages go as one-sided NIXL writes through UCX
+(whatever transport UCX_TLS leaves it), and each size reports how many
+descriptors one request named: scattered blocks (the default) cost two per
+block per layer, --contiguous ones two per layer.
+
+    pdd bench transfer [--backend tcp|nixl] [--contiguous] [--sizes 1,4,16,64,256] [--repeats 5]
+                       [--device cpu|cuda] [--receiver-process] [--json FILE]
 """
 from __future__ import annotations
 
@@ -26,10 +31,10 @@ import torch
 import zmq
 
 from pdd.kv.layout import KVLayout
+from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.receiver import DataSocket
-from pdd.transfer.tcp import TcpSender
 
 MiB = 2**20
 
@@ -48,10 +53,10 @@ def _pool(layout: KVLayout, blocks: int, device: str, seed: int) -> torch.Tensor
 class _LocalDecode:
     """The decode side in a thread of this process (the layout the brief's ceiling uses)."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str):
+    def __init__(self, layout: KVLayout, blocks: int, device: str, nixl: bool = False):
         self.dst = _pool(layout, blocks, device, 2)
         self.leases = LeaseTable()
-        self.receiver = DataSocket(self.dst, layout, self.leases)
+        self.receiver = DataSocket(self.dst, layout, self.leases, nixl=nixl)
         self.receiver.start()
         self.address = self.receiver.address
 
@@ -65,8 +70,8 @@ class _LocalDecode:
         self.receiver.close()
 
 
-def _decode_process(conn, layout: dict, blocks: int, device: str) -> None:
-    side = _LocalDecode(KVLayout.from_dict(layout), blocks, device)
+def _decode_process(conn, layout: dict, blocks: int, device: str, nixl: bool = False) -> None:
+    side = _LocalDecode(KVLayout.from_dict(layout), blocks, device, nixl)
     src = _pool(KVLayout.from_dict(layout), blocks, device, 1)  # same seed as the sender's pool
     conn.send(side.address)
     while True:
@@ -83,10 +88,10 @@ def _decode_process(conn, layout: dict, blocks: int, device: str) -> None:
 class _RemoteDecode:
     """The decode side in its own process, as deployed: no GIL shared with the sender."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str):
+    def __init__(self, layout: KVLayout, blocks: int, device: str, nixl: bool = False):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_process, args=(child, layout.to_dict(), blocks, device))
+        self.proc = ctx.Process(target=_decode_process, args=(child, layout.to_dict(), blocks, device, nixl))
         self.proc.start()
         self.address = self.conn.recv()
 
@@ -106,19 +111,22 @@ class _RemoteDecode:
 class _Rig:
     """A source pool and sender, a decode side, reused across measurements."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str, receiver_process: bool = False):
+    def __init__(self, layout: KVLayout, blocks: int, device: str, receiver_process: bool = False,
+                 backend: str = "tcp"):
         self.src = _pool(layout, blocks, device, 1)
-        self.decode = (_RemoteDecode if receiver_process else _LocalDecode)(layout, blocks, device)
-        self.sender = TcpSender(layout, timeout_s=120)
+        self.backend = backend
+        self.decode = (_RemoteDecode if receiver_process else _LocalDecode)(layout, blocks, device, backend == "nixl")
+        self.sender = make_sender(backend, layout, timeout_s=120)
         self.done = threading.Event()
         self.sender.set_wakeup(self.done.set)
         self.n = 0
 
-    def transfer(self, src_ids: list[int], dst_ids: list[int]) -> tuple[float, float, int]:
-        """(seconds to last ack, seconds spent in send_layer, bytes)."""
+    def transfer(self, src_ids: list[int], dst_ids: list[int]) -> tuple[float, float, int, int]:
+        """(seconds to last ack, seconds spent in send_layer, bytes, descriptors)."""
         self.n += 1
         rid = f"bench-{self.n}"
-        target = TransferTarget(rid, self.decode.grant(rid, dst_ids), "d", self.decode.address, tuple(dst_ids))
+        target = TransferTarget(rid, self.decode.grant(rid, dst_ids), "d", self.decode.address, tuple(dst_ids),
+                                backend=self.backend)
         idx = list(range(len(dst_ids)))
         self.done.clear()
         t0 = time.perf_counter()
@@ -134,7 +142,7 @@ class _Rig:
         elapsed = time.perf_counter() - t0
         if not res[0].ok:
             raise RuntimeError(f"transfer failed: {res[0].error}")
-        return elapsed, t_engine, res[0].bytes
+        return elapsed, t_engine, res[0].bytes, res[0].descriptors
 
     def close(self) -> None:
         self.sender.close()
@@ -190,11 +198,13 @@ def _check(rig: _Rig, src_ids: list[int], dst_ids: list[int]) -> None:
         raise RuntimeError("pages did not arrive intact")
 
 
-def measure(rig: _Rig, blocks: int, repeats: int, total_blocks: int) -> dict:
+def measure(rig: _Rig, blocks: int, repeats: int, total_blocks: int, contiguous: bool = False) -> dict:
     g = torch.Generator().manual_seed(blocks)
-    # Scattered blocks, as a real pool hands them out.
-    src_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
-    dst_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
+    if contiguous:
+        src_ids = dst_ids = list(range(blocks))
+    else:   # scattered blocks, as a long-running pool hands them out
+        src_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
+        dst_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
     rig.transfer(src_ids, dst_ids)  # warm-up
     _check(rig, src_ids, dst_ids)
     runs = [rig.transfer(src_ids, dst_ids) for _ in range(repeats)]
@@ -202,7 +212,7 @@ def measure(rig: _Rig, blocks: int, repeats: int, total_blocks: int) -> dict:
     msgs = rig.src.shape[0]
     ceiling, chunked = zmq_ceiling(nbytes, repeats), zmq_ceiling(nbytes, repeats, msgs)
     t, t_zmq, t_chunked = (statistics.median(x) for x in ([r[0] for r in runs], ceiling, chunked))
-    return {"bytes": nbytes, "blocks": blocks, "messages": msgs, "seconds": t,
+    return {"bytes": nbytes, "blocks": blocks, "messages": msgs, "descriptors": runs[0][3], "seconds": t,
             "gb_s": nbytes / t / 1e9, "send_layer_ms": 1e3 * statistics.median(r[1] for r in runs),
             "zmq_seconds": t_zmq, "zmq_gb_s": nbytes / t_zmq / 1e9, "fraction_of_zmq": t_zmq / t,
             "zmq_chunked_seconds": t_chunked, "zmq_chunked_gb_s": nbytes / t_chunked / 1e9,
@@ -216,20 +226,21 @@ def main(args) -> int:
         getattr(torch, layout.dtype).itemsize * layout.num_layers
     want = {s: max(1, round(s * MiB / per_block)) for s in sizes}
     total_blocks = max(want.values()) + 1
-    rig = _Rig(layout, total_blocks, args.device, args.receiver_process)
+    rig = _Rig(layout, total_blocks, args.device, args.receiver_process, args.backend)
     results = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "layout": layout.to_dict(),
+               "backend": args.backend, "contiguous": args.contiguous,
                "receiver": "process" if args.receiver_process else "thread",
                "threads": torch.get_num_threads(), "repeats": args.repeats, "sizes": {}}
     try:
         for s in sizes:
-            results["sizes"][str(s)] = measure(rig, want[s], args.repeats, total_blocks)
+            results["sizes"][str(s)] = measure(rig, want[s], args.repeats, total_blocks, args.contiguous)
     finally:
         rig.close()
-    print(f"{'MiB':>6} {'msgs':>5} {'pdd ms':>8} {'pdd GB/s':>9} {'zmq ms':>8} {'zmq GB/s':>9} "
+    print(f"{'MiB':>6} {'msgs':>5} {'descs':>6} {'pdd ms':>8} {'pdd GB/s':>9} {'zmq ms':>8} {'zmq GB/s':>9} "
           f"{'pdd/zmq':>8} {'zmq xN GB/s':>12} {'send_layer ms':>14}")
     for r in results["sizes"].values():
-        print(f"{r['bytes'] / MiB:>6.0f} {r['messages']:>5} {1e3 * r['seconds']:>8.2f} {r['gb_s']:>9.2f} "
-              f"{1e3 * r['zmq_seconds']:>8.2f} {r['zmq_gb_s']:>9.2f} {r['fraction_of_zmq']:>8.0%} "
+        print(f"{r['bytes'] / MiB:>6.0f} {r['messages']:>5} {r['descriptors']:>6} {1e3 * r['seconds']:>8.2f} "
+              f"{r['gb_s']:>9.2f} {1e3 * r['zmq_seconds']:>8.2f} {r['zmq_gb_s']:>9.2f} {r['fraction_of_zmq']:>8.0%} "
               f"{r['zmq_chunked_gb_s']:>12.2f} {r['send_layer_ms']:>14.2f}")
     print("pdd: send_layer per layer -> last ack (gather, send, check, scatter, ack); zmq: one buffer, one ack; "
           "zmq xN: the same bytes in N=msgs messages, each acked; send_layer ms: engine-thread time.")

@@ -1,16 +1,20 @@
 """KV data plane: which backend a worker offers, and a sender or receiver by
 backend name (the interface is pdd.transfer.base).
 
-    base.py       the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
-    wire.py       frames on the data socket: pages, done, acks, cuda_ipc control
-    leases.py     which blocks a sender may write, until when; what landed
-    receiver.py   the decode worker's data socket (tcp pages, cuda_ipc control), PageWriter
-    sender.py     what senders share: staging, progress, the I/O-thread base (IoSender)
-    tcp.py        the tcp sender
-    cuda_ipc.py   the cuda_ipc sender (one-sided page copies into a peer's pool)
-    ipc.py        CUDA IPC: the pool's export/open, the decode side's writer bookkeeping
-    local.py      both engines in one process (tests only)
-    connector.py  which pages of which request go out after each layer (prefill engine)
+    base.py          the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
+    wire.py          frames on the data socket: pages, done, acks, one-sided control; nixl's notifications
+    leases.py        which blocks a sender may write, until when; what landed
+    receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
+    sender.py        what senders share: staging, progress, the I/O-thread base (IoSender)
+    tcp.py           the tcp sender
+    writers.py       the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
+    cuda_ipc.py      the cuda_ipc sender (one-sided page copies into a peer's pool)
+    ipc.py           CUDA IPC: the pool's export/open, the decode side's writer bookkeeping
+    nixl.py          the nixl sender (one-sided NIXL/UCX writes into a peer's pool; optional extra)
+    nixl_control.py  the nixl decode side: the registered pool, its writers, write notifications
+    nixl_agent.py    NIXL as pdd uses it: the optional import, the agent, descriptors, staging
+    local.py         both engines in one process (tests only)
+    connector.py     which pages of which request go out after each layer (prefill engine)
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from pdd.transfer.leases import LeaseTable
 __all__ = ["BACKENDS", "KVReceiver", "KVSender", "LeaseTable", "MultiSender", "TransferResult", "TransferTarget",
            "make_receiver", "make_sender", "offered_backends"]
 
-BACKENDS = ("tcp", "local", "cuda_ipc")
+BACKENDS = ("tcp", "local", "cuda_ipc", "nixl")
 
 
 def _unknown(backend: str) -> ValueError:
@@ -55,18 +59,24 @@ def make_sender(backend: str, layout: KVLayout, security=None, **kw) -> KVSender
     if backend == "cuda_ipc":
         from pdd.transfer.cuda_ipc import CudaIpcSender
         return CudaIpcSender(layout, security=security, **kw)
+    if backend == "nixl":
+        from pdd.transfer.nixl import NixlSender
+        return NixlSender(layout, security=security, **kw)
     raise _unknown(backend)
 
 
 def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                   addr: str | None = None, security=None) -> KVReceiver:
-    """A receiver for `backend`, not yet started. tcp, cuda_ipc and auto get the
-    data socket (it answers both; `addr` defaults to a free loopback port);
-    local a fresh in-process name. `security` (pdd.security.data_security;
-    None: plaintext) applies to the socket; the local backend has none."""
-    if backend in ("tcp", "cuda_ipc", "auto"):
+    """A receiver for `backend`, not yet started. tcp, cuda_ipc, nixl and auto
+    get the data socket (it answers tcp and cuda_ipc; with nixl it also
+    registers the pool with a NIXL agent; `addr` defaults to a free loopback
+    port); local a fresh in-process name. `security`
+    (pdd.security.data_security; None: plaintext) applies to the socket; the
+    local backend has none."""
+    if backend in ("tcp", "cuda_ipc", "nixl", "auto"):
         from pdd.transfer.receiver import DataSocket
-        return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security)
+        return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
+                          nixl=backend == "nixl")
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")

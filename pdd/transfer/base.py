@@ -8,11 +8,12 @@ with the same KV layout. Backends:
 
     tcp       pages gathered to host memory, ZeroMQ data socket (any hosts, CPU too)
     cuda_ipc  same host, peer GPU memory written by a copy kernel (GPU path)
+    nixl      one-sided writes through NIXL/UCX (RDMA across hosts; optional extra)
     local     both engines in one process (tests only: a worker never offers it)
 
 A request's transfer ends with one last message after its pages (tcp: a done
-frame on the same ordered stream; cuda_ipc: the commit, sent once its copies
-completed). The receiver accepts it only if every page landed under a still
+frame on the same ordered stream; cuda_ipc, nixl: the commit, sent once its
+copies or writes completed). The receiver accepts it only if every page landed under a still
 live lease; it then reports `Landed` with the prefill side's `Handoff` (the
 first token), and the decode worker starts the request from that report,
 with no relay through the router. The sender's result is that acceptance.
@@ -84,6 +85,7 @@ class TransferResult:
     seconds: float = 0.0           # first page handed over -> last page acknowledged
     blocks_sent: int = 0           # distinct destination blocks written
     blocks_skipped: int = 0
+    descriptors: int = 0           # nixl: memory regions the writes named (after coalescing runs)
 
 
 class KVSender(abc.ABC):
@@ -148,8 +150,18 @@ class KVReceiver(abc.ABC):
 
 @dataclass
 class ReceiverStats:
-    messages: int = 0              # pages messages written
+    messages: int = 0              # pages messages written (nixl: writes notified)
     bytes: int = 0
-    rejected: int = 0              # messages refused (pages, or a last message)
+    rejected: int = 0              # messages refused (pages, a last message, a writer's open or write)
     last_error: str = ""
-    rejections: list[str] = field(default_factory=list)
+    rejections: list[str] = field(default_factory=list)   # the latest reasons
+
+    MAX_REJECTIONS_KEPT = 100
+
+    def refused(self, err: str) -> str:
+        """Count a refusal; returns its reason."""
+        self.rejected += 1
+        self.last_error = err
+        self.rejections.append(err)
+        del self.rejections[:-self.MAX_REJECTIONS_KEPT]
+        return err

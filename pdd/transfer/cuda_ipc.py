@@ -12,7 +12,7 @@ anywhere on the engine thread.
 A store into another process's memory cannot be refused after the fact, so
 the decode worker must know who may write and until when. Control messages on
 its data socket (answered by pdd.transfer.ipc.IpcControl), from this sender's
-I/O thread (pdd.transfer.sender.IoSender):
+I/O thread (pdd.transfer.sender.ControlSender):
 
     ipc_open    once per decode worker: the pool's export, if our layouts agree
     ipc_begin   before a request's first copy: the lease is live, the decode
@@ -46,9 +46,7 @@ from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.ipc import PoolOpenError, open_pool
 from pdd.transfer.receiver import pool_mismatch
-from pdd.transfer.sender import (Dest, DestKey, IoSender, Outgoing, Progress, Tombstones, dst_blocks_for,
-                                 index_tensor)
-from pdd.transfer.wire import decode_reply, encode_control
+from pdd.transfer.sender import ControlSender, Dest, DestKey, Progress, Tombstones, dst_blocks_for, index_tensor
 
 log = logging.getLogger(__name__)
 # Stop launching copies this long before the lease the decode worker granted
@@ -136,13 +134,12 @@ class _PoolDest(Dest):
         self.failed_at = 0.0
 
 
-class CudaIpcSender(IoSender):
+class CudaIpcSender(ControlSender):
     thread_name = "kv-ipc-sender"
     # A decode worker that died must not keep its GPU memory allocated through
     # our mapping of its pool: the monitor says when its connection drops.
     monitor_events = zmq.EVENT_DISCONNECTED
     dest_class = _PoolDest
-    decode_answer = staticmethod(decode_reply)
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, device: torch.device | str | None = None,
                  layer_group: int = 0, copy_ctas: int | None = None, security=None):
@@ -171,10 +168,6 @@ class CudaIpcSender(IoSender):
         self._answered = threading.Condition(self._lock)
         self._writes: dict[str, IpcWrite] = {}
         self._failed = Tombstones()    # settled before finish(): later calls for them are silent
-        # I/O-thread state: asked control messages, by token -> (kind, request id
-        # or destination, deadline).
-        self._token = 0
-        self._asked: dict[int, tuple[str, str | DestKey, float]] = {}
         super().__init__(layout, timeout_s, security)
 
     # -- engine side ---------------------------------------------------------
@@ -399,32 +392,13 @@ class CudaIpcSender(IoSender):
         if not ok and writer:
             dest = self._dests.get(self._dest_key(w.target))
             if dest is not None:
-                self._send(dest, rid, encode_control("ipc_end", self._next_token(), request_id=rid,
-                                                     lease_id=w.target.lease_id, pool_id=w.pool_id))
+                self._tell(dest, "ipc_end", request_id=rid, lease_id=w.target.lease_id, pool_id=w.pool_id)
         if not w.aborted:
             if ok:
                 w.progress.t_last = time.perf_counter()
             self._emit(w.progress.result(ok, error, w.commit.blocks_skipped if w.commit is not None else 0))
 
     # -- control messages --------------------------------------------------
-
-    def _next_token(self) -> int:
-        self._token += 1
-        return self._token
-
-    def _ask(self, dest: _PoolDest, kind: str, key: str | DestKey, **fields) -> None:
-        token = self._next_token()
-        self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
-        self._send(dest, fields.get("request_id", ""), encode_control(kind, token, **fields))
-
-    def _send(self, dest: _PoolDest, request_id: str, frame: bytes) -> None:
-        dest.pending.append(Outgoing(request_id, [frame]))
-        dest.flush(self._poller)
-
-    def _on_answer(self, dest: _PoolDest, reply: dict) -> None:
-        asked = self._asked.pop(reply["token"], None)
-        if asked is not None:
-            self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
 
     def _on_reply(self, kind: str, key, ok: bool, error: str, data: dict) -> None:
         if kind == "ipc_open":
@@ -489,28 +463,26 @@ class CudaIpcSender(IoSender):
             dest.pool, dest.pool_id = None, ""
         self._settle(w, False, f"refused by the decode worker: {error}")
 
+    def _unanswered(self, kind: str, key, why: str) -> None:
+        if kind == "ipc_open":
+            self._on_open(key, False, why, {})
+            return
+        w = self._writes.get(key)
+        if w is not None:
+            # A silent decode worker may be gone: let go of its pool (a dead
+            # process's memory stays allocated while we map it); the next
+            # request opens it afresh. A late begin may have registered us:
+            # the decode worker then holds the blocks until deadline + grace.
+            dest = self._dests.get(self._dest_key(w.target))
+            if dest is not None:
+                dest.pool, dest.pool_id = None, ""
+            self._settle(w, False, why)
+
     def _expire(self, now: float) -> None:
-        for token, (kind, key, deadline) in list(self._asked.items()):
-            if now < deadline:
-                continue
-            del self._asked[token]
-            why = f"no answer to {kind} from the decode worker in {self.timeout_s:g}s"
-            if kind == "ipc_open":
-                self._on_open(key, False, why, {})
-            else:
-                w = self._writes.get(key)
-                if w is not None:
-                    # A silent decode worker may be gone: let go of its pool (a dead
-                    # process's memory stays allocated while we map it); the next
-                    # request opens it afresh. A late begin may have registered us:
-                    # the decode worker then holds the blocks until deadline + grace.
-                    dest = self._dests.get(self._dest_key(w.target))
-                    if dest is not None:
-                        dest.pool, dest.pool_id = None, ""
-                    self._settle(w, False, why)
+        self._expire_asked(now)
 
     def _next_deadline(self) -> float | None:
-        return min(d for _, _, d in self._asked.values()) if self._asked else None
+        return self._asked_deadline()
 
     def cannot_reach(self, addr: str) -> bool:
         """The last attempt to open `addr`'s pool failed (read from any thread)."""

@@ -16,39 +16,22 @@ local device while its memory is on the peer GPU: touch it only through the
 page-copy kernel's stores.
 
 IpcControl answers the control messages the data socket
-(pdd.transfer.receiver) passes it. The pages never pass through there: the
-prefill worker's kernel stores them straight into our pool. What passes is
-the bookkeeping that keeps those one-sided writes safe (pdd.transfer.leases):
-
-    ipc_open    -> the pool's CUDA IPC export, if the sender's KV layout equals ours
-                   and it names a live lease of ours (request_id, lease_id)
-    ipc_begin   -> the lease is live: the sender may write for the seconds returned
-    ipc_commit  -> the writer is done and the lease still live: the KV may be used
-                   (the request is reported landed, with the commit's handoff)
-    ipc_end     -> the writer is done (aborted or failed): held blocks may be reused
-
-Every message names the pool incarnation (`pool_id`) it was opened from: a
-sender that opened the pool of a decode worker since restarted on the same
-address is refused before it writes anything. The export maps our whole KV
-pool into the opener's address space, so it goes only to a peer that got
-through the data socket's CURVE handshake (an authorized worker,
-pdd.security) and holds a live lease here: a lease id comes only from the
-router, to the prefill worker it chose.
+(pdd.transfer.receiver) passes it: the bookkeeping of one-sided writes
+(pdd.transfer.writers), whose open hands out the pool's CUDA IPC export. The
+pages never pass through there: the prefill worker's kernel stores them
+straight into our pool.
 """
 from __future__ import annotations
 
 import functools
-import logging
-import uuid
 
 import torch
 
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff
 from pdd.transfer.leases import LeaseTable
-from pdd.transfer.wire import WireError, decode_control, dtype_from_name, dtype_name, encode_reply, peek_token
-
-log = logging.getLogger(__name__)
+from pdd.transfer.wire import dtype_from_name, dtype_name, encode_reply
+from pdd.transfer.writers import OneSidedControl
 
 
 class PoolOpenError(RuntimeError):
@@ -120,76 +103,23 @@ def open_pool(desc: dict, device: torch.device) -> torch.Tensor:
         raise PoolOpenError(f"opening the CUDA IPC handle failed: {type(e).__name__}: {e}") from e
 
 
-class IpcControl:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable):
+class IpcControl(OneSidedControl):
+    family = "ipc"
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable, stats=None):
+        super().__init__(layout, leases, stats)
         self.kv_cache = kv_cache
-        self.layout = layout
-        self.leases = leases
-        self.pool_id = uuid.uuid4().hex
-        self.num_writers = 0   # writers begun, for stats
 
-    def handle(self, raw: bytes | memoryview) -> bytes:
-        """One control message in, one reply out; never raises."""
-        try:
-            msg = decode_control(raw)
-        except WireError as e:
-            log.warning("kv receiver: malformed control message: %s", e)
-            return encode_reply(peek_token(raw), False, f"malformed control message: {e}")
-        token = msg["token"]
-        try:
-            return getattr(self, "_" + msg["kind"])(token, msg)
-        except Exception as e:  # a bug here must answer, not kill the receiver thread
-            log.exception("kv receiver: error handling %s", msg["kind"])
-            return encode_reply(token, False, f"receiver error: {type(e).__name__}: {e}")
-
-    def _ipc_open(self, token: int, msg: dict) -> bytes:
-        refusal = self._no_live_lease(msg)
-        if refusal:
-            # A refusal of this request, not of the sender: it may open under another lease.
-            log.info("kv receiver: refused an ipc_open: %s", refusal)
-            return encode_reply(token, False, refusal, lease_refused=True)
-        try:
-            theirs = KVLayout.from_dict(msg["layout"])
-        except (TypeError, ValueError) as e:
-            return encode_reply(token, False, f"bad layout: {e}")
-        err = theirs.mismatch(self.layout)
-        if err:
-            return encode_reply(token, False, err)
+    def _export(self, token: int) -> bytes:
         try:
             pool = export_pool(self.kv_cache)
         except PoolOpenError as e:
             return encode_reply(token, False, str(e))
         return encode_reply(token, True, pool=pool, pool_id=self.pool_id)
 
-    def _no_live_lease(self, msg: dict) -> str | None:
-        """Why `msg` does not name a live lease of ours, or None (the lease table's words)."""
-        rid, lease_id = msg.get("request_id"), msg.get("lease_id")
-        if not isinstance(rid, str) or not isinstance(lease_id, str):
-            return "ipc_open must name a live lease (request_id, lease_id)"
-        return self.leases.why_not_live(lease_id, rid)
-
-    def _stale(self, token: int, msg: dict) -> bytes | None:
-        if msg["pool_id"] != self.pool_id:
-            return encode_reply(token, False, "stale pool: the decode worker restarted since it was opened")
-        return None
-
-    def _ipc_begin(self, token: int, msg: dict) -> bytes:
-        stale = self._stale(token, msg)
-        if stale:
-            return stale
-        err, seconds = self.leases.begin_writer(msg["lease_id"], msg["request_id"])
-        if err:
-            return encode_reply(token, False, err)
-        self.num_writers += 1
-        return encode_reply(token, True, seconds=seconds)
-
-    def _ipc_commit(self, token: int, msg: dict) -> bytes:
+    def _commit(self, token: int, msg: dict, peer) -> bytes:
         stale = self._stale(token, msg)  # (a stale sender was never let begin here)
         if stale:
             return stale
         err = self.leases.end_writer(msg["lease_id"], msg["request_id"], Handoff.from_dict(msg["handoff"]))
         return encode_reply(token, err is None, err or "")
-
-    def _ipc_end(self, token: int, msg: dict) -> bytes:
-        self.leases.end_writer(msg["lease_id"], msg["request_id"])
-        return encode_reply(token, True)

@@ -6,7 +6,9 @@ way into a decode worker's KV pool from another process:
 
     [header, payload]  pages (tcp)         -> PageWriter.accept, answered by an ack
     [done]             a request's last message (tcp) -> PageWriter.complete, ack
-    [control]          cuda_ipc bookkeeping (pdd.transfer.ipc.IpcControl), answered by a reply
+    [control]          one-sided writers' bookkeeping (pdd.transfer.writers): cuda_ipc
+                       (pdd.transfer.ipc.IpcControl), nixl (pdd.transfer.nixl_control,
+                       when served), answered by a reply
 
 `PageWriter` (shared with the local backend) checks a pages message in this
 order: the header decodes, the sender's KV layout equals ours, the pages'
@@ -36,10 +38,10 @@ from pdd.transfer.ipc import IpcControl
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.wire import (WireError, bytes_to_tensor, decode_done, decode_header, dtype_name, encode_ack,
                                is_done, peek_ids)
+from pdd.transfer.writers import OneSidedControl, answer_control
 
 log = logging.getLogger(__name__)
 
-_MAX_REJECTIONS_KEPT = 100
 _POLL_MS = 50  # how often the data socket looks at its stop flag: bounds close()'s wait
 
 
@@ -158,11 +160,7 @@ class PageWriter:
         return None
 
     def reject(self, err: str) -> str:
-        s, msg = self.stats, str(err)
-        s.rejected += 1
-        s.last_error = msg
-        s.rejections.append(msg)
-        del s.rejections[:-_MAX_REJECTIONS_KEPT]
+        msg = self.stats.refused(str(err))
         # A revoked lease is routine (the request was aborted while pages were
         # in flight); anything else means two workers disagree.
         log.log(logging.DEBUG if isinstance(err, _LeaseRefusal) else logging.WARNING, "kv receive refused: %s", err)
@@ -190,15 +188,22 @@ def _nbytes(payload) -> int:
 
 class DataSocket(KVReceiver):
     """The data socket: a ROUTER bound at `addr` (port 0 picks a free port;
-    `address` is the one to give senders). Serves tcp and cuda_ipc senders."""
+    `address` is the one to give senders). Serves tcp and cuda_ipc senders,
+    and nixl senders when `nixl` (its pool registered with a NIXL agent here:
+    pdd.transfer.nixl_control)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                 addr: str = "tcp://127.0.0.1:0", security=None):
+                 addr: str = "tcp://127.0.0.1:0", security=None, nixl: bool = False):
         self._bind_addr = addr
         self.security = security
         self._writer = PageWriter(kv_cache, layout, leases)
-        self.ipc = IpcControl(kv_cache, layout, leases)
         self.stats = self._writer.stats
+        self.ipc = IpcControl(kv_cache, layout, leases, self.stats)
+        self.nixl = None
+        if nixl:
+            from pdd.transfer.nixl_control import NixlControl
+            self.nixl = NixlControl(kv_cache, layout, leases, self.stats)
+        self._controls: dict[str, OneSidedControl] = {c.family: c for c in (self.ipc, self.nixl) if c is not None}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_error: BaseException | None = None
@@ -218,6 +223,8 @@ class DataSocket(KVReceiver):
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        for control in self._controls.values():
+            control.close()
 
     def _run(self, ready: threading.Event) -> None:
         ctx = zmq.Context()
@@ -235,13 +242,19 @@ class DataSocket(KVReceiver):
         ready.set()
         try:
             while self._start_error is None and not self._stop.is_set():
-                if sock.poll(_POLL_MS, zmq.POLLIN):
+                if sock.poll(self._wait_ms(), zmq.POLLIN):
                     self._drain(sock)
+                for control in self._controls.values():
+                    for ident, frame in control.due():
+                        self._reply(sock, ident, frame)
         finally:
             sock.close(linger=0)
             if served:
                 self.security.release(sock)
             ctx.term()
+
+    def _wait_ms(self) -> int:
+        return min([_POLL_MS] + [w for c in self._controls.values() if (w := c.wait_ms()) is not None])
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(64):  # bounded, so a flood cannot starve the stop flag
@@ -257,7 +270,9 @@ class DataSocket(KVReceiver):
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         ident, body = frames[0], frames[1:]
         if len(body) == 1 and not is_done(body[0].buffer):
-            self._reply(sock, ident, self.ipc.handle(body[0].buffer))
+            reply = answer_control(body[0].buffer, self._controls, ident.bytes)
+            if reply is not None:
+                self._reply(sock, ident, reply)
             return
         try:
             header, err = self._accept(body)

@@ -3,13 +3,15 @@
 For all (local too): argument checks, page staging, per-request progress,
 tombstones of failed requests, and the result queue behind poll().
 
-For the backends with sockets (tcp, cuda_ipc), `IoSender`: one I/O thread
+For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O thread
 owns every socket (zmq sockets are not thread-safe). The engine thread hands
 it commands through a `Mailbox`; the thread keeps one `Dest` per decode
 worker (a DEALER dialing its data socket, with the frames zmq could not take
 yet and a monitor of the connection), polls them with the mailbox, sleeps
 until the backend's next deadline, and reports results. A backend says what
-its commands, incoming frames, connection events and deadlines mean.
+its commands, incoming frames, connection events and deadlines mean. The
+one-sided backends (cuda_ipc, nixl) ask the decode worker's data socket
+control messages (pdd.transfer.writers) through `ControlSender`.
 """
 from __future__ import annotations
 
@@ -31,11 +33,21 @@ from pdd import ops
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import KVSender, TransferResult, TransferTarget
 from pdd.transfer.receiver import pool_mismatch
-from pdd.transfer.wire import WireError
+from pdd.transfer.wire import WireError, decode_reply, encode_control
 
 log = logging.getLogger(__name__)
 
 _MAX_WAIT_MS = 1000  # longest poll when nothing is due
+
+# Connection events of a data socket that refused our CURVE handshake.
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def handshake_refused(addr: str) -> str:
+    """Why a request fails when the decode worker's data socket refused our handshake."""
+    return (f"CURVE handshake with the decode worker at {addr} failed: this worker's key is not authorized "
+            "there, or the key it registered is not the one it serves with")
 
 
 def dst_blocks_for(layout: KVLayout, target: TransferTarget, src_layer: torch.Tensor,
@@ -463,3 +475,56 @@ class IoSender(SenderBase):
     @abc.abstractmethod
     def _crashed(self, error: str) -> None:
         """The I/O thread is going down: fail everything in flight with `error`."""
+
+
+class ControlSender(IoSender):
+    """An IoSender whose answers are control replies (pdd.transfer.writers): it
+    asks a destination something under a fresh token, and each ask gets its
+    reply (_on_reply) or, `timeout_s` later, a failure (_unanswered)."""
+
+    decode_answer = staticmethod(decode_reply)
+
+    def __init__(self, layout: KVLayout, timeout_s: float, security=None):
+        self._token = 0
+        self._asked: dict[int, tuple[str, object, float]] = {}   # token -> (kind, what it is about, deadline)
+        super().__init__(layout, timeout_s, security)
+
+    def _next_token(self) -> int:
+        self._token += 1
+        return self._token
+
+    def _ask(self, dest: Dest, kind: str, key: object, **fields) -> None:
+        """Send control message `kind`; its reply goes to _on_reply(kind, key, ...)."""
+        token = self._next_token()
+        self._asked[token] = (kind, key, time.perf_counter() + self.timeout_s)
+        self._send(dest, fields.get("request_id", ""), encode_control(kind, token, **fields))
+
+    def _tell(self, dest: Dest, kind: str, **fields) -> None:
+        """Send control message `kind`, its reply unheeded."""
+        self._send(dest, fields.get("request_id", ""), encode_control(kind, self._next_token(), **fields))
+
+    def _send(self, dest: Dest, request_id: str, frame: bytes) -> None:
+        dest.pending.append(Outgoing(request_id, [frame]))
+        dest.flush(self._poller)
+
+    def _on_answer(self, dest: Dest, reply: dict) -> None:
+        asked = self._asked.pop(reply["token"], None)
+        if asked is not None:
+            self._on_reply(asked[0], asked[1], reply["ok"], reply["error"], reply["data"])
+
+    def _expire_asked(self, now: float) -> None:
+        for token, (kind, key, deadline) in list(self._asked.items()):
+            if now >= deadline:
+                del self._asked[token]
+                self._unanswered(kind, key, f"no answer to {kind} from the decode worker in {self.timeout_s:g}s")
+
+    def _asked_deadline(self) -> float | None:
+        return min((d for _, _, d in self._asked.values()), default=None)
+
+    @abc.abstractmethod
+    def _on_reply(self, kind: str, key, ok: bool, error: str, data: dict) -> None:
+        """The reply to the control message `kind` asked about `key`."""
+
+    @abc.abstractmethod
+    def _unanswered(self, kind: str, key, why: str) -> None:
+        """The control message `kind` asked about `key` got no reply in time."""

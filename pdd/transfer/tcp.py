@@ -25,19 +25,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
 from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
-from pdd.transfer.sender import (Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones, dst_blocks_for,
-                                 stage_pages)
+from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones,
+                                 dst_blocks_for, handshake_refused, stage_pages)
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
-
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 @dataclass
@@ -82,7 +78,7 @@ class TcpSender(IoSender):
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, security=None):
         self._reqs: dict[str, _Req] = {}
         self._failed = Tombstones()
-        self.monitor_events = _HANDSHAKE_FAILED if security is not None else 0
+        self.monitor_events = HANDSHAKE_FAILED if security is not None else 0
         super().__init__(layout, timeout_s, security)
 
     # -- engine side ---------------------------------------------------------
@@ -186,8 +182,7 @@ class TcpSender(IoSender):
         rather than by a timeout, and the socket goes (a later request dials
         afresh: the receiver may have authorized our key meanwhile)."""
         for rid in [rid for rid, req in self._reqs.items() if self._dest_key(req.target) == key]:
-            self._fail(rid, f"CURVE handshake with the decode worker at {dest.addr} failed: this worker's key "
-                            "is not authorized there, or the key it registered is not the one it serves with")
+            self._fail(rid, handshake_refused(dest.addr))
         self._close_dest(key)
         return False
 

@@ -10,13 +10,21 @@ names how many pages messages came before it (its `seq`) and carries the
 prefill side's handoff (the first token); it is answered by an ack like a
 pages message.
 
-A control message (cuda_ipc: open the pool, begin / commit / end a one-sided
-write) is one frame, answered by one "reply" frame carrying the same token.
-A commit carries the handoff as the done message does.
+A control message (cuda_ipc, nixl: open the pool, begin / commit / end a
+one-sided write) is one frame, answered by one "reply" frame carrying the same
+token. A commit carries the handoff as the done message does.
+
+A write notification (nixl) is not a data-socket frame: NIXL delivers it to
+the decode worker's agent once the write it rides on has landed. It names the
+request, lease, pool incarnation and KV layout (by digest) the write was made
+under, and the blocks it wrote; the decode side checks them before a commit
+is accepted.
 """
 from __future__ import annotations
 
 from typing import Any
+
+import hashlib
 
 import msgpack
 import torch
@@ -87,6 +95,24 @@ _CONTROL_FIELDS = {
     "ipc_begin": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
     "ipc_commit": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR, "handoff": _HANDOFF},
     "ipc_end": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+    "nixl_open": {"layout": (lambda v: isinstance(v, dict), "map")},
+    "nixl_begin": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+    "nixl_commit": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR, "handoff": _HANDOFF,
+                    "writes": (lambda v: _is_int(v) and v >= 0, "non-negative int")},
+    "nixl_end": {"request_id": _IS_STR, "lease_id": _IS_STR, "pool_id": _IS_STR},
+}
+
+_WRITE_NOTIF_FIELDS = {
+    "v": (_is_int, "int"),
+    "kind": (lambda v: v == "nixl_write", "'nixl_write'"),
+    "request_id": _IS_STR,
+    "lease_id": _IS_STR,
+    "pool_id": _IS_STR,
+    "layout_id": _IS_STR,
+    "seq": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
+    "layer": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
+    "dst_block_ids": (_is_uint_list, "list of non-negative ints"),
+    "nbytes": (lambda v: _is_int(v) and v >= 0, "non-negative int"),
 }
 
 _REPLY_FIELDS = {
@@ -138,6 +164,19 @@ def encode_control(kind: str, token: int, **fields) -> bytes:
 def encode_reply(token: int, ok: bool, error: str = "", **data) -> bytes:
     return msgpack.packb({"v": VERSION, "kind": "reply", "token": int(token), "ok": bool(ok),
                           "error": error, "data": data})
+
+
+def layout_digest(layout: dict) -> str:
+    """A short fingerprint of a KV layout descriptor (its to_dict()): what a
+    write notification names, so the check per write costs one string compare."""
+    return hashlib.sha256(msgpack.packb(sorted(layout.items()))).hexdigest()[:16]
+
+
+def encode_write_notif(*, request_id: str, lease_id: str, pool_id: str, layout_id: str, seq: int, layer: int,
+                       dst_block_ids: list[int], nbytes: int) -> bytes:
+    return msgpack.packb({"v": VERSION, "kind": "nixl_write", "request_id": request_id, "lease_id": lease_id,
+                          "pool_id": pool_id, "layout_id": layout_id, "seq": int(seq), "layer": int(layer),
+                          "dst_block_ids": [int(b) for b in dst_block_ids], "nbytes": int(nbytes)})
 
 
 def _unpack(raw: bytes | memoryview) -> Any:
@@ -193,6 +232,16 @@ def decode_control(raw: bytes | memoryview) -> dict:
         raise WireError(f"unknown control message kind {kind!r} "
                         f"(expected one of {', '.join(_CONTROL_FIELDS)})")
     return _validate(obj, {"v": (_is_int, "int"), "token": (_is_int, "int"), **_CONTROL_FIELDS[kind]})
+
+
+def decode_write_notif(raw: bytes | memoryview) -> dict:
+    """A validated write notification; WireError says what is wrong."""
+    return _validate(_unpack(raw), _WRITE_NOTIF_FIELDS)
+
+
+def control_family(msg: dict) -> str:
+    """Which one-sided backend a decoded control message is for ("ipc", "nixl")."""
+    return msg["kind"].split("_", 1)[0]
 
 
 def decode_reply(raw: bytes | memoryview) -> dict:

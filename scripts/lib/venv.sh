@@ -1,5 +1,5 @@
 # Sourced by scripts/*: make sure .venv exists and holds pdd with the given extras.
-# Usage: ensure_venv [extras]   e.g. ensure_venv test
+# Usage: ensure_venv [extras]   e.g. ensure_venv test,nixl
 # Re-installs only when setup.cfg changed since the last install (stamp file).
 
 ensure_venv() {
@@ -14,7 +14,8 @@ ensure_venv() {
         "$venv/bin/python" -m pip install -q --upgrade pip
     fi
     # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build. The
-    # CPU build of 2.13.0 is what this project's CI machines carry.
+    # CPU build of 2.13.0 is what this project's CI machines carry. Extras that
+    # depend on an unpinned torch (nixl) then find it installed and keep it.
     if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
         "$venv/bin/python" -m pip install -q "torch==${PDD_TORCH_VERSION:-2.13.0}"
     fi

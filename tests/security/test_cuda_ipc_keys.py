@@ -12,7 +12,7 @@ from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from tests.security.conftest import secure_config
 from tests.transfer.conftest import make_layout, make_pool
-from tests.transfer.ipc_peer import serve_pool, wait_result
+from tests.transfer.peers import serve_pool, wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

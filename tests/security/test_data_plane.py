@@ -1,7 +1,8 @@
 """The KV data socket with keys: a peer without an authorized worker key can
-neither write pages nor ask for the pool, even holding a live lease id; the
-cluster's own sender writes as before, and a sender with the wrong keys fails
-its transfer with the reason instead of waiting for a timeout."""
+neither write pages nor ask for the pool (cuda_ipc's export, nixl's agent
+metadata), even holding a live lease id; the cluster's own senders (tcp,
+nixl) write as before, and a sender with the wrong keys fails its transfer
+with the reason instead of waiting for a timeout."""
 from __future__ import annotations
 
 import time
@@ -10,8 +11,10 @@ import pytest
 import torch
 import zmq
 
+from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
+from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from pdd.transfer.receiver import DataSocket
 from pdd.transfer.tcp import TcpSender
 from pdd.transfer.wire import encode_control, encode_pages_header, tensor_bytes
@@ -26,7 +29,7 @@ def decode(secure_cfg):
     layout = make_layout()
     leases = LeaseTable()
     pool = make_pool(layout, seed=2)
-    receiver = DataSocket(pool, layout, leases, security=data_security(secure_cfg))
+    receiver = DataSocket(pool, layout, leases, security=data_security(secure_cfg), nixl=nixl_unavailable() is None)
     receiver.start()
     yield receiver, pool, leases
     receiver.close()
@@ -66,7 +69,8 @@ def test_a_stranger_with_a_live_lease_writes_nothing_and_opens_nothing(kind, dec
     header = encode_pages_header(request_id="victim", lease_id=lease, layer=0, dst_block_ids=[1], dtype="float32",
                                  shape=[2, 1, *pool.shape[3:]], layout=layout.to_dict(), seq=0)
     for frames in ([header, page],
-                   [encode_control("ipc_open", 1, layout=layout.to_dict(), request_id="victim", lease_id=lease)]):
+                   [encode_control("ipc_open", 1, layout=layout.to_dict(), request_id="victim", lease_id=lease)],
+                   [encode_control("nixl_open", 2, layout=layout.to_dict(), request_id="victim", lease_id=lease)]):
         try:   # offered, never waited for: a refused handshake leaves nowhere to queue
             evil.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -85,25 +89,30 @@ def test_a_stranger_with_a_live_lease_writes_nothing_and_opens_nothing(kind, dec
     assert torch.equal(pool[:, :, 2], src[:, :, 3])
     assert torch.equal(pool[:, :, 1], before[:, :, 1])
     assert receiver.stats.messages == layout.num_layers and receiver.stats.rejected == 0
-    assert receiver.ipc.num_writers == 0
+    assert receiver.ipc.num_writers == 0 and (receiver.nixl is None or receiver.nixl.num_writers == 0)
     evil.disable_monitor()
     monitor.close(0)
     evil.close(0)
     ctx.term()
 
 
+BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(nixl_unavailable() is not None,
+                                                                reason=str(nixl_unavailable())))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case, reason", [
     ("no key registered", "registered no data-socket key"),
     ("our key not authorized", "CURVE handshake with the decode worker"),
     ("wrong decode key", "CURVE handshake with the decode worker"),
 ])
-def test_a_sender_with_the_wrong_keys_fails_with_the_reason(case, reason, decode, secure_cfg, stranger_keys):
+def test_a_sender_with_the_wrong_keys_fails_with_the_reason(case, reason, backend, decode, secure_cfg, stranger_keys):
     receiver, pool, leases = decode
     layout = make_layout()
     ours, theirs = data_security(secure_cfg), data_security(secure_config(stranger_keys))
     sender_security = theirs if case == "our key not authorized" else ours
     dst_key = {"no key registered": "", "wrong decode key": theirs.public_key}.get(case, ours.public_key)
-    sender = TcpSender(layout, timeout_s=600, security=sender_security)   # a timeout would not say why
+    sender = make_sender(backend, layout, timeout_s=600, security=sender_security)   # a timeout would not say why
     before = pool.clone()
     try:
         lease = leases.grant("r", [2], ttl_s=600)
@@ -114,3 +123,21 @@ def test_a_sender_with_the_wrong_keys_fails_with_the_reason(case, reason, decode
         sender.close()
     assert not result.ok and reason in result.error
     assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_the_clusters_nixl_sender_opens_and_writes_over_curve(decode, secure_cfg):
+    receiver, pool, leases = decode
+    layout = make_layout()
+    sender = make_sender("nixl", layout, security=data_security(secure_cfg))
+    src = make_pool(layout, seed=1)
+    try:
+        lease = leases.grant("r", [4, 5], ttl_s=60)
+        send_request(sender, TransferTarget("r", lease, "decode-0", receiver.address, (4, 5), backend="nixl",
+                                            dst_public_key=data_security(secure_cfg).public_key), src, [6, 7])
+        result = wait_result(sender)
+    finally:
+        sender.close()
+    assert result.ok, result.error
+    assert torch.equal(pool[:, :, [4, 5]], src[:, :, [6, 7]])
+    assert leases.close(lease) == "free"

@@ -68,7 +68,13 @@ class Pair:
         raise AssertionError(f"no result for {request_id} within {timeout}s")
 
 
-@pytest.fixture(params=["tcp", "local"])
+def _nixl_unavailable() -> str | None:
+    from pdd.transfer.nixl_agent import unavailable
+    return unavailable()
+
+
+@pytest.fixture(params=["tcp", "local", pytest.param("nixl", marks=pytest.mark.skipif(
+    _nixl_unavailable() is not None, reason=str(_nixl_unavailable())))])
 def backend(request) -> str:
     return request.param
 

@@ -4,7 +4,6 @@ here. Pages must land exactly in the leased blocks; every refusal must be
 reported and write nothing. Runs only where CUDA is available."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -13,36 +12,16 @@ import torch
 from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 from tests.transfer.conftest import make_layout, make_pool
-from tests.transfer.ipc_peer import serve_pool, wait_result
+from tests.transfer.peers import Peer, wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "cuda:0"
 
 
-class Peer:
-    def __init__(self, dtype: str, **layout):
-        self.layout = make_layout(dtype, **layout)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_pool, args=(child, self.layout.to_dict(), PEER, 2), daemon=True)
-        self.proc.start()
-        assert self.conn.poll(120), "peer did not start"
-        self.address, _ = self.conn.recv()
-
-    def __call__(self, *cmd):
-        self.conn.send(cmd)
-        assert self.conn.poll(30), f"peer did not answer {cmd[0]}"
-        return self.conn.recv()
-
-    def stop(self) -> None:
-        self("stop")
-        self.proc.join(10)
-
-
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def peer(request):
-    p = Peer(request.param)
+    p = Peer(make_layout(request.param), PEER)
     yield p
     p.stop()
 
@@ -162,7 +141,7 @@ def test_a_commit_waits_for_its_own_copies_not_a_later_steps(peer, sender):
 @pytest.fixture(scope="module")
 def deep_peer():
     """A pool of 7 layers: copies of 3 layers each leave a last group of one."""
-    p = Peer("bfloat16", num_layers=7)
+    p = Peer(make_layout("bfloat16", num_layers=7), PEER)
     yield p
     p.stop()
 

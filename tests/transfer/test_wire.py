@@ -8,7 +8,8 @@ from pdd.transfer import make_receiver, make_sender, offered_backends
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.base import Handoff
 from pdd.transfer.wire import (VERSION, WireError, bytes_to_tensor, decode_ack, decode_done, decode_header,
-                               encode_ack, encode_done, encode_pages_header, is_done, tensor_bytes)
+                               decode_write_notif, encode_ack, encode_done, encode_pages_header, encode_write_notif,
+                               is_done, layout_digest, tensor_bytes)
 from tests.transfer.conftest import make_layout
 
 
@@ -51,6 +52,20 @@ def test_done_round_trip():
                 {"first_token": 1, "logprobs": None, "num_cached_tokens": -1}, {"first_token": 1}):
         with pytest.raises(WireError, match="field 'handoff'"):
             decode_done(encode_done(request_id="r", lease_id="l", seq=0, handoff=bad))
+
+
+def test_write_notif_round_trip():
+    fields = dict(request_id="r", lease_id="l", pool_id="pdd-decode-1", layout_id=layout_digest(make_layout().to_dict()),
+                  seq=4, layer=2, dst_block_ids=[7, 8], nbytes=4096)
+    assert {k: v for k, v in decode_write_notif(encode_write_notif(**fields)).items()
+            if k not in ("v", "kind")} == fields
+    with pytest.raises(WireError, match="field 'dst_block_ids'"):
+        decode_write_notif(encode_write_notif(**{**fields, "dst_block_ids": [-1]}))
+    with pytest.raises(WireError, match="field 'kind' must be 'nixl_write'"):
+        decode_write_notif(encode_done(request_id="r", lease_id="l", seq=0, handoff=None))
+    # The digest names the whole descriptor: any field changes it.
+    assert layout_digest(make_layout().to_dict()) != layout_digest(make_layout(block_size=8).to_dict())
+    assert layout_digest(make_layout().to_dict()) == layout_digest(dict(reversed(make_layout().to_dict().items())))
 
 
 def test_ack_round_trip():

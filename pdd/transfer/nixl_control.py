@@ -1,0 +1,176 @@
+"""The decode side of the `nixl` backend: the pool registered with this
+worker's NIXL agent, the control messages of its writers, and the write
+notifications that say what landed. The sender is pdd.transfer.nixl.
+
+The pool is registered once, when the data socket is made; an open
+(pdd.transfer.writers) hands a writer the agent's metadata and where the pool
+is. The agent is new in every process (its name is the pool incarnation,
+`pool_id`), so a writer that still holds our previous life's metadata is
+refused at its begin; we never load a writer's metadata, so a writer that
+restarts leaves nothing stale here.
+
+A write lands without us taking part; NIXL then delivers the notification it
+carried (pdd.transfer.wire, "nixl_write"), which the data socket's thread
+drains. A notification is checked like a tcp pages message: our pool
+incarnation, our KV layout, a live lease of that request, blocks of that
+lease. A commit names how many writes the request made: it is accepted only
+once each of them was notified and passed, and the lease is still live. A
+notification may arrive after the commit (it travels beside the data socket,
+not on it), so the commit's answer waits for it, up to _NOTIF_WAIT_S.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdd.kv.layout import KVLayout
+from pdd.transfer.base import Handoff, ReceiverStats
+from pdd.transfer.leases import LeaseTable
+from pdd.transfer.nixl_agent import Agent, PoolRegion
+from pdd.transfer.wire import WireError, decode_write_notif, encode_reply, layout_digest
+from pdd.transfer.writers import OneSidedControl, Peer
+
+log = logging.getLogger(__name__)
+
+# How long a commit waits for the notifications of writes its sender saw
+# complete (they are on their way: NIXL sends one once its write landed).
+_NOTIF_WAIT_S = 5.0
+_COMMIT_POLL_MS = 1   # how often notifications are drained while a commit waits for them
+
+
+@dataclass
+class _Tally:
+    """The writes notified under one lease."""
+
+    request_id: str
+    seqs: set[int] = field(default_factory=set)
+    error: str = ""
+
+
+@dataclass
+class _Commit:
+    peer: Peer
+    token: int
+    msg: dict
+    until: float   # time.monotonic()
+
+
+class NixlControl(OneSidedControl):
+    family = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable, stats: ReceiverStats):
+        super().__init__(layout, leases, stats)
+        if not kv_cache.is_contiguous():
+            raise ValueError("the nixl backend registers the KV pool as one region: it must be contiguous")
+        self.agent = Agent("decode")
+        self.agent.register(kv_cache)
+        self.region = PoolRegion.of(kv_cache)
+        self.pool_id = self.agent.name
+        self._metadata = self.agent.metadata()
+        self._layout_id = layout_digest(layout.to_dict())
+        self._num_layers = kv_cache.shape[0]
+        self._tallies: dict[str, _Tally] = {}   # lease id ->
+        self._commits: list[_Commit] = []       # waiting for notifications
+
+    def _export(self, token: int) -> bytes:
+        return encode_reply(token, True, metadata=self._metadata, pool=self.region.to_dict(), pool_id=self.pool_id)
+
+    # -- notifications -------------------------------------------------------
+
+    def _drain(self) -> None:
+        for raw in self.agent.notifs():
+            try:
+                note = decode_write_notif(raw)
+            except WireError as e:
+                self._refuse(f"malformed write notification: {e}")
+                continue
+            if note["pool_id"] != self.pool_id:
+                self._refuse("a write notification for another pool incarnation")
+                continue
+            lease_id = note["lease_id"]
+            err = self.leases.why_not_live(lease_id, note["request_id"])
+            if err is not None:
+                self._refuse(err)   # its commit is refused on the same grounds
+                continue
+            tally = self._tallies.setdefault(lease_id, _Tally(note["request_id"]))
+            err = self._check(note, lease_id)
+            if err is not None:
+                tally.error = tally.error or self._refuse(err)
+                continue
+            tally.seqs.add(note["seq"])
+            self.stats.messages += 1
+            self.stats.bytes += note["nbytes"]
+
+    def _check(self, note: dict, lease_id: str) -> str | None:
+        if note["layout_id"] != self._layout_id:
+            return "the write was made under another KV layout than this pool's"
+        if note["layer"] >= self._num_layers:
+            return f"layer {note['layer']} out of range (pool has {self._num_layers})"
+        lease = self.leases.get(lease_id)
+        for b in note["dst_block_ids"]:
+            if lease is None or b not in lease.block_ids:
+                return f"block {b} is not leased to this request"
+        return None
+
+    # -- commits -------------------------------------------------------------
+
+    def _commit(self, token: int, msg: dict, peer: Peer) -> bytes | None:
+        stale = self._stale(token, msg)
+        if stale:
+            return stale
+        self._drain()
+        if self._complete(msg) or self.leases.why_not_live(msg["lease_id"], msg["request_id"]):
+            return self._settle(token, msg)
+        self._commits.append(_Commit(peer, token, msg, time.monotonic() + _NOTIF_WAIT_S))
+        return None
+
+    def _complete(self, msg: dict) -> bool:
+        tally = self._tallies.get(msg["lease_id"])
+        seen = tally.seqs if tally is not None else set()
+        return bool(tally and tally.error) or len(seen) >= msg["writes"]
+
+    def _settle(self, token: int, msg: dict) -> bytes:
+        """Answer a commit: the writer is done either way (held blocks are released)."""
+        lease_id, rid, writes = msg["lease_id"], msg["request_id"], msg["writes"]
+        tally = self._tallies.pop(lease_id, None) or _Tally(rid)
+        err = self.leases.why_not_live(lease_id, rid) or tally.error or None
+        if err is None and tally.seqs != set(range(writes)):
+            err = f"{len(tally.seqs & set(range(writes)))} of the request's {writes} writes were notified"
+        if err is None:
+            err = self.leases.end_writer(lease_id, rid, Handoff.from_dict(msg["handoff"]))
+        else:
+            self.leases.end_writer(lease_id, rid)
+            self._refuse(err)
+        return encode_reply(token, err is None, err or "")
+
+    def _end(self, token: int, msg: dict, peer: Peer) -> bytes:
+        self._tallies.pop(msg["lease_id"], None)
+        return super()._end(token, msg, peer)
+
+    def due(self) -> list[tuple[Peer, bytes]]:
+        self._drain()
+        out, waiting, now = [], [], time.monotonic()
+        for c in self._commits:
+            if self._complete(c.msg) or now >= c.until:
+                out.append((c.peer, self._settle(c.token, c.msg)))
+            else:
+                waiting.append(c)
+        self._commits = waiting
+        self._forget_dead_leases()
+        return out
+
+    def _forget_dead_leases(self) -> None:
+        """Tallies of leases that ended without a commit (aborted, expired, the
+        writer died): nothing will ask for them."""
+        asked = {c.msg["lease_id"] for c in self._commits}
+        for lease_id in [lid for lid in self._tallies if lid not in asked and self.leases.get(lid) is None]:
+            del self._tallies[lease_id]
+
+    def wait_ms(self) -> int | None:
+        return _COMMIT_POLL_MS if self._commits else None
+
+    def close(self) -> None:
+        self.agent.close()
