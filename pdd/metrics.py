@@ -2,15 +2,25 @@
 
 Latencies the router sees itself (TTFT, ITL, TPOT, E2E) are observed as they
 happen. Worker samples (step latency, chunk sizes) arrive in heartbeats and are
-observed on receipt. Worker state (free pages, hit rate, preemptions) is read
-from the registry at scrape time by a collector, so it is never stale after a
-worker leaves.
+observed on receipt; workers' monotonic totals (prefix-cache hits and queries)
+become router counters by the delta between heartbeats. Worker state (free
+pages, running requests) is read from the registry at scrape time by a
+collector, so it is never stale after a worker leaves.
+
+Every family is `pdd_`-prefixed; the seeds' SRE names are kept as the suffix
+(`pdd_scheduler_iteration_latency_seconds`, ...). No `_created` series: they
+double every counter and histogram and no dashboard reads them.
+Per-worker series are dropped by `forget_worker` once a worker has left for good.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdd import __version__
 from pdd.router.breaker import STATE_VALUE
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -18,17 +28,27 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
+# `pool`: how the placement that streamed the token runs — disagg (prompt on the
+# prefill pool, KV shipped to the decode pool) or colocated (one worker did both,
+# a local prefill included); `worker`: the decode worker that streamed it.
+_TOKEN_LABELS = ["pool", "worker"]
+
 
 class RouterMetrics:
     def __init__(self, registry_view=None):
+        prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(namespace="pdd", registry=r)
+        Info("pdd_build", "The router's build: pdd and Python versions", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
         self.ttft = Histogram("pdd_time_to_first_token_seconds", "Arrival to first token, at the router",
-                              ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdd_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                              _TOKEN_LABELS, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdd_inter_token_latency_seconds",
+                             "Gap between consecutive token deliveries of a request (TBT)",
+                             _TOKEN_LABELS, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pdd_time_per_output_token_seconds", "(E2E - TTFT) / (tokens - 1) per request",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              _TOKEN_LABELS, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdd_e2e_request_latency_seconds", "Arrival to last token",
                              ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdd_requests", "Finished requests", ["mode", "finish_reason"], registry=r)
@@ -40,21 +60,28 @@ class RouterMetrics:
                                   registry=r)
         self.http_errors = Counter("pdd_http_errors", "Error responses", ["status"], registry=r)
         self.inflight = Gauge("pdd_requests_in_flight", "Requests admitted and not finished", registry=r)
-        self.step_latency = Histogram("scheduler_iteration_latency_seconds", "Engine step latency",
+        self.step_latency = Histogram("pdd_scheduler_iteration_latency_seconds", "Engine step latency",
                                       ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_chunk = Histogram("prefill_chunk_size_tokens", "Prefill chunk sizes scheduled",
+        self.prefill_chunk = Histogram("pdd_prefill_chunk_size_tokens", "Prefill chunk sizes scheduled",
                                        ["worker"], buckets=_TOKEN_BUCKETS, registry=r)
-        self.decode_batch = Histogram("decode_batch_size_requests", "Decodes per engine step",
+        self.decode_batch = Histogram("pdd_decode_batch_size_requests", "Decodes per engine step",
                                       ["worker"], buckets=_BATCH_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram("prefill_to_decode_kv_transfer_seconds",
-                                          "First page handed over to last page acknowledged",
-                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_hits = Counter("pdd_prefix_cache_hit_tokens", "Prompt tokens found in the worker's prefix "
+                                   "cache (rate over pdd_prefix_cache_query_tokens_total: the hit ratio)",
+                                   ["worker"], registry=r)
+        self.prefix_queries = Counter("pdd_prefix_cache_query_tokens", "Prompt tokens looked up in the "
+                                      "worker's prefix cache", ["worker"], registry=r)
+        self.transfer_seconds = Histogram("pdd_prefill_to_decode_kv_transfer_seconds",
+                                          "First page handed over to last page acknowledged, per pair",
+                                          ["prefill", "decode"], buckets=_LATENCY_BUCKETS, registry=r)
         self.disagg_phase = Histogram("pdd_disagg_phase_seconds",
                                       "Router-side time of a disaggregated request's phases: reserve "
                                       "(Reserve sent -> Reserved), first_token (Prefill sent -> FirstToken), "
                                       "prefill (Prefill sent -> PrefillDone)",
                                       ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.transfer_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
+        self.transfer_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes moved prefill -> decode, per pair "
+                                      "(rate over pdd_prefill_to_decode_kv_transfer_seconds_sum: bandwidth)",
+                                      ["prefill", "decode"], registry=r)
         self.blocks_sent = Counter("pdd_kv_transfer_blocks_sent", "KV blocks moved prefill -> decode", registry=r)
         self.blocks_skipped = Counter("pdd_kv_transfer_blocks_skipped",
                                       "KV blocks not sent: the decode worker had them cached", registry=r)
@@ -70,6 +97,8 @@ class RouterMetrics:
                                    ["prefill", "decode"], registry=r)
         self.breaker_transitions = Counter("pdd_breaker_transitions", "Circuit breaker state changes",
                                            ["prefill", "decode", "to"], registry=r)
+        # A worker's (hit, query) totals as of its last heartbeat: the next delta's base.
+        self._prefix_totals: dict[str, tuple[int, int]] = {}
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
 
@@ -81,29 +110,60 @@ class RouterMetrics:
                 self.prefill_chunk.labels(w).observe(n)
             if step.num_decodes:
                 self.decode_batch.labels(w).observe(step.num_decodes)
+        self._count_prefix_lookups(w, hb.prefix_hit_tokens, hb.prefix_query_tokens)
+
+    def _count_prefix_lookups(self, worker_id: str, hits: int, queries: int) -> None:
+        """Counters from a worker's totals. Totals below the last ones mean a new
+        process under the same id: its totals are all new (a counter reset)."""
+        last_hits, last_queries = self._prefix_totals.get(worker_id, (0, 0))
+        if hits < last_hits or queries < last_queries:
+            last_hits, last_queries = 0, 0
+        self.prefix_hits.labels(worker_id).inc(hits - last_hits)
+        self.prefix_queries.labels(worker_id).inc(queries - last_queries)
+        self._prefix_totals[worker_id] = (hits, queries)
+
+    def observe_tokens(self, state, now: float) -> None:
+        """Tokens of `state` delivered at `now` (before state.deliver takes them)."""
+        labels = (state.mode, state.decode_worker or "")
+        if state.last_token_at is not None:
+            self.itl.labels(*labels).observe(now - state.last_token_at)
+        else:
+            self.ttft.labels(*labels).observe(now - state.arrival)
 
     def forget_worker(self, worker_id: str, pairs: list[tuple[str, str]]) -> None:
         """Drop the series of a worker that left for good, and of its breaker `pairs`."""
-        for per_worker in (self.step_latency, self.prefill_chunk, self.decode_batch):
+        for per_worker in (self.step_latency, self.prefill_chunk, self.decode_batch, self.prefix_hits,
+                           self.prefix_queries):
             _remove(per_worker, worker_id)
+        self._prefix_totals.pop(worker_id, None)
+        for per_token in (self.ttft, self.itl, self.tpot):
+            for pool, worker in _label_sets(per_token, _TOKEN_LABELS):
+                if worker == worker_id:
+                    _remove(per_token, pool, worker)
+        for per_pair in (self.transfer_seconds, self.transfer_bytes):
+            for prefill, decode in _label_sets(per_pair, ["prefill", "decode"]):
+                if worker_id in (prefill, decode):
+                    _remove(per_pair, prefill, decode)
         for prefill, decode in pairs:
             _remove(self.breaker_state, prefill, decode)
             for state in STATE_VALUE:
                 _remove(self.breaker_transitions, prefill, decode, state)
 
-    def observe_transfer(self, stats: dict) -> None:
-        self.transfer_seconds.observe(float(stats.get("seconds", 0.0)))
-        self.transfer_bytes.inc(int(stats.get("bytes", 0)))
+    def observe_transfer(self, prefill: str, decode: str, stats: dict) -> None:
+        self.transfer_seconds.labels(prefill, decode).observe(float(stats.get("seconds", 0.0)))
+        self.transfer_bytes.labels(prefill, decode).inc(int(stats.get("bytes", 0)))
         self.blocks_sent.inc(int(stats.get("blocks_sent", 0)))
         self.blocks_skipped.inc(int(stats.get("blocks_skipped", 0)))
 
     def observe_finished(self, state) -> None:
+        """A request ended; call it while state.decode_worker still names its last worker."""
         self.requests.labels(state.mode, state.finish_reason or "unknown").inc()
         n = len(state.output_token_ids)
         if state.first_token_at is not None and state.last_token_at is not None:
             self.e2e.labels(state.mode).observe(state.last_token_at - state.arrival)
             if n > 1:
-                self.tpot.observe((state.last_token_at - state.first_token_at) / (n - 1))
+                self.tpot.labels(state.mode, state.decode_worker or "").observe(
+                    (state.last_token_at - state.first_token_at) / (n - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -117,6 +177,12 @@ def _remove(metric, *labels: str) -> None:
         pass
 
 
+def _label_sets(metric, names: list[str]) -> set[tuple[str, ...]]:
+    """The label values of `metric`'s series, as tuples in the order of `names`."""
+    return {tuple(s.labels[n] for n in names) for family in metric.collect() for s in family.samples
+            if all(n in s.labels for n in names)}
+
+
 class _WorkerCollector:
     """Worker state read from the registry at scrape time."""
 
@@ -124,14 +190,17 @@ class _WorkerCollector:
         self.registry = registry
 
     def collect(self):
-        free = GaugeMetricFamily("kv_cache_page_free_pages", "Free KV pages per worker", labels=["worker"])
-        total = GaugeMetricFamily("kv_cache_page_total_pages", "KV pages per worker", labels=["worker"])
-        hit = GaugeMetricFamily("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / queried",
+        free = GaugeMetricFamily("pdd_kv_cache_page_free_pages", "Free KV pages per worker", labels=["worker"])
+        total = GaugeMetricFamily("pdd_kv_cache_page_total_pages", "KV pages per worker", labels=["worker"])
+        hit = GaugeMetricFamily("pdd_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / "
+                                "queried, since the worker started (windowed: rate of "
+                                "pdd_prefix_cache_hit_tokens_total over pdd_prefix_cache_query_tokens_total)",
                                 labels=["worker"])
         running = GaugeMetricFamily("pdd_worker_running_requests", "Running requests", labels=["worker"])
         waiting = GaugeMetricFamily("pdd_worker_waiting_requests", "Queued requests", labels=["worker"])
-        recompute = CounterMetricFamily("chunked_prefill_recompute_count",
-                                        "Requests preempted and recomputed", labels=["worker"])
+        preemptions = CounterMetricFamily("pdd_scheduler_preemptions", "Requests preempted since the worker "
+                                        "started: blocks freed, every computed token (prompt chunks "
+                                        "included) recomputed later", labels=["worker"])
         workers = GaugeMetricFamily("pdd_workers", "Registered workers", labels=["role", "accepting"])
         counts: dict[tuple[str, str], int] = {}
         for w in list(self.registry.workers.values()):
@@ -143,7 +212,7 @@ class _WorkerCollector:
             hit.add_metric([w.worker_id], w.load.prefix_hit_rate)
             running.add_metric([w.worker_id], w.load.running)
             waiting.add_metric([w.worker_id], w.load.waiting)
-            recompute.add_metric([w.worker_id], w.load.num_preemptions)
+            preemptions.add_metric([w.worker_id], w.load.num_preemptions)
         for (role, accepting), n in counts.items():
             workers.add_metric([role, accepting], n)
-        yield from (free, total, hit, running, waiting, recompute, workers)
+        yield from (free, total, hit, running, waiting, preemptions, workers)

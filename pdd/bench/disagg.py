@@ -57,7 +57,7 @@ def _metrics(url: str) -> dict[str, float]:
     """Step latency and KV transfer time as the cluster counted them (warm-up included)."""
     import urllib.request
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    keep = ("scheduler_iteration_latency_seconds_", "prefill_to_decode_kv_transfer_seconds_",
+    keep = ("pdd_scheduler_iteration_latency_seconds_", "pdd_prefill_to_decode_kv_transfer_seconds_",
             "pdd_disagg_phase_seconds_", "pdd_time_to_first_token_seconds_")
     out = {}
     for line in text.splitlines():

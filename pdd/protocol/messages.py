@@ -87,6 +87,10 @@ class Heartbeat(Message):
     total_blocks: int
     prefix_hit_rate: float = 0.0
     num_preemptions: int = 0
+    # Prompt tokens found in / looked up in the prefix cache since the worker
+    # started (monotonic totals: the router counts the deltas).
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
     # The steps since the previous heartbeat (those that computed tokens):
     # the router's histograms and its step-cost model (pdd.router.estimator).
     steps: list[StepSample] = field(default_factory=list)

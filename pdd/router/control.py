@@ -347,14 +347,14 @@ class ControlPlane:
                 and landed.prompt_at == peer and landed.prefill_worker is None):
             # The decode worker started on the KV (and told us) before this came.
             self._mark(landed, "transfer", _transfer_note(peer, msg.transfer))
-            self.metrics.observe_transfer(msg.transfer)
+            self.metrics.observe_transfer(peer, landed.decode_worker or "", msg.transfer)
             self.estimator.transferred(landed.transfer_backend, msg.transfer)
             return
         state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
         self._mark(state, "transfer", _transfer_note(peer, msg.transfer))
-        self.metrics.observe_transfer(msg.transfer)
+        self.metrics.observe_transfer(peer, state.decode_worker or "", msg.transfer)
         self.estimator.transferred(state.transfer_backend, msg.transfer)
         self._kv_landed(state)
         if not state.output_token_ids:  # no FirstToken came ahead of it
@@ -555,10 +555,8 @@ class ControlPlane:
 
     def _deliver(self, state: RequestState, event: TokenEvent) -> None:
         now = self.clock()
-        if state.last_token_at is not None:
-            self.metrics.itl.observe(now - state.last_token_at)
-        elif event.token_ids:
-            self.metrics.ttft.labels(state.mode).observe(now - state.arrival)
+        if state.last_token_at is not None or event.token_ids:
+            self.metrics.observe_tokens(state, now)
         self.metrics.generation_tokens.inc(len(event.token_ids))
         if event.token_ids and not state.output_token_ids:
             self.num_queued -= 1
@@ -589,10 +587,10 @@ class ControlPlane:
         if decode is not None and state.output_token_ids and self.registry.layout is not None:
             # That worker now caches this conversation: its next turn should go there.
             decode.note_hashes(state.cached_block_hashes(self.registry.layout.block_size))
+        self.metrics.observe_finished(state)
         self._own(state, None, None)
         state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
         self.metrics.inflight.dec()
-        self.metrics.observe_finished(state)
         self.traces.finished(state, self.clock())
 
     def _abort_owners(self, state: RequestState) -> None:

@@ -69,6 +69,8 @@ class EngineSnapshot:
     free_blocks: int = 0
     total_blocks: int = 0
     prefix_hit_rate: float = 0.0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
     num_preemptions: int = 0
     steps_completed: int = 0
     steps: JournalView = JournalView()            # StepSamples of the steps that computed tokens
@@ -99,6 +101,7 @@ class EngineStats:
             running=len(sched.running), decoding=sum(1 for r in sched.running if r.decoding),
             waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
+            prefix_hit_tokens=kv.num_hit_tokens, prefix_query_tokens=kv.num_queried_tokens,
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
             steps=self.steps.view(), prefill_tokens_pending=_prompt_tokens_pending(sched),
             recent_hashes=self.recent_hashes.view(),
@@ -124,6 +127,7 @@ class HeartbeatReader:
             worker_id=self.worker_id, running=snap.running, waiting=snap.waiting,
             free_blocks=snap.free_blocks, total_blocks=snap.total_blocks,
             prefix_hit_rate=snap.prefix_hit_rate, num_preemptions=snap.num_preemptions,
+            prefix_hit_tokens=snap.prefix_hit_tokens, prefix_query_tokens=snap.prefix_query_tokens,
             steps=self._steps.take(snap.steps), prefill_tokens_pending=snap.prefill_tokens_pending,
             decoding=snap.decoding, recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
             draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,

@@ -311,11 +311,11 @@ def test_metrics_and_health(cluster):
     assert health.status == 200 and health.json()["status"] == "ok"
     text = rq.get(cluster.url + "/metrics").body.decode()
     for name in ("pdd_time_to_first_token_seconds_bucket", "pdd_inter_token_latency_seconds_bucket",
-                 "pdd_e2e_request_latency_seconds_bucket", "scheduler_iteration_latency_seconds_bucket",
-                 "prefill_chunk_size_tokens_bucket", "decode_batch_size_requests_bucket",
-                 "kv_cache_page_free_pages{", "prefix_cache_hit_rate{", "chunked_prefill_recompute_count",
-                 "pdd_requests_total{"):
-        assert name in text, name
+                 "pdd_e2e_request_latency_seconds_bucket", "pdd_scheduler_iteration_latency_seconds_bucket",
+                 "pdd_prefill_chunk_size_tokens_bucket", "pdd_decode_batch_size_requests_bucket",
+                 "pdd_kv_cache_page_free_pages{", "pdd_prefix_cache_hit_ratio{", "pdd_scheduler_preemptions_total{",
+                 "pdd_prefix_cache_hit_tokens_total{", "pdd_requests_total{"):
+        assert f"\n{name}" in text, name
     models = client(cluster).models.list()
     assert [m.id for m in models.data] == [cluster.model_name]
 

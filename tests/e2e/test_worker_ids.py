@@ -114,8 +114,10 @@ def metrics(c: UpCluster) -> str:
 
 # Series the router keeps of a worker while it is away (the rest, such as its
 # free pages, are read from its registration and go with it at once).
-KEPT_FAMILIES = ("pdd_breaker_", "scheduler_iteration_latency_seconds", "prefill_chunk_size_tokens",
-                 "decode_batch_size_requests")
+KEPT_FAMILIES = ("pdd_breaker_", "pdd_scheduler_iteration_latency_seconds", "pdd_prefill_chunk_size_tokens",
+                 "pdd_decode_batch_size_requests", "pdd_prefix_cache_", "pdd_time_to_first_token_seconds",
+                 "pdd_inter_token_latency_seconds", "pdd_time_per_output_token_seconds",
+                 "pdd_prefill_to_decode_kv_transfer_seconds", "pdd_kv_transfer_bytes")
 
 
 def kept(c: UpCluster, worker_id: str) -> dict:

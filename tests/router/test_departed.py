@@ -8,19 +8,21 @@ import pytest
 from pdd.api import StepSample
 from pdd.protocol import messages as m
 from tests.router.sim import SimCluster
+from tests.router.test_control import run_to_end
 
 GRACE_S = 60.0
 
 
 def busy_heartbeat(wid: str) -> m.Heartbeat:
-    """A heartbeat with steps in it: per-worker series and a step-time fit."""
+    """A heartbeat with steps and prefix-cache lookups in it: per-worker series and a step-time fit."""
     step = StepSample(latency_s=0.01, num_tokens=17, num_decodes=1, prefill_chunks=[16])
-    return m.Heartbeat(wid, 1, 0, 60, 64, steps=[step] * 4)
+    return m.Heartbeat(wid, 1, 0, 60, 64, steps=[step] * 4, prefix_hit_tokens=16, prefix_query_tokens=40)
 
 
 def cluster_with_history() -> SimCluster:
     """p0 prefills for d0 and d1; each pair has been placed on, d1's pair has
-    failed transfers (its breaker opened), every worker has reported steps."""
+    failed transfers (its breaker opened), every worker has reported steps;
+    a request ran to its end on each pair (latency and transfer series)."""
     c = SimCluster(forget_after_s=GRACE_S)
     for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
         c.add_worker(wid, role)
@@ -28,6 +30,7 @@ def cluster_with_history() -> SimCluster:
         c.registry.workers[idle].draining = True
         c.submit()
         c.registry.workers[idle].draining = False
+    run_to_end(c)
     for _ in range(5):
         c.control.breakers.record("p0", "d1", False, c.clock())
     for wid in c.workers:
@@ -52,8 +55,12 @@ def test_a_departed_worker_is_forgotten_after_the_grace_period_and_one_back_in_t
     c = cluster_with_history()
     d0_before, d1_before = kept(c, "d0"), kept(c, "d1")
     assert d1_before["breakers"] == [("p0", "d1")] and d1_before["estimate"]
-    assert {"pdd_breaker_state", "pdd_breaker_transitions_total", "scheduler_iteration_latency_seconds_count",
-            "prefill_chunk_size_tokens_count", "decode_batch_size_requests_count"} <= d1_before["series"]
+    assert {"pdd_breaker_state", "pdd_breaker_transitions_total", "pdd_scheduler_iteration_latency_seconds_count",
+            "pdd_prefill_chunk_size_tokens_count", "pdd_decode_batch_size_requests_count",
+            "pdd_prefix_cache_hit_tokens_total", "pdd_prefix_cache_query_tokens_total",
+            "pdd_time_to_first_token_seconds_count", "pdd_inter_token_latency_seconds_count",
+            "pdd_time_per_output_token_seconds_count", "pdd_prefill_to_decode_kv_transfer_seconds_count",
+            "pdd_kv_transfer_bytes_total"} <= d1_before["series"]
     c.kill("d1")
     c.kill("d0")
     c.advance(GRACE_S / 2)

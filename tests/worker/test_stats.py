@@ -42,8 +42,8 @@ def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace
         out = published[:]
         published.clear()
         return out
-    kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.0,
-                         take_recent_hashes=take_recent_hashes)
+    kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.25,
+                         num_hit_tokens=32, num_queried_tokens=128, take_recent_hashes=take_recent_hashes)
     scheduler = SimpleNamespace(running=list(running), waiting=list(waiting), num_preemptions=0,
                                 num_waiting=lambda: len(waiting))
     return SimpleNamespace(kv=kv, scheduler=scheduler)
@@ -76,3 +76,9 @@ def test_heartbeats_count_the_prompt_tokens_not_computed_yet():
     hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(engine, {}), 0.0, False)
     assert hb.prefill_tokens_pending == 40 + 50
     assert (hb.running, hb.decoding) == (2, 1)     # the prompt being computed is no decode load
+
+
+def test_heartbeats_carry_the_prefix_caches_totals():
+    """Totals, not a ratio: the router turns them into counters to rate()."""
+    hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(fake_engine([]), {}), 0.0, False)
+    assert (hb.prefix_hit_tokens, hb.prefix_query_tokens, hb.prefix_hit_rate) == (32, 128, 0.25)
