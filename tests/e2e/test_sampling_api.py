@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import aiohttp
+import openai
 import pytest
 import torch
 
@@ -144,3 +145,25 @@ def test_n_choices_with_echo_and_logprobs(layout, offline):
     assert first["logprobs"]["token_logprobs"][:n] == second["logprobs"]["token_logprobs"][:n]
     assert first["logprobs"]["token_logprobs"][n:] == pytest.approx(second["logprobs"]["token_logprobs"][n:], abs=1e-4)
     layout.wait_idle(timeout_s=30)
+
+
+def test_chat_choices_and_prompt_logprobs_through_the_openai_client(layout, offline):
+    client = openai.OpenAI(base_url=layout.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours and a fruit."}]
+    ids = offline.tokenizer.encode_chat(messages)
+    sp = dict(max_tokens=8, temperature=0.9, seed=3, presence_penalty=0.8)
+    expected = [offline.generate([ids], SamplingParams(**{**sp, "seed": 3 + i}))[0].text
+                for i in range(2)]
+    r = client.chat.completions.create(model=layout.model_name, messages=messages, n=2,
+                                       extra_body={"prompt_logprobs": 1}, **sp)
+    assert [c.message.content for c in r.choices] == expected
+    prompt_lps = r.model_extra["prompt_logprobs"]
+    assert len(prompt_lps) == len(ids) and prompt_lps[0] is None and str(ids[1]) in prompt_lps[1]
+    chunks = list(client.chat.completions.create(model=layout.model_name, messages=messages, n=2, stream=True, **sp))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[0], texts[1]] == expected
