@@ -42,7 +42,7 @@ n > 1 (submit_choices): n requests share the prompt. The first is placed as
 any; the others stay queued, on no worker, until a TokenBatch of the first
 comes from its decode worker — which then holds the prompt's full blocks in
 its prefix cache — and are placed beside it, where they compute only the
-prompt's last partial block. The first failing fails them; its client leaving
+block holding the prompt's last token. The first failing fails them; its client leaving
 drops them; its ending otherwise (a stop string in the first token) places
 them as any request.
 
