@@ -27,6 +27,10 @@ class InvalidRequest(ValueError):
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0                # presence and frequency penalties lie in [-2, 2] (OpenAI, vLLM)
+# vLLM takes any repetition penalty above 0; past this one a seen token is
+# ruled out anyway, and a bound keeps every value finite on the device.
+MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16            # OpenAI allows 4; a few more cost nothing
 # Text that may still begin a stop string is held back from the stream, so a
 # long stop string delays every token's text by its length.
@@ -55,10 +59,22 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None   # top-N logprobs per sampled token; 0 = only the sampled one
+    # Penalties as vLLM defines them (pdd.engine.penalties): presence and
+    # frequency count the request's output tokens, repetition its prompt and output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Top-N logprobs per prompt token (0 = only the prompt's own token); None: off.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is not neutral: the sampler needs the request's tokens so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> "SamplingParams":
         """Check every field (InvalidRequest naming the first bad one) and
@@ -74,6 +90,11 @@ class SamplingParams:
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens, "in [0, max_tokens]")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_exclusive=True)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         self._validate_stops()

@@ -48,6 +48,9 @@ class EngineOutput:
     # Where new_token_ids[0] stands in the request's whole output, counting
     # tokens produced before this engine saw it.
     position: int = 0
+    # With the first token, for a request that asks (SamplingParams.prompt_logprobs):
+    # an entry per prompt position but the first (pdd.engine.prompt_logprobs).
+    prompt_logprobs: list | None = None
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -394,9 +397,10 @@ class LLMEngine:
         out = step.out
         logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
         outputs = []
-        for req in self.scheduler.update_from_output(out, result.tokens):
+        for req in self.scheduler.update_from_output(out, result.tokens, result.prompt_logprobs):
             lp = logprobs.get(req.request_id)
             outputs.append(EngineOutput(
                 req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,
-                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens - 1))
+                [lp] if lp else [], req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens - 1,
+                req.take_prompt_logprobs()))
         return outputs

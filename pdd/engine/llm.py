@@ -21,6 +21,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: (logprob, rank, top) per prompt token but the first
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -70,6 +72,8 @@ class LLM:
     def _collect(self, result: CompletionOutput, stream: TextStream, out) -> None:
         result.token_ids.extend(out.new_token_ids)
         result.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
         result.num_cached_tokens = out.num_cached_tokens
         if stream is None:
             result.finish_reason = out.finish_reason if out.finished else None

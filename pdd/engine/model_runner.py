@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdd.config import EngineConfig
+from pdd.engine import prompt_logprobs
+from pdd.engine.penalties import Penalties, penalty_row
+from pdd.engine.prompt_logprobs import PromptRows, PromptScores
 from pdd.engine.sampler import SampleResult, SamplingBatch, sample
 from pdd.engine.scheduler import SchedulerOutput
 from pdd.engine.staging import Staging
@@ -40,6 +43,7 @@ class StepInputs:
     sample_rows: list[int]          # schedule index of each sampled row
     sampling: SamplingBatch | None
     sampled_ids: list[str]          # request id of each sampled row
+    prompt: PromptRows | None = None  # rows scoring prompt tokens (prompt logprobs); None: none
 
 
 @dataclass
@@ -53,6 +57,8 @@ class LaunchedStep:
     result: SampleResult | None = None
     done: torch.cuda.Event | None = None  # recorded after the step's last work (CUDA only)
     seq: int = 0                           # the engine's launch count
+    prompt: PromptRows | None = None
+    prompt_scores: PromptScores | None = None
 
     def wait(self) -> None:
         if self.done is not None:
@@ -65,6 +71,9 @@ class StepResult:
     # prefill chunk that is not its prompt's last.
     tokens: list[int | None]
     logprobs: list[tuple | None]
+    # Per scheduled request: (first position, prompt logprob entries) for a
+    # prompt chunk of a request that asks for them, else None.
+    prompt_logprobs: list[tuple[int, list] | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -121,12 +130,13 @@ class ModelRunner:
 
         token_ids = np.zeros(num_tokens, dtype=np.int64)
         from_gpu, gpu_rows = [], []  # input tokens still in flight: where they go, where they are
-        for r, s, c, n in zip(reqs, cu[:-1], starts, q_lens):
+        in_flight_row = {}           # batch row -> its row of the step in flight's sampled tokens
+        for row, (r, s, c, n) in enumerate(zip(reqs, cu[:-1], starts, q_lens)):
             known = min(n, r.num_tokens - c)
             token_ids[s:s + known] = r.all_token_ids[c:c + known]
             if known < n:  # only ever the last input: the token the step in flight samples
                 from_gpu.append(s + n - 1)
-                gpu_rows.append(in_flight.row_of[r.request_id])
+                gpu_rows.append(in_flight_row.setdefault(row, in_flight.row_of[r.request_id]))
         seq_of_token = np.repeat(np.arange(len(reqs)), q_lens)
         positions = np.arange(num_tokens) - cu[:-1][seq_of_token] + starts[seq_of_token]
 
@@ -149,6 +159,10 @@ class ModelRunner:
             sampling = SamplingBatch.build([reqs[row].sampling for row in sample_rows],
                                            [int(seq_lens[row]) for row in sample_rows], self.device, self.staging,
                                            [reqs[row].stop_ids_banned_at(int(seq_lens[row])) for row in sample_rows])
+            sampling.penalties = self._penalties(reqs, sample_rows, seq_lens, in_flight_row, in_flight)
+        prompt = prompt_logprobs.plan([(order[row], reqs[row], int(cu[row]), int(starts[row]), int(q_lens[row]))
+                                       for row in range(len(reqs)) if reqs[row].prompt_logprobs is not None],
+                                      self.staging)
 
         input_ids, positions_d, slots_d, logits_d, from_gpu_d, gpu_rows_d = self.staging.upload(
             [token_ids, positions, slots, logits_indices, from_gpu, gpu_rows], torch.int64)
@@ -162,7 +176,20 @@ class ModelRunner:
         if len(sample_rows) == num_tokens:
             logits_d = None  # a pure decode step: every token is sampled (saves a gather)
         return StepInputs(input_ids, positions_d, meta, logits_d, [order[row] for row in sample_rows], sampling,
-                          [reqs[row].request_id for row in sample_rows])
+                          [reqs[row].request_id for row in sample_rows], prompt)
+
+    def _penalties(self, reqs: list, sample_rows: list[int], seq_lens: np.ndarray, in_flight_row: dict[int, int],
+                   in_flight: LaunchedStep | None) -> Penalties | None:
+        """The penalty tensors of the sampled rows that have a penalty (None: none has)."""
+        rows = {}
+        for j, row in enumerate(sample_rows):
+            pen = penalty_row(reqs[row], int(seq_lens[row]), in_flight_row.get(row))
+            if pen is not None:
+                rows[j] = pen
+        if not rows:
+            return None
+        return Penalties.build(rows, self.model_cfg.vocab_size, self.device, self.staging,
+                               in_flight.tokens if in_flight is not None else None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_tables: list[list[int]],
@@ -177,7 +204,10 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, layer_done)
-        step = LaunchedStep(out, inputs.sample_rows, {rid: j for j, rid in enumerate(inputs.sampled_ids)})
+        step = LaunchedStep(out, inputs.sample_rows, {rid: j for j, rid in enumerate(inputs.sampled_ids)},
+                            prompt=inputs.prompt)
+        if inputs.prompt is not None:
+            step.prompt_scores = prompt_logprobs.score(self.model.compute_logits, hidden, inputs.prompt)
         on_gpu = self.device.type == "cuda"
         if inputs.sampling is not None:
             rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
@@ -194,16 +224,19 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step and return its sampled tokens in schedule order."""
-        tokens: list[int | None] = [None] * len(step.out.scheduled)
-        logprobs: list[tuple | None] = [None] * len(step.out.scheduled)
+        num = len(step.out.scheduled)
+        tokens: list[int | None] = [None] * num
+        logprobs: list[tuple | None] = [None] * num
         step.wait()
+        prompt = ([None] * num if step.prompt is None
+                  else prompt_logprobs.entries(step.prompt_scores, step.prompt, num))
         if step.result is None:
-            return StepResult(tokens, logprobs)
+            return StepResult(tokens, logprobs, prompt)
         for i, tok in zip(step.sample_rows, step.tokens_host.tolist()):
             tokens[i] = tok
         if step.result.logprobs is not None:
             self._attach_logprobs(step, logprobs)
-        return StepResult(tokens, logprobs)
+        return StepResult(tokens, logprobs, prompt)
 
     @staticmethod
     def _attach_logprobs(step: LaunchedStep, logprobs: list) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdd.api import SamplingParams
+import numpy as np
 
+from pdd.api import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +61,35 @@ class Request:
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes: list[int] = []
+        self._distinct_prompt_ids: np.ndarray | None = None
+        # Prompt logprobs (sampling.prompt_logprobs), one entry per prompt
+        # position but the last, filled chunk by chunk; handed out once, with
+        # the first output token (take_prompt_logprobs).
+        self.prompt_logprobs: list | None = [] if self.wants_prompt_logprobs else None
+
+    @property
+    def output_start(self) -> int:
+        """Where the request's output begins in all_token_ids: a resumed request's
+        prompt ends with the output made before this engine saw it."""
+        return self.num_prompt_tokens - self.num_prior_output_tokens
+
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The distinct token ids of the request's own prompt (repetition penalty)."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = np.unique(np.asarray(self.prompt_token_ids[:self.output_start],
+                                                             dtype=np.int64))
+        return self._distinct_prompt_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prompt's logprobs are asked for and not given yet (a resumed
+        request gave them with its first token, elsewhere)."""
+        return self.sampling.prompt_logprobs is not None and self.num_prior_output_tokens == 0
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt's logprobs, once: None after the first call, and when not asked for."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seed.
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seed,
+penalties (pdd.engine.penalties), and the logprobs of given tokens (a prompt's).
 
 Randomness is counter-based: the uniform noise for (request seed, position,
 vocab index) is a fixed integer hash, computed on whatever device the logits
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdd import ops
+from pdd.engine.penalties import Penalties, apply_penalties
 from pdd.engine.staging import Staging
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
@@ -63,6 +65,7 @@ class SamplingBatch:
     # (rows, token ids) that may not be sampled (min_tokens: the tokens that
     # would stop the request too early); None: none in this batch.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None   # None: no row has a penalty
 
     @classmethod
     def build(cls, params: list, positions: list[int], device: torch.device,
@@ -100,10 +103,12 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [B, V] float32 -> one token per row. Logprobs are the model's,
-    before any token is banned."""
+    before any token is banned or penalized."""
     raw = logits
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
     greedy = ops.argmax(logits)  # torch's argmax is a slow generic reduce on the GPU
     if batch.all_greedy:
         tokens = greedy

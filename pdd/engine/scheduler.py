@@ -171,7 +171,8 @@ class Scheduler:
             # Only a request holding no blocks takes cached ones: a reserved request
             # computed here after all (compute_locally) has its blocks, and cached
             # blocks appended after them would be attended and written as its own.
-            if req.num_computed_tokens == 0 and not self.kv.block_ids(req):
+            # One collecting prompt logprobs computes every prompt position.
+            if req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             n = self._chunk_of(req, req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
@@ -223,16 +224,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
+                           prompt_logprobs: list[tuple[int, list] | None] | None = None) -> list[Request]:
         """Take a finished step's results: publish the blocks it completed, append
-        the sampled tokens. Returns the requests that got a new token (finished
-        ones included, already freed)."""
+        the sampled tokens, keep the prompt logprobs of its chunks
+        (pdd.engine.prompt_logprobs). Returns the requests that got a new token
+        (finished ones included, already freed)."""
         updated = []
-        for (req, n), start, samples, preemptions, token in zip(out.scheduled, out.starts, out.samples,
-                                                                 out.preemptions, sampled):
+        for j, ((req, n), start, samples, preemptions, token) in enumerate(zip(
+                out.scheduled, out.starts, out.samples, out.preemptions, sampled)):
             if req.status.finished or req.num_preemptions != preemptions:
                 continue  # aborted, finished or preempted since it was scheduled: stale
             self.kv.cache_blocks(req, start + n)
+            if prompt_logprobs and prompt_logprobs[j] is not None and req.prompt_logprobs is not None:
+                first, entries = prompt_logprobs[j]
+                del req.prompt_logprobs[first:]   # a recompute writes its positions again
+                req.prompt_logprobs.extend(entries)
             if not samples:
                 continue  # a prefill chunk that is not the prompt's last: nothing sampled
             req.num_in_flight -= 1

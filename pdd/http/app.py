@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 from concurrent.futures.process import BrokenProcessPool
 
@@ -31,6 +32,8 @@ from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
 from pdd.http.access import ApiKeys, KeylessChecks
+from pdd.http.choices import Choice, merged
+from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http import request_log
 from pdd.http.schemas import APIError
@@ -149,24 +152,30 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         self._check_length(req, len(ids))
-        text, lp = self._builders(req, ids)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
-        state = await self.router.submit(ids, req.sampling, request[request_log.REQUEST_ID])
-        request[request_log.STATE], request[request_log.STREAMED] = state, req.stream
+        states = await self.router.submit_choices(ids, req.sampling, request[request_log.REQUEST_ID], req.n)
+        # The access line reads the first choice (the one that computes the prompt).
+        request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
+        choices = [self._choice(req, ids, i, state) for i, state in enumerate(states)]
         try:
             if req.stream:
-                return await self._stream(request, req, state, text, lp)
-            return await self._complete(req, state, text, lp)
+                return await self._stream(request, req, choices)
+            return await self._complete(req, choices)
         finally:
             # The text may be complete before the worker's last event (a stop string,
             # or a stop token seen first): that is a finish, not an abort.
-            await self.router.abort(state, "stop" if text.stopped else "abort")  # no-op once finished
+            for c in choices:
+                await self.router.abort(c.state, "stop" if c.text.stopped else "abort")  # no-op once finished
 
-    async def _pieces(self, state, text: TextStream, lp: s.LogprobsBuilder | None):
+    async def _pieces(self, req: s.GenerateRequest, c: Choice, first: Choice):
         """Lists of (text delta, logprobs fragment, finish_reason), one per token,
         a list for whatever arrived since the last one; the last piece finishes.
-        Raises RequestError when the request fails (after the pieces before it)."""
+        With echo the prompt comes first, as one piece (its logprobs are the
+        first choice's: only it computes them). Raises RequestError when the
+        request fails (after the pieces before it)."""
+        state, text, lp = c.state, c.text, c.logprobs
+        echo = c.echo_text is not None
         while True:
             pieces = []
             for ev in await state.take_events():
@@ -174,9 +183,19 @@ class OpenAIServer:
                     if pieces:
                         yield pieces
                     raise ev
+                if echo:
+                    echo = False
+                    frag = lp.add_prompt(state.prompt_token_ids, first.state.prompt_logprobs) if lp else None
+                    pieces.append((c.echo_text, frag, None))
+                if req.echo_only:   # its one token is not shown
+                    if ev.finished:
+                        pieces.append(("", None, "length"))
+                        yield pieces
+                        return
+                    continue
                 lps = ev.logprobs or [None] * len(ev.token_ids)
                 for tok, tok_lp in zip(ev.token_ids, lps):
-                    offset = text.generated_chars
+                    offset = c.echo_chars + text.generated_chars
                     delta = text.add([tok])
                     frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
                     if text.stopped:
@@ -191,7 +210,7 @@ class OpenAIServer:
                     return
             yield pieces
 
-    def _builders(self, req: s.GenerateRequest, prompt_ids: list[int]):
+    def _choice(self, req: s.GenerateRequest, prompt_ids: list[int], index: int, state) -> Choice:
         sp = req.sampling
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         text = TextStream(self.tokenizer, sp.stop, req.skip_special_tokens, prompt_ids=prompt_ids,
@@ -200,48 +219,70 @@ class OpenAIServer:
         lp = None
         if req.logprobs is not None:
             lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
-        return text, lp
+        echo = None
+        if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
+            given = req.prompt is not None and req.truncate_prompt_tokens is None
+            echo = req.prompt if given else self.tokenizer.decode(prompt_ids, req.skip_special_tokens)
+        return Choice(index, state, text, lp, echo)
 
-    def _usage(self, state, text: TextStream) -> dict:
+    def _usage(self, req: s.GenerateRequest, choices: list[Choice]) -> dict:
         # The tokens the answer is made of: not those a worker sent after a stop string.
-        return s.usage(len(state.prompt_token_ids), text.num_tokens, state.num_cached_tokens)
+        return choices_usage(choices, len(choices[0].state.prompt_token_ids), req.echo_only)
 
-    async def _complete(self, req: s.GenerateRequest, state, text: TextStream, lp) -> web.Response:
-        finish = None
-        async for pieces in self._pieces(state, text, lp):
-            for _, _, reason in pieces:
-                finish = reason or finish
-        usage = self._usage(state, text)
-        build = s.chat_response if req.kind == "chat" else s.completion_response
-        return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
+    def _merged(self, req: s.GenerateRequest, choices: list[Choice]):
+        return aclosing(merged([self._pieces(req, c, choices[0]) for c in choices]))
 
-    async def _stream(self, request: web.Request, req: s.GenerateRequest, state, text: TextStream, lp):
+    def _prompt_logprobs(self, req: s.GenerateRequest, choices: list[Choice]) -> list | None:
+        """vLLM's prompt_logprobs field, when asked for (the first choice computed them)."""
+        state = choices[0].state
+        if req.prompt_logprobs is None or state.prompt_logprobs is None:
+            return None
+        return s.prompt_logprobs_json(self.tokenizer, state.prompt_token_ids, state.prompt_logprobs,
+                                      req.prompt_logprobs)
+
+    async def _complete(self, req: s.GenerateRequest, choices: list[Choice]) -> web.Response:
+        async with self._merged(req, choices) as pieces_of:
+            async for i, pieces in pieces_of:
+                for _, _, reason in pieces:
+                    choices[i].finish_reason = reason or choices[i].finish_reason
+        prompt_lps = self._prompt_logprobs(req, choices)
+        if req.kind == "chat":
+            body = [s.chat_choice(c.index, c.text.text, c.finish_reason, c.logprobs.result() if c.logprobs else None)
+                    for c in choices]
+        else:
+            body = [s.completion_choice(c.index, c.full_text, c.finish_reason,
+                                        c.logprobs.result() if c.logprobs else None, prompt_lps) for c in choices]
+        return json_response(s.response(req, body, self._usage(req, choices), prompt_lps))
+
+    async def _stream(self, request: web.Request, req: s.GenerateRequest, choices: list[Choice]):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         chat = req.kind == "chat"
 
         def so_far() -> dict | None:   # vLLM's continuous usage: every chunk says the usage so far
-            return self._usage(state, text) if req.continuous_usage else None
+            return self._usage(req, choices) if req.continuous_usage else None
 
-        def chunk(delta: str, reason, frag=None) -> bytes:
+        def chunk(i: int, delta: str, reason, frag=None) -> bytes:
             if chat:
-                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far()))
-            return s.sse(s.completion_chunk(req, delta, reason, frag, so_far()))
+                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far(), i))
+            return s.sse(s.completion_chunk(req, delta, reason, frag, so_far(), i))
 
         if chat:
-            await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None, so_far())))
+            await resp.write(b"".join(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,
+                                                         so_far(), c.index)) for c in choices))
         try:
-            async for pieces in self._pieces(state, text, lp):
-                out = b"".join([chunk(delta, reason, frag) for delta, frag, reason in pieces
-                                if delta or frag or reason])
-                if out:
-                    await resp.write(out)
+            async with self._merged(req, choices) as pieces_of:
+                async for i, pieces in pieces_of:
+                    out = b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in pieces
+                                    if delta or frag or reason])
+                    if out:
+                        await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
             await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))
         else:
             if req.include_usage:
-                await resp.write(s.sse(s.usage_chunk(req, self._usage(state, text))))
+                await resp.write(s.sse(s.usage_chunk(req, self._usage(req, choices))))
         await resp.write(s.SSE_DONE)
         await resp.write_eof()
         return resp

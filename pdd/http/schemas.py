@@ -4,10 +4,18 @@ handlers read the body, call `parse_*`, and serialise what the builders return.
 
 Field names and shapes follow the OpenAI API (checked in the tests against the
 official `openai` client's types), with vLLM's extra fields where they exist
-(`top_k`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`, ...). What we
-do not implement (n > 1, penalties, tools, echo, beam search, guided decoding,
-...) is refused with a 400 naming the field, never silently ignored; fields we
-do not know at all are ignored, because OpenAI clients send extras.
+(`top_k`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`repetition_penalty`, `prompt_logprobs`, ...). What we do not implement
+(`best_of` above `n`, tools, beam search, guided decoding, ...) is refused with
+a 400 naming the field, never silently ignored; fields we do not know at all
+are ignored, because OpenAI clients send extras.
+
+A request with n > 1 has n choices, each a request of its own at the router
+(pdd.router.control.ControlPlane.submit_choices); the builders here take the
+choice's index. Completions with `echo` start each choice's text with the
+prompt, and with `logprobs` its logprobs cover the prompt's tokens first
+(the first one's null, as OpenAI), computed by the engine as prompt logprobs
+(SamplingParams.prompt_logprobs).
 """
 from __future__ import annotations
 
@@ -19,29 +27,31 @@ from dataclasses import dataclass
 
 import orjson
 
-from pdd.api import (INT64_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
-                     InvalidRequest, SamplingParams)
+from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
 from pdd.http.validate import (APIError, Fields, bad, check_response_format,
-                               json_type, load_object, reject_nonempty, reject_nonzero,
+                               json_type, load_object, reject_nonempty,
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
 
 __all__ = [
     "APIError", "GenerateRequest", "parse_completion_request", "parse_chat_request",
     "usage", "completion_chunk", "chat_chunk", "usage_chunk", "completion_response",
-    "chat_response", "LogprobsBuilder", "sse", "SSE_DONE",
+    "chat_response", "completion_choice", "chat_choice", "response", "prompt_logprobs_json",
+    "LogprobsBuilder", "sse", "SSE_DONE",
 ]
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # vLLM's request fields for features we do not have: refused when set (not None,
 # not empty, not false), as OpenAI's are.
 UNSUPPORTED_EXTRAS = ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                      "structured_outputs", "prompt_logprobs", "bad_words", "allowed_token_ids",
+                      "structured_outputs", "bad_words", "allowed_token_ids",
                       "return_tokens_as_token_ids", "priority", "chat_template", "documents",
                       "mm_processor_kwargs")
 # Names a chat template is rendered with: chat_template_kwargs may not replace them.
 TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
 MAX_LOGPROBS_CHAT = 20
+MAX_CHOICES = 128               # OpenAI's limit on n
 
 
 @dataclass
@@ -71,6 +81,16 @@ class GenerateRequest:
     # carries the usage so far, not null.
     continuous_usage: bool = False
     template_args: dict | None = None           # chat: Tokenizer.apply_chat_template's keywords
+    n: int = 1                                  # choices, each sampled with seed + index
+    # Completions: each choice's text starts with the prompt (and its logprobs
+    # with the prompt's, when logprobs is set).
+    echo: bool = False
+    # max_tokens 0 with echo (as vLLM): the prompt alone; one token is generated
+    # (the engine needs max_tokens >= 1) and not shown.
+    echo_only: bool = False
+    # vLLM's prompt_logprobs: the response carries, per prompt token, its logprob,
+    # rank and the top N (sampling.prompt_logprobs may be larger, for echo).
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------- requests
@@ -81,23 +101,33 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     f = Fields(load_object(body))
     model = _model(f, served_models)
     prompt, prompt_ids = _prompt(f, vocab_size)
-    if f.boolean("echo", False):
-        raise bad("echo", "echo is not supported; set 'echo' to false or leave it out")
+    n = _choices(f)
     best_of = f.integer("best_of")
-    if best_of is not None and best_of != 1:
-        raise unsupported("best_of", f" (only 1), got {best_of}")
+    if best_of is not None and best_of != n:
+        # vLLM V1 dropped it too: n choices and their logprobs do the same.
+        raise unsupported("best_of", f" except equal to n ({n}): every choice is returned; got {best_of}")
     if f.string("suffix"):   # "" is the same as no suffix
         raise unsupported("suffix")
+    echo = f.boolean("echo", False)
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
-    max_tokens = f.integer("max_tokens", max_tokens_default, lo=1)
-    sampling = _sampling(f, max_tokens, logprobs, vocab_size)
+    max_tokens = f.integer("max_tokens", max_tokens_default, lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens", "'max_tokens' must be >= 1 (0 only with 'echo': the prompt alone)")
+    sampling = _sampling(f, max(max_tokens, 1), logprobs, vocab_size)
+    wanted = _prompt_logprobs(f)
+    if echo and logprobs is not None:
+        sampling.prompt_logprobs = max(logprobs, wanted or 0)
     stream, include_usage, continuous = _stream(f)
+    _check_prompt_logprobs(wanted, stream)
+    if max_tokens == 0 and sampling.min_tokens:
+        raise bad("min_tokens", f"'min_tokens' must be 0 with 'max_tokens' 0, got {sampling.min_tokens}")
     _finish(sampling, unset=False)
     return GenerateRequest(
         kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()), continuous_usage=continuous, **_text_options(f))
+        created=int(time.time()), continuous_usage=continuous, n=n, echo=echo, echo_only=max_tokens == 0,
+        prompt_logprobs=wanted, **_text_options(f))
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str],
@@ -106,7 +136,8 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     model = _model(f, served_models)
     messages = _messages(f)
     if f.boolean("echo", False):
-        raise bad("echo", "echo is not supported; set 'echo' to false or leave it out")
+        raise bad("echo", "echo is not supported in chat; set 'echo' to false or leave it out")
+    n = _choices(f)
     for name in ("tools", "functions"):
         reject_nonempty(f, name)
     for name in ("tool_choice", "function_call"):
@@ -118,14 +149,16 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
+    wanted = _prompt_logprobs(f)
     stream, include_usage, continuous = _stream(f)
+    _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)
     return GenerateRequest(
         kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
         max_tokens_unset=unset, template_args=_template_args(f), continuous_usage=continuous,
-        **_text_options(f))
+        n=n, prompt_logprobs=wanted, **_text_options(f))
 
 
 def _model(f: Fields, served: Sequence[str]) -> str:
@@ -234,16 +267,24 @@ def _chat_logprobs(f: Fields) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _choices(f: Fields) -> int:
+    return f.integer("n", 1, lo=1, hi=MAX_CHOICES)
+
+
+def _prompt_logprobs(f: Fields) -> int | None:
+    """vLLM's prompt_logprobs: top N per prompt token (0: only the token's own)."""
+    return f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+
+
+def _check_prompt_logprobs(wanted: int | None, stream: bool) -> None:
+    if wanted is not None and stream:   # as vLLM: they belong to a whole response
+        raise bad("prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true")
+
+
 def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
     """Types and the bounds a value needs to travel (int64); SamplingParams.validate
     (in _finish, or at the router for chat without max_tokens) checks the rest."""
-    n = f.integer("n", 1, lo=1)
-    if n > 1:
-        raise bad("n", "n > 1 is not supported; send n separate requests")
-    for name in ("presence_penalty", "frequency_penalty"):
-        reject_nonzero(f, name)
-    reject_unless(f, "repetition_penalty", 1.0)
-    reject_unless(f, "length_penalty", 1.0)
+    reject_unless(f, "length_penalty", 1.0)   # beam search's
     if f.mapping("logit_bias"):
         raise unsupported("logit_bias")
     for name in UNSUPPORTED_EXTRAS:
@@ -268,6 +309,10 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
         ignore_eos=f.boolean("ignore_eos", False),
         min_tokens=f.integer("min_tokens", 0, lo=0),
         logprobs=logprobs,
+        presence_penalty=f.number("presence_penalty", 0.0, lo=-MAX_PENALTY, hi=MAX_PENALTY),
+        frequency_penalty=f.number("frequency_penalty", 0.0, lo=-MAX_PENALTY, hi=MAX_PENALTY),
+        repetition_penalty=f.number("repetition_penalty", 1.0, lo=0, hi=MAX_REPETITION_PENALTY, lo_exclusive=True),
+        prompt_logprobs=_prompt_logprobs(f),
     )
 
 
@@ -363,14 +408,14 @@ def _stream_envelope(req: GenerateRequest, choice: dict, usage: dict | None) -> 
 
 
 def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None, usage: dict | None = None) -> dict:
-    return _stream_envelope(req, {"index": 0, "text": text, "logprobs": logprobs,
+                     logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
+    return _stream_envelope(req, {"index": index, "text": text, "logprobs": logprobs,
                                   "finish_reason": finish_reason}, usage)
 
 
 def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None, usage: dict | None = None) -> dict:
-    return _stream_envelope(req, {"index": 0, "delta": delta, "logprobs": logprobs,
+               logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
+    return _stream_envelope(req, {"index": index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": finish_reason}, usage)
 
 
@@ -379,17 +424,55 @@ def usage_chunk(req: GenerateRequest, usage: dict) -> dict:
     return {**_envelope(req, obj, []), "usage": usage}
 
 
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      prompt_logprobs: list | None = None) -> dict:
+    """prompt_logprobs: vLLM's, in its shape (prompt_logprobs_json), when asked for."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response(req: GenerateRequest, choices: list[dict], usage: dict, prompt_logprobs: list | None = None) -> dict:
+    """The whole (non-streamed) answer: its choices in index order. Chat carries
+    vLLM's prompt_logprobs beside them, completions in each choice."""
+    out = {**_envelope(req, "chat.completion" if req.kind == "chat" else "text_completion", choices),
+           "usage": usage}
+    if req.kind == "chat" and prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
+
+
 def completion_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
                         logprobs: dict | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_envelope(req, "text_completion", [choice]), "usage": usage}
+    return response(req, [completion_choice(0, text, finish_reason, logprobs)], usage)
 
 
 def chat_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
                   logprobs: dict | None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_envelope(req, "chat.completion", [choice]), "usage": usage}
+    return response(req, [chat_choice(0, text, finish_reason, logprobs)], usage)
+
+
+def prompt_logprobs_json(tokenizer, prompt_ids: list[int], entries: list, num_top: int) -> list:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token
+    {token id (a string, as JSON keys are): {"logprob", "rank", "decoded_token"}}
+    for the token itself and the top num_top. entries: the engine's
+    (logprob, rank, [(token id, logprob), ...]) per prompt token but the first."""
+    def one(tid: int, lp: float, rank: int) -> dict:
+        return {"logprob": _finite(lp), "rank": rank,
+                "decoded_token": tokenizer.decode([tid], skip_special_tokens=False)}
+    out: list = [None]
+    for tid, (lp, rank, top) in zip(prompt_ids[1:], entries):
+        position = {str(tid): one(tid, lp, rank)}
+        for k, (t, tlp) in enumerate(top[:num_top]):
+            position.setdefault(str(t), one(t, tlp, k + 1))
+        out.append(position)
+    return out
 
 
 class LogprobsBuilder:
@@ -430,6 +513,29 @@ class LogprobsBuilder:
             if both.startswith(before):
                 return both[len(before):]
         return decode([token_id], skip_special_tokens=False)
+
+    def add_prompt(self, prompt_ids: list[int], entries: list | None) -> dict:
+        """Completions with echo: the prompt's tokens, before any generated one.
+        The first has no logprob (null, as OpenAI); the others the engine's
+        prompt logprobs (entries: (logprob, rank, top) per token but the first).
+        Offsets count from the start of the prompt's text. Returns the fragment
+        (also accumulated)."""
+        frag, offset = self._empty(), 0
+        self._follow(None)
+        for i, tid in enumerate(prompt_ids):
+            if i == 0 or entries is None or i > len(entries):
+                entry = {"tokens": [self._token(tid)], "token_logprobs": [None], "top_logprobs": [None],
+                         "text_offset": [offset]}
+            else:
+                lp, _, top = entries[i - 1]
+                entry = self._completion_entry(tid, lp, top[:self.num_top], offset)
+            for key, values in entry.items():
+                frag[key].extend(values)
+            offset += len(entry["tokens"][0])
+            self._follow(tid)
+        for key, values in frag.items():
+            self._acc[key].extend(values)
+        return frag
 
     def add(self, token_id: int, logprob: float, top: list[tuple[int, float]],
             text_offset: int) -> dict:

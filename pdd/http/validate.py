@@ -185,10 +185,6 @@ def reject_unless(f: Fields, name: str, neutral: float) -> None:
         raise unsupported(name, f" (only {neutral:g} is accepted)")
 
 
-def reject_nonzero(f: Fields, name: str) -> None:
-    reject_unless(f, name, 0.0)
-
-
 def reject_nonempty(f: Fields, name: str) -> None:
     value = f.obj.get(name)
     if value:   # None, {}, [] and "" all mean "not used"

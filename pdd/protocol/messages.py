@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from pdd.api import SamplingParams, StepSample
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass
@@ -127,6 +127,9 @@ class TokenItem:
     # Per new token: [logprob of the sampled token, [[token id, logprob], ...]].
     logprobs: list | None = None
     num_cached_tokens: int = 0
+    # With the first token, when SamplingParams.prompt_logprobs asks: per prompt
+    # position but the first, [logprob, rank, [[token id, logprob], ...]].
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -38,17 +38,26 @@ Any phase: its decode worker lost -> placed again with prompt + tokens so far
 (same seed: it continues exactly); a retriable RequestFailed -> placed again;
 otherwise -> failed.
 
+n > 1 (submit_choices): n requests share the prompt. The first is placed as
+any; the others stay queued, on no worker, until a TokenBatch of the first
+comes from its decode worker — which then holds the prompt's full blocks in
+its prefix cache — and are placed beside it, where they compute only the
+block holding the prompt's last token. The first failing fails them; its client leaving
+drops them; its ending otherwise (a stop string in the first token) places
+them as any request.
+
 Counters are exact: `WorkerInfo.inflight` is the number of requests with a
 phase owned by that worker, changed only in `_own`.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
 from collections.abc import Callable
 
-from pdd.api import SamplingParams
+from pdd.api import INT64_MAX, SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
 from pdd.logs import request_context
@@ -129,18 +138,12 @@ class ControlPlane:
         now = self.clock()
         state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now)
         state.mark("queued", f"{len(prompt_token_ids)} prompt tokens", at=now)
-        plan = self._place(PlaceRequest(hashes, num_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens),
-                           pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
+        plan = self._first_plan(state)
         if plan is None:
             self.metrics.rejected.labels("no_worker").inc()
             raise Unavailable("no worker is available" if self.cfg.mode != "disagg"
                               else "no prefill + decode pair is available (router.mode = disagg)")
-        self.requests[request_id] = state
-        self.num_queued += 1
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self.metrics.inflight.inc()
-        if self.cfg.request_timeout_s:
-            state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, request_id)
+        self._hold(state)
         # A policy that reads estimates prefills locally by choice; for the static ones it is a fallback.
         if plan.kind == "local_prefill" and not self.policy.needs_estimates or plan.reason == "no_decode_worker":
             log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode,
@@ -150,10 +153,63 @@ class ControlPlane:
         self._start(state, plan)
         return state
 
+    def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
+                       hashes: list[int] | None = None) -> list[RequestState]:
+        """The n choices of one request (n > 1), ids "<request_id>-<index>": choice i
+        samples with seed + i (mod 2**63), as vLLM, so that they differ and a
+        seeded request still repeats. The first is placed now, the others
+        follow it (see the module's docstring). Only the first computes the
+        prompt's logprobs (they are the same for all): the others may take
+        the prompt from the prefix cache."""
+        if n == 1:
+            return [self.submit(prompt_token_ids, sampling, request_id, hashes)]
+        ids = [f"{request_id}-{i}" for i in range(n)]
+        taken = next((rid for rid in ids if rid in self.requests), None)
+        if taken is not None:
+            raise Unavailable(f"request id {taken!r} is already in flight")
+        first = self.submit(prompt_token_ids, sampling, ids[0], hashes)
+        for i, rid in enumerate(ids[1:], 1):
+            seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
+            follower = RequestState(rid, first.prompt_token_ids,
+                                    dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
+                                    first.block_hashes, arrival=first.arrival, leader=first)
+            self._hold(follower)
+            first.followers.append(follower)
+        return [first, *first.followers]
+
+    def _hold(self, state: RequestState) -> None:
+        """Take a new request in: counted, timed; not placed yet."""
+        self.requests[state.request_id] = state
+        self.num_queued += 1
+        self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
+        self.metrics.inflight.inc()
+        if self.cfg.request_timeout_s:
+            state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, state.request_id)
+
+    def _first_plan(self, state: RequestState, beside: str = "") -> Plan | None:
+        """Where a request not placed before goes (`beside`: see PlaceRequest)."""
+        now = self.clock()
+        request = PlaceRequest(state.block_hashes, num_tokens=len(state.prompt_token_ids),
+                               max_tokens=state.sampling.max_tokens,
+                               prompt_logits=state.sampling.prompt_logprobs is not None, beside=beside)
+        return self._place(request, pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
+
+    def _release_followers(self, state: RequestState, beside: str = "") -> None:
+        """The first choice's prompt is cached on `beside` (or the first choice
+        ended): its waiting choices are placed."""
+        followers, state.followers = state.followers, []
+        for follower in followers:
+            follower.leader = None
+            plan = self._first_plan(follower, beside)
+            if plan is None:
+                self._fail(follower, "no worker is available")
+            else:
+                self._start(follower, plan)
+
     def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
         workers, layout = self.registry.workers.values(), self.registry.layout
         estimates = None
-        if self.policy.needs_estimates and not request.colocated_only:
+        if self.policy.needs_estimates and not (request.colocated_only or request.prompt_logits):
             now = self.clock()
             if self.policy.balances_roles:
                 self.estimator.rebalance(workers, now)
@@ -174,9 +230,13 @@ class ControlPlane:
 
     def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away (or a stop string matched: `reason` "stop"): stop
-        the work, free its blocks."""
+        the work, free its blocks. A client gone takes the choices waiting on it."""
         if self.requests.get(state.request_id) is not state:
             return
+        if reason == "abort":
+            followers, state.followers = state.followers, []
+            for follower in followers:
+                self.abort(follower)
         if not state.finished:
             state.finished, state.finish_reason = True, reason
         self._abort_owners(state)
@@ -184,7 +244,8 @@ class ControlPlane:
 
     def fail_all(self, why: str) -> None:
         for state in list(self.requests.values()):
-            self._fail(state, why)
+            if self.requests.get(state.request_id) is state:   # a waiting choice fails with its first
+                self._fail(state, why)
 
     # ------------------------------------------------------------------ from workers
 
@@ -276,6 +337,8 @@ class ControlPlane:
                 continue
             if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
                 self._kv_landed(state)
+            if state.followers:     # its decode worker has run the prompt: its cache holds it
+                self._release_followers(state, peer)
             event = self._unseen(state, item)
             if event is not None:
                 self._deliver(state, event)
@@ -295,7 +358,8 @@ class ControlPlane:
         if not tokens and not item.finished:
             return None
         return TokenEvent(tokens, item.finished, item.finish_reason,
-                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
+                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens,
+                          item.prompt_logprobs if seen == 0 else None)
 
     def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
@@ -573,6 +637,9 @@ class ControlPlane:
     def _fail(self, state: RequestState, error: str) -> None:
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
+        followers, state.followers = state.followers, []
+        for follower in followers:     # the same request: it fails whole
+            self._fail(follower, error)
         self._abort_owners(state)
         state.fail(error)
         self._retire(state)
@@ -580,6 +647,9 @@ class ControlPlane:
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
         self._mark(state, "end", state.finish_reason or "")
+        if state.leader is not None:      # a waiting choice that ends before it was placed
+            state.leader.followers = [f for f in state.leader.followers if f is not state]
+            state.leader = None
         self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1
@@ -592,6 +662,8 @@ class ControlPlane:
         state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
         self.metrics.inflight.dec()
         self.traces.finished(state, self.clock())
+        if state.followers:      # it ended before its decode worker said a word (a stop string in the first token)
+            self._release_followers(state)
 
     def _abort_owners(self, state: RequestState) -> None:
         for wid in state.owners:

@@ -38,6 +38,7 @@ class TokenEvent:
     finish_reason: str | None
     logprobs: list | None
     num_cached_tokens: int
+    prompt_logprobs: list | None = None   # with the first token, when asked (pdd.engine.prompt_logprobs)
 
 
 QUEUED, RESERVING, PREFILLING, DECODING, DONE = "queued", "reserving", "prefilling", "decoding", "done"
@@ -75,6 +76,7 @@ class RequestState:
     deadline_seq: int = 0               # its request_timeout_s timer, if any
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None   # as they came with the first token, when asked for
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -88,6 +90,11 @@ class RequestState:
     # bounds `buffered_tokens` (router.max_buffered_tokens).
     events: list = field(default_factory=list)
     buffered_tokens: int = 0            # tokens in `events`
+    # n > 1: the request's other choices, queued (no worker) until this first
+    # choice's decode worker has their shared prompt in its prefix cache; and
+    # such a waiting choice's first one.
+    followers: list[RequestState] = field(default_factory=list, repr=False, compare=False)
+    leader: RequestState | None = field(default=None, repr=False, compare=False)
     _waiter: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -103,6 +110,8 @@ class RequestState:
 
     def deliver(self, event: TokenEvent) -> None:
         self.output_token_ids.extend(event.token_ids)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         now = time.monotonic()
         if self.first_token_at is None:

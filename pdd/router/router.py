@@ -109,6 +109,11 @@ class Router:
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      request_id: str | None = None) -> RequestState:
+        return (await self.submit_choices(prompt_token_ids, sampling, request_id or uuid.uuid4().hex, 1))[0]
+
+    async def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
+                             n: int) -> list[RequestState]:
+        """The n choices of one request (pdd.router.control.ControlPlane.submit_choices)."""
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         hashes = None
@@ -116,7 +121,7 @@ class Router:
             # ~3.6 us a block (measured): a 1M-token prompt would hold the loop, and every stream, 0.2 s.
             hashes = await asyncio.get_running_loop().run_in_executor(
                 None, self.control.prompt_hashes, prompt_token_ids)
-        return self.control.submit(prompt_token_ids, sampling, request_id or uuid.uuid4().hex, hashes)
+        return self.control.submit_choices(prompt_token_ids, sampling, request_id, n, hashes)
 
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away ("abort"), or its answer is complete ("stop": a stop

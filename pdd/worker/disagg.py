@@ -73,7 +73,7 @@ def token_batch(worker_id: str, placements: PlacementTable, outputs: list[Engine
         if o.finished:
             placements.release(o.request_id)
         items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
-                                 o.finish_reason, o.logprobs or None, o.num_cached_tokens))
+                                 o.finish_reason, o.logprobs or None, o.num_cached_tokens, o.prompt_logprobs))
     return [m.TokenBatch(worker_id, items)] if items else []
 
 

@@ -176,7 +176,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 5}, 400, "best_of"),
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": "hello " * 5000, "max_tokens": 4}, 400, "context"),
     ("/v1/completions", {"prompt": "hi there you", "max_tokens": 4095}, 400, "max_tokens"),

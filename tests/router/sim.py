@@ -91,6 +91,7 @@ class SimCluster:
         self.workers: dict[str, SimWorker] = {}
         self.states = {}          # every request ever submitted
         self.client_aborted = set()
+        self.choices_of: dict[str, list[str]] = {}   # an n > 1 request's choice ids, by each of them
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- cluster
@@ -116,15 +117,20 @@ class SimCluster:
         old = self.workers.pop(worker_id)
         return self.add_worker(worker_id, old.role, old.num_blocks)
 
-    def submit(self, max_tokens: int = 4):
+    def submit(self, max_tokens: int = 4, n: int = 1):
+        """A request (its first choice's state when n > 1)."""
         rid = f"r{next(self._ids)}"
-        state = self.control.submit(list(range(1, 11)), SamplingParams(max_tokens=max_tokens, seed=1), rid)
-        self.states[rid] = state
-        return state
+        states = self.control.submit_choices(list(range(1, 11)), SamplingParams(max_tokens=max_tokens, seed=1), rid, n)
+        for state in states:
+            self.states[state.request_id] = state
+            self.choices_of[state.request_id] = [s.request_id for s in states]
+        return states[0]
 
     def abort(self, rid: str) -> None:
-        self.client_aborted.add(rid)
-        self.control.abort(self.states[rid])
+        """The client leaves: every choice of its request ends, in index order (as the HTTP handler does)."""
+        for choice in self.choices_of.get(rid, [rid]):
+            self.client_aborted.add(choice)
+            self.control.abort(self.states[choice])
 
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds

@@ -48,7 +48,7 @@ def random_step(c: SimCluster, rng: random.Random, chaos: bool) -> None:
         c.advance(rng.choice([0.5, 3.0, 6.0, 40.0]))
     elif kind == "submit":
         try:
-            c.submit(max_tokens=rng.randint(1, 5))
+            c.submit(max_tokens=rng.randint(1, 5), n=rng.choice([1, 1, 1, 2, 3]))
         except Unavailable as e:  # no worker at the moment, or overloaded: a 503/429 for the client
             assert "no " in str(e) or "overloaded" in str(e), e
     elif kind == "abort":

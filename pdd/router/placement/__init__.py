@@ -51,11 +51,18 @@ def policy_for(cfg: RouterConfig) -> Policy:
 
 def place(request: PlaceRequest, view: ClusterView, policy: Policy) -> Plan | None:
     """Where `request` runs, as `policy` decides on `view`. A re-placement after
-    a failure (`colocated_only`) prefills where it decodes, on the least loaded
-    decode-capable worker, whatever the policy."""
-    if request.colocated_only:
+    a failure (`colocated_only`), and a request asking for its prompt's
+    logprobs (`prompt_logits`), prefill where they decode, on the least loaded
+    decode-capable worker, whatever the policy. A later choice of an n > 1
+    request goes `beside` the first while that worker takes work: its prefix
+    cache holds their prompt."""
+    shared = next((w for w in view.serving if w.worker_id == request.beside), None) if request.beside else None
+    if shared is not None:
+        return Plan(shared.worker_id, kind=LOCAL_PREFILL if shared.role == "decode" else COLOCATED,
+                    reason="shared_prompt")
+    if request.colocated_only or request.prompt_logits:
         worker = pick_worker(view.serving, request.block_hashes)
         if worker is None:
             return last_resort(view, request)
-        return Plan(worker.worker_id, reason="placed_again")
+        return Plan(worker.worker_id, reason="placed_again" if request.colocated_only else "prompt_logprobs")
     return policy.place(request, view)

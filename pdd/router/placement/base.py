@@ -52,6 +52,12 @@ class Plan:
 class PlaceRequest:
     block_hashes: list[int]
     colocated_only: bool = False     # a re-placement after a failure: prefill where it decodes
+    # Its prompt's logprobs are asked for: the logits of every prompt position
+    # are computed where it decodes (the prompt is not shipped from elsewhere).
+    prompt_logits: bool = False
+    # A choice of an n > 1 request after the first: the worker that decodes the
+    # first choice, whose prefix cache holds the shared prompt ("" : none).
+    beside: str = ""
     num_tokens: int = 0              # prompt tokens (adaptive and threshold count them)
     max_tokens: int = 16             # output tokens it may decode (adaptive: the TPOT it is exposed to)
 
