@@ -165,8 +165,9 @@ def transfer_choice(prefill: WorkerInfo, decode: WorkerInfo) -> tuple[str | None
             return b, "; ".join([f"both take {b}{where}"] + passed)
     if deferred:
         return deferred, "; ".join(["both take nixl, and nothing else both take"] + passed)
-    return None, (f"no backend in common: {prefill.worker_id} offers {', '.join(prefill.transfer_backends or ['tcp'])}, "
-                  f"{decode.worker_id} takes {', '.join(theirs)}")
+    ours = prefill.transfer_backends or ["tcp"]
+    return None, f"no backend in common: {prefill.worker_id} offers {', '.join(ours)}, " \
+                 f"{decode.worker_id} takes {', '.join(theirs)}"
 
 
 def transfer_pairs(workers: Iterable[WorkerInfo]) -> dict[str, dict[str, dict]]:
