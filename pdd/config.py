@@ -304,8 +304,11 @@ class WorkerConfig:
     # KV data plane. Decode/colocated workers bind data_addr (port 0 = any free
     # port; the bound address is advertised at registration).
     data_addr: str = "tcp://127.0.0.1:0"
-    # auto: cuda_ipc to decode workers on this host when on a GPU, else tcp.
-    transfer_backend: str = "auto"       # auto | tcp | cuda_ipc
+    # auto: cuda_ipc to decode workers on this host when on a GPU, nixl to
+    # those on other hosts when both have the extra pdd[nixl], else tcp (the
+    # router picks per pair: `pdd admin workers` says which and why). nixl:
+    # only nixl (UCX reads its settings from the environment: UCX_TLS, ...).
+    transfer_backend: str = "auto"       # auto | tcp | cuda_ipc | nixl
     # A transfer whose data plane owes it an acknowledgement and has made no
     # progress this long fails (PrefillFailed: the decode worker prefills it).
     transfer_timeout_s: float = 30.0
@@ -332,9 +335,9 @@ class WorkerConfig:
                               f"got {len(self.worker_id.encode())}")
         if self.transfer_backend == "local":
             raise ConfigError("worker.transfer_backend: 'local' joins two engines of one process (tests); "
-                              "a worker is a process of its own: use auto, tcp or cuda_ipc")
-        if self.transfer_backend not in ("auto", "tcp", "cuda_ipc"):
-            raise ConfigError(f"worker.transfer_backend: must be auto, tcp or cuda_ipc, "
+                              "a worker is a process of its own: use auto, tcp, cuda_ipc or nixl")
+        if self.transfer_backend not in ("auto", "tcp", "cuda_ipc", "nixl"):
+            raise ConfigError(f"worker.transfer_backend: must be auto, tcp, cuda_ipc or nixl, "
                               f"got {self.transfer_backend!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("worker.transfer_timeout_s: must be > 0")

@@ -67,8 +67,12 @@ def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0):
 
 
 def _format_workers(workers: list[dict]) -> str:
-    return _table(workers, ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting",
-                            "free_blocks", "num_blocks", "prefix_hit_rate", "last_seen_s_ago"])
+    """The workers, then each prefill -> decode pair's KV transfer backend and why."""
+    table = _table(workers, ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting",
+                             "free_blocks", "num_blocks", "prefix_hit_rate", "last_seen_s_ago"])
+    pairs = [{"prefill": w["worker_id"], "decode": d, "backend": t["backend"] or "none", "why": t["reason"]}
+             for w in workers for d, t in sorted(w.get("transfer_to", {}).items())]
+    return table + ("\n\n" + _table(pairs, ["prefill", "decode", "backend", "why"]) if pairs else "")
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

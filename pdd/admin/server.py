@@ -60,7 +60,7 @@ class AdminServer:
         self.security = security
         self.commands = {
             "status": self._status,
-            "workers": lambda: [w.summary() for w in router.registry.workers.values()],
+            "workers": router.worker_summaries,
             # requests: in flight; requests slow [N]: the slowest finished, with their phase durations
             "requests": self._requests,
             "trace": self._trace,

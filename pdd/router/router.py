@@ -28,7 +28,7 @@ from pdd.protocol.bus import RouterChannel
 from pdd.router.breaker import PATH
 from pdd.router.connections import Connections
 from pdd.router.control import ControlPlane, Overloaded, Unavailable
-from pdd.router.placement import SERVING_ROLES, ClusterView
+from pdd.router.placement import SERVING_ROLES, ClusterView, transfer_pairs
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
 from pdd.router.traces import TraceStore
@@ -249,9 +249,13 @@ class Router:
         }
 
     def worker_summaries(self) -> list[dict]:
-        """Each worker as registered, with what placement estimates of it."""
+        """Each worker as registered, with what placement estimates of it and,
+        where it prefills for others, the backend to each worker it may ship
+        KV to and why (`transfer_to`)."""
         view = self.control.estimator.view(self._estimates())
-        return [{**w.summary(), "estimate": view.get(w.worker_id, {})} for w in self.registry.workers.values()]
+        pairs = transfer_pairs(self.registry.workers.values())
+        return [{**w.summary(), "estimate": view.get(w.worker_id, {}), "transfer_to": pairs.get(w.worker_id, {})}
+                for w in self.registry.workers.values()]
 
     def placement_status(self) -> dict:
         """The policy that places requests, its settings and what it reads of

@@ -23,6 +23,7 @@ import torch
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import KVReceiver, KVSender, TransferResult, TransferTarget
 from pdd.transfer.leases import LeaseTable
+from pdd.transfer.nixl_agent import NixlUnavailable, unavailable
 
 __all__ = ["BACKENDS", "KVReceiver", "KVSender", "LeaseTable", "MultiSender", "TransferResult", "TransferTarget",
            "make_receiver", "make_sender", "offered_backends"]
@@ -35,15 +36,20 @@ def _unknown(backend: str) -> ValueError:
 
 
 def offered_backends(configured: str, device: torch.device) -> list[str]:
-    """The backends a worker process offers, best first ("auto": cuda_ipc on a
-    GPU, and tcp). ValueError if the configured one cannot run on `device`.
-    Never "local": it only joins two engines of one process."""
+    """The backends a worker process offers, best first. "auto": cuda_ipc on a
+    GPU, nixl where the extra is installed, and tcp (which of them a pair uses
+    is the router's choice: pdd.router.placement.transfer_choice). ValueError
+    if the configured one cannot run on `device`; NixlUnavailable (one line)
+    if it is nixl and the extra is absent. Never "local": it only joins two
+    engines of one process."""
     if configured == "auto":
-        return ["cuda_ipc", "tcp"] if device.type == "cuda" else ["tcp"]
+        return (["cuda_ipc"] if device.type == "cuda" else []) + (["nixl"] if unavailable() is None else []) + ["tcp"]
     if configured == "cuda_ipc" and device.type != "cuda":
         raise ValueError(f"worker.transfer_backend = 'cuda_ipc' needs a GPU; this worker runs on {device}")
-    if configured not in ("tcp", "cuda_ipc"):
-        raise ValueError(f"worker.transfer_backend = {configured!r}: a worker offers auto, tcp or cuda_ipc")
+    if configured == "nixl" and (why := unavailable()):
+        raise NixlUnavailable(f"worker.transfer_backend = 'nixl': {why}")
+    if configured not in ("tcp", "cuda_ipc", "nixl"):
+        raise ValueError(f"worker.transfer_backend = {configured!r}: a worker offers auto, tcp, cuda_ipc or nixl")
     return [configured]
 
 
@@ -69,10 +75,10 @@ def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases
                   addr: str | None = None, security=None) -> KVReceiver:
     """A receiver for `backend`, not yet started. tcp, cuda_ipc, nixl and auto
     get the data socket (it answers tcp and cuda_ipc; with nixl it also
-    registers the pool with a NIXL agent; `addr` defaults to a free loopback
-    port); local a fresh in-process name. `security`
-    (pdd.security.data_security; None: plaintext) applies to the socket; the
-    local backend has none."""
+    registers the pool with a NIXL agent: a worker that offers nixl among
+    others asks for "nixl"; `addr` defaults to a free loopback port); local a
+    fresh in-process name. `security` (pdd.security.data_security; None:
+    plaintext) applies to the socket; the local backend has none."""
     if backend in ("tcp", "cuda_ipc", "nixl", "auto"):
         from pdd.transfer.receiver import DataSocket
         return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
@@ -87,10 +93,10 @@ class MultiSender(KVSender):
     """One sender per backend a prefill worker offers, picked per request by the
     backend the router chose for the pair (TransferTarget.backend).
 
-    With "auto" a worker offers cuda_ipc and tcp; if a decode worker's pool
-    cannot be opened through CUDA IPC from here (no peer path between the
-    GPUs, say), that request fails over to a local prefill and later requests
-    to that decode worker go over tcp."""
+    With "auto" a worker offers cuda_ipc (on a GPU), nixl (with the extra)
+    and tcp; if a decode worker's pool cannot be opened through CUDA IPC from
+    here (no peer path between the GPUs, say), that request fails over to a
+    local prefill and later requests to that decode worker go over tcp."""
 
     def __init__(self, senders: dict[str, KVSender]):
         assert senders, "no sender"

@@ -24,6 +24,7 @@ straight into our pool.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -40,13 +41,20 @@ class PoolOpenError(RuntimeError):
 
 @functools.cache
 def host_id() -> str:
-    """This boot of this machine: equal for two processes iff CUDA IPC can connect them."""
+    """This boot of this machine, in this network namespace: two processes
+    with one are on one host (CUDA IPC may connect them; the router keeps
+    nixl for two). A container with a network of its own counts as a host:
+    it reaches the others over a network, as another machine would."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
         import socket
         return socket.gethostname()
+    try:
+        return f"{boot}/{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return boot
 
 
 def device_uuid(device: torch.device) -> str:

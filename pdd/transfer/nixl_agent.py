@@ -91,7 +91,11 @@ class Agent:
     def __init__(self, role: str):
         nixl = _load()
         self.name = f"pdd-{role}-{uuid.uuid4().hex[:12]}"
-        conf = nixl.nixl_agent_config(backends=["UCX"],
+        # No progress thread: NIXL's spins (half a core while idle, in every
+        # worker that offers nixl). The agent progresses when asked about
+        # writes and notifications: the sender polls while it writes, the
+        # decode side while a writer is begun (pdd.transfer.nixl_control).
+        conf = nixl.nixl_agent_config(backends=["UCX"], enable_prog_thread=False,
                                       sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
             self._agent = nixl.nixl_agent(self.name, conf)

@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 # How long a commit waits for the notifications of writes its sender saw
 # complete (they are on their way: NIXL sends one once its write landed).
 _NOTIF_WAIT_S = 5.0
-_COMMIT_POLL_MS = 1   # how often notifications are drained while a commit waits for them
+# How often notifications are drained (which is also when UCX progresses
+# here: the agent runs no progress thread) while a writer is begun or a commit
+# waits for them.
+_POLL_MS = 1
 
 
 @dataclass
@@ -74,6 +77,7 @@ class NixlControl(OneSidedControl):
         self._num_layers = kv_cache.shape[0]
         self._tallies: dict[str, _Tally] = {}   # lease id ->
         self._commits: list[_Commit] = []       # waiting for notifications
+        self._writing: set[str] = set()         # lease ids of writers begun and not yet settled or ended
 
     def _export(self, token: int) -> bytes:
         return encode_reply(token, True, metadata=self._metadata, pool=self.region.to_dict(), pool_id=self.pool_id)
@@ -115,6 +119,13 @@ class NixlControl(OneSidedControl):
                 return f"block {b} is not leased to this request"
         return None
 
+    def _begin(self, token: int, msg: dict, peer: Peer) -> bytes:
+        begun = self.num_writers
+        reply = super()._begin(token, msg, peer)
+        if self.num_writers > begun:
+            self._writing.add(msg["lease_id"])
+        return reply
+
     # -- commits -------------------------------------------------------------
 
     def _commit(self, token: int, msg: dict, peer: Peer) -> bytes | None:
@@ -136,6 +147,7 @@ class NixlControl(OneSidedControl):
         """Answer a commit: the writer is done either way (held blocks are released)."""
         lease_id, rid, writes = msg["lease_id"], msg["request_id"], msg["writes"]
         tally = self._tallies.pop(lease_id, None) or _Tally(rid)
+        self._writing.discard(lease_id)
         err = self.leases.why_not_live(lease_id, rid) or tally.error or None
         if err is None and tally.seqs != set(range(writes)):
             err = f"{len(tally.seqs & set(range(writes)))} of the request's {writes} writes were notified"
@@ -148,6 +160,7 @@ class NixlControl(OneSidedControl):
 
     def _end(self, token: int, msg: dict, peer: Peer) -> bytes:
         self._tallies.pop(msg["lease_id"], None)
+        self._writing.discard(msg["lease_id"])
         return super()._end(token, msg, peer)
 
     def due(self) -> list[tuple[Peer, bytes]]:
@@ -168,9 +181,10 @@ class NixlControl(OneSidedControl):
         asked = {c.msg["lease_id"] for c in self._commits}
         for lease_id in [lid for lid in self._tallies if lid not in asked and self.leases.get(lid) is None]:
             del self._tallies[lease_id]
+        self._writing = {lid for lid in self._writing if lid in asked or self.leases.get(lid) is not None}
 
     def wait_ms(self) -> int | None:
-        return _COMMIT_POLL_MS if self._commits else None
+        return _POLL_MS if self._commits or self._writing else None
 
     def close(self) -> None:
         self.agent.close()

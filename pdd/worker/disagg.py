@@ -8,7 +8,7 @@ DecodeSide (decode and colocated workers): reserve blocks under a lease, run
 the KV receiver, start decoding when the data plane reports the last page
 landed (with the first token: no relay through the router), fall back to a
 local prefill on PrefillLocally, and expire leases whose KV never came. A
-lease closed while a one-sided (cuda_ipc) writer may still store into its
+lease closed while a one-sided (cuda_ipc, nixl) writer may still store into its
 blocks keeps them held until the writer ends (pdd.transfer.leases).
 
 PrefillSide (prefill workers, and colocated workers with
@@ -89,9 +89,11 @@ def step_messages(worker_id: str, placements: PlacementTable, prefill_side: Pref
 
 class DecodeSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
-                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None):
+                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None,
+                 backends: list[str] | None = None):
         """wakeup: called from the receiver's thread when a request's KV landed.
-        security: the data socket's (pdd.security.data_security; None: plaintext)."""
+        security: the data socket's (pdd.security.data_security; None: plaintext).
+        backends: those the worker offers (pdd.transfer.offered_backends; None: of wc)."""
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
@@ -100,9 +102,12 @@ class DecodeSide:
         # write until when, and blocks a one-sided writer may still store into
         # after their placement ended. A reserved placement holds its lease id.
         self.leases = LeaseTable(on_landed=wakeup)
-        # One socket at data_addr takes tcp pages and cuda_ipc control messages.
-        self.receiver = make_receiver(wc.transfer_backend, engine.runner.kv_cache, layout, self.leases,
-                                      wc.data_addr, security=security)
+        # One socket at data_addr takes tcp pages and the one-sided writers'
+        # control messages (cuda_ipc; nixl, its pool registered, where offered).
+        if backends is None:
+            backends = offered_backends(wc.transfer_backend, engine.device)
+        self.receiver = make_receiver("nixl" if "nixl" in backends else wc.transfer_backend, engine.runner.kv_cache,
+                                      layout, self.leases, wc.data_addr, security=security)
         self.receiver.start()
 
     @property
@@ -241,7 +246,8 @@ class DecodeSide:
         st = self.receiver.stats
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
                 "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": self.leases.num_held,
-                "ipc_writers": self.receiver.ipc.num_writers}
+                "ipc_writers": self.receiver.ipc.num_writers,
+                "nixl_writers": self.receiver.nixl.num_writers if self.receiver.nixl is not None else 0}
 
     def close(self) -> None:
         self.receiver.close()
@@ -249,9 +255,11 @@ class DecodeSide:
 
 class PrefillSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
-                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None):
+                 placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None,
+                 backends: list[str] | None = None):
         """wakeup: called from the sender's threads when a transfer ends.
-        security: for dialing data sockets (pdd.security.data_security; None: plaintext)."""
+        security: for dialing data sockets (pdd.security.data_security; None: plaintext).
+        backends: those the worker offers (pdd.transfer.offered_backends; None: of wc)."""
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
@@ -261,7 +269,7 @@ class PrefillSide:
         self.sender = MultiSender({
             b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
                            **(ipc if b == "cuda_ipc" else {}))
-            for b in offered_backends(wc.transfer_backend, device)})
+            for b in (backends if backends is not None else offered_backends(wc.transfer_backend, device))})
         self.sender.set_wakeup(wakeup)
         self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size, engine.kv)
         engine.attach_connector(self.connector)
@@ -347,7 +355,7 @@ class PrefillSide:
             if r.ok:
                 h = p.handoff
                 stats = {"bytes": r.bytes, "seconds": r.seconds, "blocks_sent": r.blocks_sent,
-                         "blocks_skipped": r.blocks_skipped}
+                         "blocks_skipped": r.blocks_skipped, "descriptors": r.descriptors}
                 replies.append(m.PrefillDone(wid, p.request_id, p.epoch, h.first_token, h.logprobs,
                                              h.num_cached_tokens, stats))
             else:

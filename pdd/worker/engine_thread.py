@@ -193,13 +193,15 @@ class EngineThread(threading.Thread):
         wc = self.cfg.worker
         try:
             security = data_security(self.cfg)
+            backends = offered_backends(wc.transfer_backend, e.device)
             if self.role != "prefill":
                 self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, self.wake,
-                                              security)
+                                              security, backends)
             if self.role == "prefill" or wc.prefill_for_others:
-                self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security)
-            backends = offered_backends(wc.transfer_backend, e.device)
-        except (ValueError, RuntimeError) as err:  # e.g. no keys, data_addr taken, cuda_ipc without a GPU
+                self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security,
+                                                backends)
+        # e.g. no keys, data_addr taken, cuda_ipc without a GPU, nixl without its extra (NixlUnavailable)
+        except (ValueError, RuntimeError) as err:
             raise _DataPlaneUnavailable(str(err)) from err
         self._publish_snapshot()
         return EngineInfo(

@@ -8,6 +8,9 @@ link between the hosts; the router's HTTP and admin sockets stay on host a's
 loopback. A disaggregated request must produce what the colocated engine
 produces.
 
+The cluster serves with worker.transfer_backend = "tcp", and with "auto",
+which takes nixl between the hosts (both have the extra).
+
 The nixl data plane between a prefill side on host a and a decode side on
 host b. UCX is held to TCP on the link's device (UCX_TLS, UCX_NET_DEVICES):
 one machine's namespaces share memory, which UCX would otherwise use, as it
@@ -38,9 +41,9 @@ HTTP_PORT, CONTROL_PORT, ADMIN_PORT, DATA_PORT = 8000, 7100, 7101, 7200
 
 
 def connections(hosts: TwoHosts, host: str, local_port: int | None = None, remote_port: int | None = None,
-                exclude_local: int | None = None) -> set[str]:
+                exclude_local: int | None = None, exclude_remote: int | None = None) -> set[str]:
     """The peer addresses of `host`'s established TCP connections, those on
-    `local_port` / to `remote_port` (or all but those on `exclude_local`)."""
+    `local_port` / to `remote_port` (or all but those on `exclude_local` / to `exclude_remote`)."""
     out = hosts.run(host, ["ss", "-Htn", "state", "established"], capture_output=True, text=True,
                     check=True).stdout
     found = set()
@@ -48,7 +51,7 @@ def connections(hosts: TwoHosts, host: str, local_port: int | None = None, remot
         mine, theirs = line.split()[-2:]
         port_here, port_there = int(mine.rsplit(":", 1)[1]), int(theirs.rsplit(":", 1)[1])
         if ((local_port is None or port_here == local_port) and (remote_port is None or port_there == remote_port)
-                and port_here != exclude_local):
+                and port_here != exclude_local and port_there != exclude_remote):
             found.add(theirs.rsplit(":", 1)[0])
     return found
 
@@ -91,9 +94,11 @@ keys_dir = "{keys}"
         name = worker_id or role
         argv = [sys.executable, "-m", "pdd.cli", "--log-level", "INFO", "serve", "--role", role,
                 "--config", str(self.config)] + (["--worker-id", worker_id] if worker_id else [])
+        # UCX held to TCP on the link (nixl): what each host runs sees only its end.
+        ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.hosts.dev[host]}
         with open(self.run_dir / f"{name}.log", "ab") as log:
             self.procs[name] = self.hosts.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
-                                                env=self._env())
+                                                env={**self._env(), **ucx})
 
     def _env(self) -> dict:
         import os
@@ -154,12 +159,19 @@ def two_hosts():
         yield hosts
 
 
-@pytest.mark.parametrize("backend", ["tcp"])
-def test_a_cluster_across_two_hosts_serves_what_colocated_does(two_hosts, tmp_path, tiny_model, offline, backend):
+@pytest.mark.parametrize("backend, chosen", [
+    ("tcp", "tcp"),
+    pytest.param("auto", "nixl", marks=pytest.mark.skipif(nixl_unavailable() is not None,
+                                                           reason=str(nixl_unavailable())))])
+def test_a_cluster_across_two_hosts_serves_what_colocated_does(two_hosts, tmp_path, tiny_model, offline, backend,
+                                                               chosen):
     cluster = TwoHostCluster(two_hosts, tmp_path, tiny_model, backend).start()
     try:
         workers = {w["worker_id"]: w for w in cluster.admin("workers")}
-        assert backend in workers["prefill-a"]["transfer_backends"]
+        assert chosen in workers["prefill-a"]["transfer_backends"]
+        assert workers["prefill-a"]["transfer_to"]["decode-b"]["backend"] == chosen
+        if chosen == "nixl":   # auto across hosts: nixl, both having the extra
+            assert workers["prefill-a"]["transfer_to"]["decode-b"]["reason"] == "both take nixl, two hosts"
         prompts = random_prompts([5, 17, 40], seed=3)
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         expected = offline.generate(prompts, [params] * len(prompts))
@@ -170,10 +182,19 @@ def test_a_cluster_across_two_hosts_serves_what_colocated_does(two_hosts, tmp_pa
             assert reply.json()["choices"][0]["text"] == exp.text
         assert cluster.metric("pdd_kv_transfer_blocks_sent_total") > 0
         assert cluster.metric("pdd_disagg_fallbacks_total") == 0
-        # The pages crossed the link: host b's data socket has host a as its peer,
-        # and the decode worker's control connection goes the other way.
+        # The pages crossed the link: host b's data socket has host a as its peer
+        # (over nixl, for the one-sided control), and the decode worker's control
+        # connection goes the other way.
         assert connections(two_hosts, "b", local_port=DATA_PORT) == {two_hosts.addr["a"]}
         assert connections(two_hosts, "b", remote_port=CONTROL_PORT) == {two_hosts.addr["a"]}
+        decode = cluster.admin("workers")
+        writers = next(w for w in decode if w["worker_id"] == "decode-b")["transfer"].get("nixl_writers", 0)
+        if chosen == "nixl":   # the pages were NIXL writes, over UCX's own connections across the link
+            assert writers >= 3
+            assert two_hosts.addr["a"] in connections(two_hosts, "b", exclude_local=DATA_PORT,
+                                                      exclude_remote=CONTROL_PORT)
+        else:
+            assert writers == 0
     finally:
         cluster.stop()
     assert all(p.returncode is not None for p in cluster.procs.values())

@@ -88,7 +88,10 @@ class StubRouter:
 
     def status(self) -> dict:
         return {"model": "m", "ready": True, "accepting": True, "requests_in_flight": 0, "uptime_s": 0.0,
-                "workers": [w.summary() for w in self.registry.workers.values()]}
+                "workers": self.worker_summaries()}
+
+    def worker_summaries(self) -> list[dict]:
+        return [w.summary() for w in self.registry.workers.values()]
 
     def set_draining(self, worker_id: str, draining: bool) -> dict:
         raise KeyError(f"no worker {worker_id!r}")

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdd.router.placement import transfer_backend
+from pdd.router.placement import transfer_backend, transfer_choice
 from pdd.transfer import MultiSender
 
 
-def worker(backends, host_id="boot-a"):
-    return SimpleNamespace(transfer_backends=backends, host_id=host_id)
+def worker(backends, host_id="boot-a", worker_id="w"):
+    return SimpleNamespace(transfer_backends=backends, host_id=host_id, worker_id=worker_id)
 
 
 def test_backend_choice_per_pair():
@@ -22,6 +22,23 @@ def test_backend_choice_per_pair():
     assert transfer_backend(worker(gpu), worker(["tcp"])) == "tcp"            # CPU decode worker
     assert transfer_backend(worker(["cuda_ipc"]), worker(["tcp"])) is None    # nothing in common
     assert transfer_backend(worker([]), worker([])) == "tcp"                  # older workers: tcp
+
+
+def test_auto_with_nixl_uses_it_across_hosts_only_and_says_why():
+    gpu, cpu = ["cuda_ipc", "nixl", "tcp"], ["nixl", "tcp"]
+    p = worker(gpu, worker_id="p")
+    assert transfer_choice(p, worker(gpu, worker_id="d")) == ("cuda_ipc", "both take cuda_ipc, one host")
+    assert transfer_choice(p, worker(gpu, "boot-b", "d")) == ("nixl", "both take nixl, two hosts; "
+                                                                      "cuda_ipc needs one host")
+    assert transfer_choice(worker(cpu), worker(cpu)) == ("tcp", "both take tcp; nixl is for two hosts")
+    assert transfer_choice(worker(cpu), worker(cpu, "boot-b")) == ("nixl", "both take nixl, two hosts")
+    assert transfer_choice(p, worker(["tcp"], "boot-b", "d")) == ("tcp", "both take tcp; d does not take "
+                                                                         "cuda_ipc; d does not take nixl")
+    # nixl alone (worker.transfer_backend = "nixl") on one host: nothing else to take, so nixl.
+    assert transfer_choice(worker(["nixl"]), worker(cpu)) == ("nixl", "both take nixl, and nothing else both "
+                                                                      "take; nixl is for two hosts")
+    assert transfer_choice(worker(["nixl"], worker_id="p"), worker(["tcp"], worker_id="d")) == (
+        None, "no backend in common: p offers nixl, d takes tcp")
 
 
 @pytest.fixture

@@ -96,12 +96,22 @@ def test_factories():
         make_receiver("tcp", torch.zeros(3, 2, 12, 8, 2, 8), layout, LeaseTable())
 
 
-def test_offered_backends():
+def test_offered_backends(monkeypatch):
+    import pdd.transfer.nixl_agent as nixl_agent
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert offered_backends("auto", cpu) == ["tcp"]
-    assert offered_backends("auto", gpu) == ["cuda_ipc", "tcp"]
+    monkeypatch.setattr(nixl_agent, "_import", lambda: (object(), ""))          # the extra, installed
+    assert offered_backends("auto", cpu) == ["nixl", "tcp"]
+    assert offered_backends("auto", gpu) == ["cuda_ipc", "nixl", "tcp"]
+    assert offered_backends("nixl", cpu) == ["nixl"]
     assert offered_backends("tcp", gpu) == ["tcp"]
-    with pytest.raises(ValueError, match="a worker offers auto, tcp or cuda_ipc"):
+    with pytest.raises(ValueError, match="a worker offers auto, tcp, cuda_ipc or nixl"):
         offered_backends("local", cpu)   # it joins two engines of one process, never two workers
     with pytest.raises(ValueError, match="'cuda_ipc' needs a GPU; this worker runs on cpu"):
         offered_backends("cuda_ipc", cpu)
+    monkeypatch.setattr(nixl_agent, "_import", lambda: (None, "nixl_cu13: No module named 'nixl_cu13'"))   # absent
+    assert offered_backends("auto", cpu) == ["tcp"]
+    assert offered_backends("auto", gpu) == ["cuda_ipc", "tcp"]
+    with pytest.raises(nixl_agent.NixlUnavailable) as e:
+        offered_backends("nixl", cpu)
+    assert str(e.value) == ("worker.transfer_backend = 'nixl': the nixl KV transfer backend is not installed "
+                            "(pip install 'pdd[nixl]'): nixl_cu13: No module named 'nixl_cu13'")

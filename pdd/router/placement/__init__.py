@@ -33,13 +33,14 @@ from pdd.config import RouterConfig
 from pdd.router.placement.adaptive import AdaptivePolicy
 from pdd.router.placement.base import (COLOCATED, DISAGG, LOCAL_PREFILL, SERVING_ROLES, ClusterView, PairAllowed,
                                        Plan, PlaceRequest, Policy, last_resort, load_of, pick_worker,
-                                       prefills_for_others, transfer_backend)
+                                       prefills_for_others, transfer_backend, transfer_choice, transfer_pairs)
 from pdd.router.placement.static import AutoPolicy, ColocatedPolicy, DisaggPolicy
 from pdd.router.placement.threshold import ThresholdPolicy
 
 __all__ = ["COLOCATED", "DISAGG", "LOCAL_PREFILL", "SERVING_ROLES", "AdaptivePolicy", "AutoPolicy", "ClusterView",
            "ColocatedPolicy", "DisaggPolicy", "PairAllowed", "PlaceRequest", "Plan", "Policy", "ThresholdPolicy",
-           "load_of", "pick_worker", "place", "policy_for", "prefills_for_others", "transfer_backend"]
+           "load_of", "pick_worker", "place", "policy_for", "prefills_for_others", "transfer_backend",
+           "transfer_choice", "transfer_pairs"]
 
 
 def policy_for(cfg: RouterConfig) -> Policy:

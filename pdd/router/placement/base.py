@@ -4,7 +4,8 @@ the interface, and the rules every policy applies the same way.
 The view is built in one place (`ClusterView.of`): a drained, hung or
 excluded worker is not in it, whatever the policy. A prefill worker is
 offered for a decode worker only through `ClusterView.senders`, which applies
-the transfer backends and the circuit breaker for every policy.
+the transfer backends (`transfer_choice`) and the circuit breaker for every
+policy.
 """
 from __future__ import annotations
 
@@ -144,12 +145,49 @@ def pick_worker(candidates: Iterable[WorkerInfo], block_hashes: list[int]) -> Wo
 
 
 def transfer_backend(prefill: WorkerInfo, decode: WorkerInfo) -> str | None:
-    """The prefill worker's first choice the decode worker also takes; cuda_ipc only within one host."""
+    """The backend a prefill -> decode pair uses (transfer_choice), or None."""
+    return transfer_choice(prefill, decode)[0]
+
+
+def transfer_choice(prefill: WorkerInfo, decode: WorkerInfo) -> tuple[str | None, str]:
+    """The backend a prefill -> decode pair uses, or None, and why. The
+    prefill worker's first choice the decode worker also takes, where cuda_ipc
+    is only for one host and nixl only for two (on one host tcp or cuda_ipc
+    costs no agent); nixl on one host only when the pair takes nothing else.
+    A worker that registered no backends takes tcp."""
+    theirs = decode.transfer_backends or ["tcp"]
+    same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id
+    passed, deferred = [], None
     for b in prefill.transfer_backends or ["tcp"]:
-        if b in (decode.transfer_backends or ["tcp"]) and (
-                b != "cuda_ipc" or (prefill.host_id and prefill.host_id == decode.host_id)):
-            return b
-    return None
+        if b not in theirs:
+            passed.append(f"{decode.worker_id} does not take {b}")
+        elif b == "cuda_ipc" and not same_host:
+            passed.append("cuda_ipc needs one host")
+        elif b == "nixl" and same_host:
+            passed.append("nixl is for two hosts")
+            deferred = deferred or b
+        else:
+            where = {"cuda_ipc": ", one host", "nixl": ", two hosts"}.get(b, "")
+            return b, "; ".join([f"both take {b}{where}"] + passed)
+    if deferred:
+        return deferred, "; ".join(["both take nixl, and nothing else both take"] + passed)
+    ours = prefill.transfer_backends or ["tcp"]
+    return None, f"no backend in common: {prefill.worker_id} offers {', '.join(ours)}, " \
+                 f"{decode.worker_id} takes {', '.join(theirs)}"
+
+
+def transfer_pairs(workers: Iterable[WorkerInfo]) -> dict[str, dict[str, dict]]:
+    """For each worker that prefills for others, each worker it may ship KV
+    to: {"backend": the pair's (None: none), "reason": why} (`pdd admin workers`)."""
+    workers = list(workers)
+    pairs: dict[str, dict[str, dict]] = {}
+    for p in workers:
+        if prefills_for_others(p):
+            for d in workers:
+                if d is not p and takes_kv(d):
+                    backend, reason = transfer_choice(p, d)
+                    pairs.setdefault(p.worker_id, {})[d.worker_id] = {"backend": backend, "reason": reason}
+    return pairs
 
 
 def prefills_for_others(w: WorkerInfo) -> bool:

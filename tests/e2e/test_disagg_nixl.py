@@ -1,0 +1,76 @@
+"""1P+1D over the nixl data plane (`pdd up --mode disagg`, worker.transfer_backend
+= nixl, one host): the text colocated produces, the pair's backend and why in
+`pdd admin workers`; a decode worker killed mid-transfer (its restart is a new
+NIXL agent) leaves the streams with their fault-free text and no block held."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pdd.admin.client import _format_workers
+from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
+from tests.e2e.cluster import UpCluster
+from tests.e2e.streams import stream_all
+from tests.e2e.test_chaos import fault_free, greedy
+from tests.e2e.test_disagg import metric, mixed_workload, run_all
+from tests.e2e.test_disagg_faults import _wait_for, assert_all_free
+from tests.engine.helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+
+NIXL = {"PDD_WORKER__TRANSFER_BACKEND": "nixl"}
+
+
+def test_1p1d_over_nixl_matches_colocated(tmp_path, tiny_model, offline):
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "1",
+                  env=NIXL).start()
+    try:
+        prompts, params = mixed_workload(16, seed=24)
+        expected = offline.generate(prompts, params)
+        results = run_all(c, prompts, params)
+        assert [r[0] for r in results] == [e.text for e in expected]
+        assert metric(c, "pdd_requests_total", '{finish_reason="length",mode="disagg"}') == 16
+        assert metric(c, "pdd_kv_transfer_blocks_sent_total") > 0
+        assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 0
+        workers = c.wait_idle(timeout_s=5.0)
+        assert workers["prefill-0"]["transfer_to"] == {
+            "decode-0": {"backend": "nixl", "reason": "both take nixl, and nothing else both take; "
+                                                      "nixl is for two hosts"}}
+        assert "prefill-0  decode-0  nixl" in _format_workers(list(workers.values()))
+        assert workers["decode-0"]["transfer"]["nixl_writers"] >= 16
+        assert workers["decode-0"]["transfer"]["held_leases"] == 0
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
+
+
+def test_a_decode_worker_killed_mid_transfer_over_nixl(tmp_path, tiny_model, offline):
+    """Streams in flight, their prompts crawling through the prefill worker (so
+    transfers are under way); the decode worker is killed: the prefill worker's
+    writes to it fail, every stream ends with its fault-free text, and the
+    restarted decode worker (a new NIXL agent) takes KV over nixl again."""
+    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "1",
+                  env={**NIXL, "PDD_FAULTS": "prefill.step_delay_s=0.1",
+                       "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64"}).start()
+    try:
+        pid = c.workers()["decode-0"]["pid"]
+        prompts = random_prompts([40 + 3 * i for i in range(12)], seed=43)
+        sp = greedy(40)
+        results = stream_all(c, prompts, [sp] * len(prompts), while_running=lambda: os.kill(pid, signal.SIGKILL),
+                             once_started=1)
+        assert results == fault_free(offline, prompts, sp)
+        _wait_for(lambda: c.workers().get("decode-0", {}).get("pid") not in (None, pid), 120.0, "decode-0 back")
+        assert_all_free(c)
+        # The new decode worker's pool is reached through its new agent.
+        sent = metric(c, "pdd_kv_transfer_blocks_sent_total")
+        more = random_prompts([50, 70], seed=44)
+        assert [r[0] for r in run_all(c, more, [sp] * 2)] == [e.text for e in offline.generate(more, [sp] * 2)]
+        assert metric(c, "pdd_kv_transfer_blocks_sent_total") > sent
+        workers = c.wait_idle(timeout_s=5.0)
+        assert workers["decode-0"]["transfer"]["nixl_writers"] >= 2
+        assert workers["decode-0"]["transfer"]["held_leases"] == 0
+        assert_all_free(c)
+    finally:
+        assert c.stop() == 0, c.logs()
