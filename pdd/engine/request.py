@@ -60,6 +60,8 @@ class Request:
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes: list[int] = []
+        # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +105,8 @@ class Request:
         `min_tokens` come before it, those that would end the request (as vLLM,
         which masks them; the sampler does too)."""
         sp = self.sampling
+        if self.grammar is not None:
+            return ()   # the grammar says when the output may end
         if not sp.min_tokens or position - self.num_prompt_tokens + self.num_prior_output_tokens >= sp.min_tokens:
             return ()
         return (*sp.stop_token_ids, *(() if sp.ignore_eos else self.eos_token_ids))
@@ -111,6 +115,11 @@ class Request:
         """Set a finished status if the last token ends the request."""
         sp = self.sampling
         last = self.all_token_ids[-1]
+        if self.grammar is not None:
+            self.grammar.sync(self.output_token_ids)
+            if self.grammar.stopped:   # complete: nothing but EOS could follow
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
         if self.num_output_tokens > sp.min_tokens:
             if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -63,6 +63,9 @@ class SamplingBatch:
     # (rows, token ids) that may not be sampled (min_tokens: the tokens that
     # would stop the request too early); None: none in this batch.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B, ceil(V / 32)] int32: the tokens each row's grammar allows, packed (bit
+    # t % 32 of word t // 32; pdd.grammar); None: no row of this batch has one.
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list, positions: list[int], device: torch.device,
@@ -100,8 +103,10 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [B, V] float32 -> one token per row. Logprobs are the model's,
-    before any token is banned."""
+    before any token is banned or masked by a grammar."""
     raw = logits
+    if batch.allowed is not None:
+        logits = apply_allowed(logits, batch.allowed)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))
     greedy = ops.argmax(logits)  # torch's argmax is a slow generic reduce on the GPU
@@ -118,6 +123,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         if batch.max_logprobs > 0:
             result.top_logprobs, result.top_ids = logp.topk(batch.max_logprobs, dim=-1)
     return result
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token the packed mask `allowed` [B, W] leaves
+    out at -inf (greedy and random sampling alike then pick an allowed one)."""
+    shifts = torch.arange(32, device=allowed.device, dtype=torch.int32)
+    bits = (allowed[:, :, None] >> shifts) & 1          # [B, W, 32]; >> keeps the sign, & 1 the bit
+    keep = bits.view(allowed.shape[0], -1)[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

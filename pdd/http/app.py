@@ -33,6 +33,7 @@ from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
+from pdd.http.tools import ToolCallReader, tool_format
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
 from pdd.router.router import Overloaded, Router, Unavailable
@@ -61,6 +62,7 @@ class OpenAIServer:
         self.default_max_tokens = router.cfg.router.default_max_tokens
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
+        self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
 
     async def _body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -89,7 +91,8 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size)
+        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size,
+                                   tool_fmt=self.tool_format)
         try:
             ids = await self.off_loop.call(len(body), "encode_chat", req.messages, **req.template_args)
         except BrokenProcessPool:
@@ -207,6 +210,10 @@ class OpenAIServer:
             for _, _, reason in pieces:
                 finish = reason or finish
         usage = self._usage(state, text)
+        if req.tool_format is not None:
+            content, calls = ToolCallReader.read(req.tool_format, text.text)
+            finish = "tool_calls" if calls and finish == "stop" else finish
+            return json_response(s.chat_response(req, content, finish, usage, lp.result() if lp else None, calls))
         build = s.chat_response if req.kind == "chat" else s.completion_response
         return json_response(build(req, text.text, finish, usage, lp.result() if lp else None))
 
@@ -220,9 +227,18 @@ class OpenAIServer:
             return self._usage(state, text) if req.continuous_usage else None
 
         def chunk(delta: str, reason, frag=None) -> bytes:
+            if tool_calls is not None:   # the text goes through the tool-call reader
+                deltas = tool_calls.feed(delta) + (tool_calls.finish() if reason else [])
+                reason = "tool_calls" if reason == "stop" and tool_calls.ids else reason
+                out = [s.chat_chunk(req, d, None, frag if i == 0 else None, so_far()) for i, d in enumerate(deltas)]
+                if reason or (frag and not deltas):
+                    out.append(s.chat_chunk(req, {}, reason, None if deltas else frag, so_far()))
+                return b"".join(map(s.sse, out))
             if chat:
                 return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far()))
             return s.sse(s.completion_chunk(req, delta, reason, frag, so_far()))
+
+        tool_calls = ToolCallReader(req.tool_format) if req.tool_format is not None else None
 
         if chat:
             await resp.write(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None, so_far())))
