@@ -141,8 +141,10 @@ class GrammarCompiler:
         """vocab_size: the model's (the logits' width; the tokenizer's may be
         smaller: rows past it are padding, never allowed)."""
         llg = _llg()
-        eos = list(eos_token_ids) or None
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        # EOS ids the tokenizer does not have (a stand-in tokenizer's) cannot be named to it.
+        known = _num_tokens(tokenizer_json)
+        eos = [t for t in eos_token_ids if t < known] or None
+        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, known), eos_token=eos)
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
         self.executor = llg.LLExecutor()
@@ -172,6 +174,15 @@ class GrammarCompiler:
             self._compiled.move_to_end(key)
         return Matcher(pristine.deep_copy(), self)
 
+
+
+def _num_tokens(tokenizer_json: str) -> int:
+    """The ids a tokenizer.json defines: its model's vocabulary and added tokens."""
+    spec = json.loads(tokenizer_json)
+    vocab = spec.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id", 0) for t in spec.get("added_tokens") or []]
+    return max(ids, default=-1) + 1
 
 
 def fill_masks(rows: list[tuple[Matcher, int]], num_rows: int) -> np.ndarray:
