@@ -58,7 +58,7 @@ def tool_format(name: str, tokenizer) -> ToolFormat:
 def detect(tokenizer) -> str:
     """The format the chat template writes calls in; hermes when it says nothing
     (a template that does not render tools: the model was not taught one)."""
-    template = tokenizer.chat_template or ""
+    template = getattr(tokenizer, "chat_template", None) or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<|python_tag|>" in template or "ipython" in template:
