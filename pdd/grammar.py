@@ -157,7 +157,11 @@ class GrammarCompiler:
         if not path.is_file():
             raise InvalidRequest("structured_output: this checkpoint has no tokenizer.json, which "
                                  "constrained decoding needs")
-        return cls(path.read_text(), vocab_size, eos_token_ids)
+        try:
+            return cls(path.read_text(), vocab_size, eos_token_ids)
+        except (ValueError, OSError) as e:   # a tokenizer llguidance cannot read (e.g. not byte-level BPE)
+            raise InvalidRequest(f"structured_output: constrained decoding cannot use this checkpoint's "
+                                 f"tokenizer ({e})") from None
 
     def matcher(self, so: StructuredOutput) -> Matcher:
         """A fresh matcher for the spec; InvalidRequest if it does not compile."""

@@ -199,28 +199,36 @@ def _handover(compiler, so, seq: list[int]) -> dict:
     return out
 
 
-def _engine_steps(args, model_dir: Path, batch: int, so) -> dict:
-    """Median decode step time (ms) of `batch` requests, and the host time of
-    the mask per step when `so` constrains them."""
-    import torch
-
-    from pdd.api import SamplingParams
-    from pdd.bench.gpu import _timed_steps
+def _engine(args, model_dir: Path, max_batch: int):
     from pdd.config import EngineConfig
     from pdd.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), load_format=args.load_format, device=args.device,
-                                    num_blocks=args.num_blocks, max_num_seqs=max(64, batch), max_model_len=8192,
+                                    num_blocks=args.num_blocks, max_num_seqs=max(64, max_batch), max_model_len=8192,
                                     enable_prefix_caching=False))
+    if engine.device.type == "cuda":
+        engine.warm_up()   # kernels compiled now, not in the first measured steps
+    return engine
+
+
+def _engine_steps(args, engine, batch: int, so) -> dict:
+    """Median decode step time (ms) of `batch` requests, and the host time of
+    the masks per step when `so` constrains them."""
+    import torch
+
+    import pdd.grammar
+    from pdd.api import SamplingParams
+    from pdd.bench.gpu import _timed_steps
+
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        engine.add_request(f"b{i}", torch.randint(0, 30000, (args.context,), generator=g).tolist(),
+        engine.add_request(f"b{batch}-{so is not None}-{i}",
+                           torch.randint(0, 30000, (args.context,), generator=g).tolist(),
                            SamplingParams(max_tokens=args.steps + 200, temperature=1.0, seed=i, ignore_eos=True,
                                           structured_output=so))
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()
-    import pdd.grammar
     mask_s = []
     original = pdd.grammar.fill_masks
 
@@ -236,6 +244,11 @@ def _engine_steps(args, model_dir: Path, batch: int, so) -> dict:
     finally:
         pdd.grammar.fill_masks = original
     assert not any(r.status.finished for r in engine.scheduler.requests.values()), "a request ended early"
+    for rid in list(engine.scheduler.requests):
+        engine.abort_request(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.wait_in_flight()
     return {"step_ms": 1e3 * statistics.median(times),
             "mask_host_ms": 1e3 * statistics.median(mask_s) if mask_s else 0.0}
 
@@ -283,8 +296,9 @@ def main(args) -> int:
         model_dir.mkdir(parents=True)
         shutil.copy(Path(args.model) / "config.json", model_dir / "config.json")
         shutil.copy(tok_path, model_dir / "tokenizer.json")
+        engine = _engine(args, model_dir, max(batches))
         for b in batches:
-            free, guided = _engine_steps(args, model_dir, b, None), _engine_steps(args, model_dir, b, so)
+            free, guided = _engine_steps(args, engine, b, None), _engine_steps(args, engine, b, so)
             overhead = guided["step_ms"] / free["step_ms"] - 1
             report["engine"][b] = {"free_step_ms": free["step_ms"], "guided_step_ms": guided["step_ms"],
                                    "mask_host_ms": guided["mask_host_ms"], "overhead": overhead}

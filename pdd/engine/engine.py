@@ -212,7 +212,10 @@ class LLMEngine:
             self.kv.enable_prefix_caching = prefix_caching
         ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
         if (self.model_dir / "tokenizer.json").is_file():
-            self.grammars   # the vocabulary, built now rather than on the first structured request
+            try:
+                self.grammars   # the vocabulary, built now rather than on the first structured request
+            except InvalidRequest as e:
+                log.warning("structured outputs unavailable: %s", e)
         self.wait_in_flight()
         steps = pool.steps_launched - launched
         assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"
