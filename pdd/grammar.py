@@ -54,11 +54,10 @@ def grammar_for(so: StructuredOutput) -> str:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if kind == "json_schema":
             schema = json.loads(spec)
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise InvalidRequest("structured_output: a JSON schema must be an object")
-            return llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict)
-                                                          else ({} if schema else {"not": {}}),
-                                                          overrides=JSON_OPTIONS)
+            # The text, not the parsed object: llguidance reads it without the GIL.
+            return llg.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":

@@ -29,6 +29,7 @@ from pdd import security
 from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
+from pdd.http import structured
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.schemas import APIError
@@ -150,6 +151,9 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         self._check_length(req, len(ids))
+        if req.sampling.structured_output is not None:   # compiling a large schema takes a while
+            await asyncio.get_running_loop().run_in_executor(
+                None, structured.check, req.sampling.structured_output, req.structured_param)
         text, lp = self._builders(req, ids)
         state = await self.router.submit(ids, req.sampling, req.request_id)
         try:

@@ -75,6 +75,9 @@ class GenerateRequest:
     # Chat with tools (tool_choice not "none"): the format the output's calls are
     # read in (pdd.http.tools); None: the output is all content.
     tool_format: ToolFormat | None = None
+    # The field sampling.structured_output came from: errors of its compilation
+    # (pdd.http.structured.check, run by the app off its loop) name it.
+    structured_param: str | None = None
 
 
 # ---------------------------------------------------------------- requests
@@ -95,13 +98,15 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
     max_tokens = f.integer("max_tokens", max_tokens_default, lo=1)
     sampling = _sampling(f, max_tokens, logprobs, vocab_size)
+    sampling.structured_output, structured_param = structured.structured_output(f)
     stream, include_usage, continuous = _stream(f)
     _finish(sampling, unset=False)
     return GenerateRequest(
         kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()), continuous_usage=continuous, **_text_options(f))
+        created=int(time.time()), continuous_usage=continuous, structured_param=structured_param,
+        **_text_options(f))
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: int | None = None,
@@ -122,20 +127,24 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
     max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
+    sampling.structured_output, structured_param = structured.structured_output(f)
     template_args, text_options = _template_args(f), _text_options(f)
     fmt = None
-    if listed and choice != "none":
-        fmt = tool_fmt or tool_format("hermes", None)
+    if listed:
         template_args["tools"] = listed
+    constrained = sampling.structured_output is not None
+    if listed and choice not in ("none", "auto") and constrained:
+        raise bad("tool_choice", "a forced tool call ('tool_choice' \"required\" or a named function) "
+                                 "cannot be combined with response_format or guided decoding")
+    # Calls are read from the output unless the tools are off, or a response
+    # format makes the output that format's content.
+    if listed and choice != "none" and not constrained:
+        fmt = tool_fmt or tool_format("hermes", None)
         if fmt.keeps_special_tokens:   # its calls begin with a special token
             text_options["skip_special_tokens"] = False
         if choice != "auto":
-            if sampling.structured_output is not None:
-                raise bad("tool_choice", "a forced tool call ('tool_choice' \"required\" or a named function) "
-                                         "cannot be combined with response_format or guided decoding")
             sampling.structured_output = structured.tool_grammar(fmt, listed, choice, parallel)
-    elif listed:
-        template_args["tools"] = listed
+            structured_param = "tools"
     stream, include_usage, continuous = _stream(f)
     _finish(sampling, unset=unset)
     return GenerateRequest(
@@ -143,7 +152,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
         max_tokens_unset=unset, template_args=template_args, continuous_usage=continuous,
-        tool_format=fmt, **text_options)
+        tool_format=fmt, structured_param=structured_param, **text_options)
 
 
 def _model(f: Fields, served: Sequence[str]) -> str:
@@ -292,7 +301,6 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
         ignore_eos=f.boolean("ignore_eos", False),
         min_tokens=f.integer("min_tokens", 0, lo=0),
         logprobs=logprobs,
-        structured_output=structured.structured_output(f),
     )
 
 

@@ -12,6 +12,7 @@ import threading
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
@@ -165,6 +166,20 @@ def test_colocated(colocated, colocated_answers):
     assert set(colocated_answers) == {"parse", "json_object", "json_schema", "guided_regex", "guided_choice",
                                       "call", "required"}
     assert_all_free(colocated)
+
+
+def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(colocated):
+    cl = client(colocated)
+    for extra, param in (({"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                          "response_format"),
+                         ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+                           "tool_choice": "required"}, "tools")):
+        with pytest.raises(openai.BadRequestError) as info:
+            cl.chat.completions.create(model=colocated.model_name, messages=ASK, max_tokens=4, **extra)
+        assert info.value.body["param"] == param, info.value.body
+    assert cl.chat.completions.create(model=colocated.model_name, messages=ASK, max_tokens=2).choices
 
 
 def test_disaggregated_gives_the_colocated_answers(disagg, colocated_answers):

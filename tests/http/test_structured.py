@@ -11,6 +11,7 @@ import pytest
 from pdd.api import StructuredOutput
 from pdd.grammar import GrammarCompiler
 from pdd.http.schemas import parse_chat_request, parse_completion_request
+from pdd.http.structured import check
 from pdd.http.tools import ToolCallReader, ToolFormat, detect, forced_grammar
 from pdd.http.validate import APIError
 from pdd.model.tokenizer import Tokenizer
@@ -26,7 +27,10 @@ MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "arguments")
 
 
 def chat(**fields):
-    return parse_chat_request(orjson.dumps({"model": "tiny", "messages": MSGS, **fields}), MODELS)
+    """Parsed, and its structured output compiled (what the app does next, off its loop)."""
+    req = parse_chat_request(orjson.dumps({"model": "tiny", "messages": MSGS, **fields}), MODELS)
+    check(req.sampling.structured_output, req.structured_param)
+    return req
 
 
 def refused(param: str, *words: str, **fields) -> None:
@@ -69,6 +73,8 @@ def test_structured_output_fields(fields, want):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": 3}}}},
      "response_format", ["invalid json_schema"]),
     ({"guided_json": "{not json"}, "guided_json", ["not valid JSON"]),
+    ({"guided_json": {"type": "foo"}}, "guided_json", ["invalid json_schema", "foo"]),
+    ({"guided_regex": "a(b"}, "guided_regex", ["invalid regex", "unclosed group"]),
     ({"guided_json": [1]}, "guided_json", ["a JSON schema object"]),
     ({"guided_regex": 5}, "guided_regex", ["a non-empty string"]),
     ({"guided_grammar": "root ::= (("}, "guided_grammar", ["grammar"]),
@@ -91,6 +97,12 @@ def test_tools_go_to_the_template_and_auto_leaves_the_output_free():
 def test_tool_choice_none_keeps_the_text_as_content():
     req = chat(tools=TOOLS, tool_choice="none")
     assert req.tool_format is None and req.sampling.structured_output is None
+
+
+def test_a_response_format_beside_tools_is_the_content():
+    """The output is then the format's content: no call is read from it."""
+    req = chat(tools=TOOLS, response_format={"type": "json_object"})
+    assert req.tool_format is None and req.sampling.structured_output == StructuredOutput("json_object")
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
