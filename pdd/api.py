@@ -107,10 +107,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         self._validate_stops()
-        if self.structured_output is not None:
-            if not isinstance(self.structured_output, StructuredOutput):
-                raise InvalidRequest(f"structured_output: must be a StructuredOutput, got {_shown(self.structured_output)}")
-            self.structured_output.validate()
+        so = self.structured_output
+        if so is not None:
+            if not isinstance(so, StructuredOutput):
+                raise InvalidRequest(f"structured_output: must be a StructuredOutput, got {_shown(so)}")
+            so.validate()
         if self.greedy:
             self.temperature = 0.0
         if self.seed is None:

@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
 from pdd.model.make_model import resolve_model_dir
+
+if TYPE_CHECKING:
+    from pdd.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +157,7 @@ class LLMEngine:
         return req
 
     @property
-    def grammars(self):
+    def grammars(self) -> "GrammarCompiler":
         """The checkpoint's vocabulary for constrained decoding (pdd.grammar),
         built on first use or by the warm-up (about a second for 128k tokens)."""
         if self._grammars is None:

@@ -66,7 +66,8 @@ def structured_output(f: Fields) -> tuple[StructuredOutput | None, str | None]:
             value = so.get(key)
             if value is not None and value is not False:
                 param = f"structured_outputs.{key}"
-                found.append((param, StructuredOutput(kind, "" if kind == "json_object" else _spec(param, kind, value))))
+                spec = "" if kind == "json_object" else _spec(param, kind, value)
+                found.append((param, StructuredOutput(kind, spec)))
     if not found:
         return None, None
     if len(found) > 1:
