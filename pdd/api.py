@@ -40,6 +40,33 @@ INT64_MAX = (1 << 63) - 1
 # A seed may be any integer of 64 bits, signed or unsigned; it is used modulo
 # 2**63 (seeds are int64 tensors on the device), so s and s + 2**63 coincide.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# What a structured output constrains the text to (pdd.grammar turns each into
+# a grammar): any JSON object, a JSON schema's instances, a regular
+# expression's matches, one of a list of strings, a Lark or GBNF grammar's
+# sentences.
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# A schema or grammar travels in every Admit/Reserve/Prefill of its request.
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+@dataclass
+class StructuredOutput:
+    """The grammar a request's output must follow, as the client gave it: every
+    engine that runs the request (prefill, decode, a worker it migrates to)
+    compiles it and replays the request's output tokens into it, so the
+    constraint holds in every layout without carrying matcher state."""
+    kind: str        # one of STRUCTURED_KINDS
+    # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON
+    # array of strings; grammar: Lark or GBNF text; json_object: "".
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"structured_output.kind: must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                 f"got {_shown(self.kind)}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidRequest(f"structured_output.spec: must be a string of at most "
+                                 f"{MAX_STRUCTURED_SPEC_CHARS} characters")
 
 
 @dataclass
@@ -66,6 +93,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Top-N logprobs per prompt token (0 = only the prompt's own token); None: off.
     prompt_logprobs: int | None = None
+    # The output must follow this grammar (tokens it forbids are never sampled,
+    # and EOS only where it may end); None: free text.
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +128,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         self._validate_stops()
+        so = self.structured_output
+        if so is not None:
+            if not isinstance(so, StructuredOutput):
+                raise InvalidRequest(f"structured_output: must be a StructuredOutput, got {_shown(so)}")
+            so.validate()
         if self.greedy:
             self.temperature = 0.0
         if self.seed is None:

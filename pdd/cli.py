@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router.mode = adaptive: per request, remote or local prefill by measured cost; "
                         "colocated workers also prefill for others, leaning to prefill or decode with the load")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tool-call-parser", default=None, choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the format the model writes tool calls in (router.tool_call_parser; default auto: "
+                        "read from the chat template)")
     p.add_argument("--run-dir", default=None,
                    help="where logs, keys and the generated config go (default ~/.cache/pdd/run/up-PORT): "
                         "made 0700 if new; an existing one is used as it is, its keys kept, if only you can write it")

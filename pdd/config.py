@@ -98,6 +98,7 @@ class EngineConfig:
 
 ROLES = ("router", "colocated", "prefill", "decode")
 MAX_WORKER_ID_BYTES = 200
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")   # pdd.http.tools
 ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive", "threshold")
 
 # Exit status of a worker the router refused (KV layout mismatch), or told that
@@ -264,6 +265,9 @@ class RouterConfig:
     # flight; then end them with an error and exit. The units' TimeoutStopSec
     # is above the default; the router asks systemd for this long when it begins.
     drain_timeout_s: float = 30.0
+    # The format the model writes tool calls in (pdd.http.tools): auto (read
+    # from the chat template), hermes, llama3_json or mistral.
+    tool_call_parser: str = "auto"
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     threshold: ThresholdConfig = ThresholdConfig()
@@ -281,6 +285,9 @@ class RouterConfig:
             raise ConfigError("router.request_timeout_s and router.max_queued_requests: must be >= 0 (0 = off)")
         if self.max_body_bytes < 1024:
             raise ConfigError("router.max_body_bytes: must be >= 1024")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"router.tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
         if self.http_send_timeout_s <= 0:
             raise ConfigError("router.http_send_timeout_s: must be > 0")
         if self.max_buffered_tokens < 1:

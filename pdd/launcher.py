@@ -237,6 +237,8 @@ def build_cluster(args) -> Cluster:
         overrides["router"]["mode"] = "adaptive"
     else:
         overrides["router"]["mode"] = "colocated" if args.mode == "colocated" else "auto"
+    if getattr(args, "tool_call_parser", None):
+        overrides["router"]["tool_call_parser"] = args.tool_call_parser
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.

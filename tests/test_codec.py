@@ -75,3 +75,23 @@ def test_generated_and_field_by_field_builders_agree():
     for value in (None, 1.5, True):     # ints only, never a bool
         with pytest.raises(codec._Mismatch):
             fast(item(position=value))
+
+
+def test_a_structured_output_travels_inside_sampling_params():
+    """SamplingParams.structured_output: None or an array [kind, spec], built
+    into a StructuredOutput by the fast path and the checked one alike."""
+    from pdd.api import StructuredOutput
+
+    so = StructuredOutput("json_schema", '{"type": "object"}')
+    for msg in (m.Admit("r", 1, [1, 2], SamplingParams(structured_output=so)),
+                m.Reserve("r", 1, [1, 2], SamplingParams(structured_output=so), 5.0),
+                m.Prefill("r", 1, [1, 2], SamplingParams(structured_output=so)),
+                m.Admit("r", 1, [1, 2], SamplingParams())):
+        assert decode(encode(msg)) == msg
+    sampling = msgpack.unpackb(encode(m.Admit("r", 1, [1], SamplingParams(structured_output=so))))["sampling"]
+    for bad, error in ((["json_schema", 3], "admit.sampling.structured_output.spec: expected str, got int"),
+                       ("json", "admit.sampling.structured_output: expected a StructuredOutput array of fields"),
+                       ([], "admit.sampling.structured_output: missing field(s) ['kind']")):
+        with pytest.raises(ProtocolError) as e:
+            decode(raw("admit", request_id="r", epoch=1, prompt_token_ids=[1], sampling=sampling[:-1] + [bad]))
+        assert str(e.value).startswith(error)

@@ -126,6 +126,25 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--json", default=None)
     b.set_defaults(func=_runner("ipc"))
 
+    b = sub.add_parser("grammar", help="constrained decoding's cost per token: masks (llguidance, xgrammar), "
+                                       "their application, the handover; --engine: decode steps with and without")
+    b.add_argument("--vocab", type=int, default=128256, help="logits width (the bench tokenizer is padded to it)")
+    b.add_argument("--batches", default="1,64")
+    b.add_argument("--tokens", type=int, default=200, help="tokens per request in the mask measurement")
+    b.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the 128k one the "
+                   "bench trains (and caches) on the standard library")
+    b.add_argument("--apply-device", default="cpu", help="where the masks are applied to logits (cpu, cuda)")
+    b.add_argument("--engine", action="store_true", help="also time engine decode steps with and without the grammar")
+    b.add_argument("--model", default="conf/models/llama-3.1-8b", help="config-only checkpoint for --engine")
+    b.add_argument("--load-format", default="dummy")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--num-blocks", type=int, default=8192)
+    b.add_argument("--context", type=int, default=1024)
+    b.add_argument("--steps", type=int, default=60)
+    b.add_argument("--workdir", default=None, help="where --engine writes its checkpoint (config + bench tokenizer)")
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_runner("grammar"))
+
     b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
     b.add_argument("--model", default="conf/models/llama-3.1-8b")
     b.add_argument("--load-format", default="dummy")

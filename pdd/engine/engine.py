@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from pdd.engine.scheduler import Scheduler
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
 from pdd.model.make_model import resolve_model_dir
+
+if TYPE_CHECKING:
+    from pdd.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,7 @@ class LLMEngine:
         self.in_flight = None  # the launched step whose results are not taken yet
         self._batch = None     # what the running step() call scheduled (see abort_failed_step)
         self.steps_done = 0    # launched steps known to have finished on the device
+        self._grammars = None
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -141,6 +146,10 @@ class LLMEngine:
                 "shorten the prompt or lower max_tokens")
         req = Request(request_id, list(prompt_token_ids), sampling,
                       eos_token_ids=self.model_config.eos_token_ids, **kwargs)
+        if sampling.structured_output is not None:
+            req.grammar = self.grammars.matcher(sampling.structured_output)
+            if num_prior:   # a migrated request: its output so far is the prompt's tail
+                req.grammar.replay(prompt_token_ids[-num_prior:])
         if block_hashes:
             full = len(prompt_token_ids) // self.cfg.block_size
             if len(block_hashes) != full:
@@ -149,6 +158,16 @@ class LLMEngine:
                                      f"{self.cfg.block_size}")
             req.block_hashes = list(block_hashes)
         return req
+
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """The checkpoint's vocabulary for constrained decoding (pdd.grammar),
+        built on first use or by the warm-up (about a second for 128k tokens)."""
+        if self._grammars is None:
+            from pdd.grammar import GrammarCompiler
+            self._grammars = GrammarCompiler.for_checkpoint(self.model_dir, self.model_config.vocab_size,
+                                                            tuple(self.model_config.eos_token_ids))
+        return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None, **kwargs) -> Request:
@@ -199,6 +218,11 @@ class LLMEngine:
         finally:
             self.kv.enable_prefix_caching = prefix_caching
         ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
+        if (self.model_dir / "tokenizer.json").is_file():
+            try:
+                self.grammars   # the vocabulary, built now rather than on the first structured request
+            except InvalidRequest as e:
+                log.warning("structured outputs unavailable: %s", e)
         self.wait_in_flight()
         steps = pool.steps_launched - launched
         assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"

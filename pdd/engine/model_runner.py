@@ -44,6 +44,8 @@ class StepInputs:
     sampling: SamplingBatch | None
     sampled_ids: list[str]          # request id of each sampled row
     prompt: PromptRows | None = None  # rows scoring prompt tokens (prompt logprobs); None: none
+    # (sampled row, request) of the rows whose request has a grammar (pdd.grammar)
+    grammar_rows: list = field(default_factory=list)
 
 
 @dataclass
@@ -176,7 +178,8 @@ class ModelRunner:
         if len(sample_rows) == num_tokens:
             logits_d = None  # a pure decode step: every token is sampled (saves a gather)
         return StepInputs(input_ids, positions_d, meta, logits_d, [order[row] for row in sample_rows], sampling,
-                          [reqs[row].request_id for row in sample_rows], prompt)
+                          [reqs[row].request_id for row in sample_rows], prompt,
+                          [(j, reqs[row]) for j, row in enumerate(sample_rows) if reqs[row].grammar is not None])
 
     def _penalties(self, reqs: list, sample_rows: list[int], seq_lens: np.ndarray, in_flight_row: dict[int, int],
                    in_flight: LaunchedStep | None) -> Penalties | None:
@@ -212,6 +215,8 @@ class ModelRunner:
         if inputs.sampling is not None:
             rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
             logits = self.model.compute_logits(rows)
+            if inputs.grammar_rows:
+                inputs.sampling.allowed = self._grammar_mask(inputs, in_flight)
             step.result = sample(logits, inputs.sampling)
             step.tokens = step.tokens_host = step.result.tokens
             if on_gpu:
@@ -221,6 +226,30 @@ class ModelRunner:
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _grammar_mask(self, inputs: StepInputs, in_flight: LaunchedStep | None) -> torch.Tensor:
+        """The sampled rows' allowed tokens, packed, on the device. The host
+        computes them while the device runs this step's forward (queued before):
+        a grammar's next mask depends on the token the step before sampled,
+        which is on the host once that step is done, ahead of this forward."""
+        from pdd.grammar import fill_masks
+
+        if in_flight is not None and any(r.request_id in in_flight.row_of for _, r in inputs.grammar_rows):
+            in_flight.wait()
+        rows = []
+        for j, req in inputs.grammar_rows:
+            req.grammar.sync(req.output_token_ids, self._pending_token(req, in_flight))
+            rows.append((req.grammar, j))
+        return self.staging.upload([fill_masks(rows, len(inputs.sample_rows))], torch.int32)[0]
+
+    @staticmethod
+    def _pending_token(req, in_flight: LaunchedStep | None) -> int | None:
+        """The token the step in flight sampled for `req`, if it will be
+        appended (the request was not preempted since); None if none."""
+        row = in_flight.row_of.get(req.request_id) if in_flight is not None else None
+        if row is None or in_flight.out.preemptions[in_flight.sample_rows[row]] != req.num_preemptions:
+            return None
+        return int(in_flight.tokens_host[row])
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step and return its sampled tokens in schedule order."""

@@ -90,6 +90,8 @@ class Request:
         """The prompt's logprobs, once: None after the first call, and when not asked for."""
         taken, self.prompt_logprobs = self.prompt_logprobs, None
         return taken
+        # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +135,8 @@ class Request:
         `min_tokens` come before it, those that would end the request (as vLLM,
         which masks them; the sampler does too)."""
         sp = self.sampling
+        if self.grammar is not None:
+            return ()   # the grammar says when the output may end
         if not sp.min_tokens or position - self.num_prompt_tokens + self.num_prior_output_tokens >= sp.min_tokens:
             return ()
         return (*sp.stop_token_ids, *(() if sp.ignore_eos else self.eos_token_ids))
@@ -141,6 +145,11 @@ class Request:
         """Set a finished status if the last token ends the request."""
         sp = self.sampling
         last = self.all_token_ids[-1]
+        if self.grammar is not None:
+            self.grammar.sync(self.output_token_ids)
+            if self.grammar.stopped:   # complete: nothing but EOS could follow
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
         if self.num_output_tokens > sp.min_tokens:
             if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -66,6 +66,9 @@ class SamplingBatch:
     # would stop the request too early); None: none in this batch.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None   # None: no row has a penalty
+    # [B, ceil(V / 32)] int32: the tokens each row's grammar allows, packed (bit
+    # t % 32 of word t // 32; pdd.grammar); None: no row of this batch has one.
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list, positions: list[int], device: torch.device,
@@ -103,8 +106,10 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [B, V] float32 -> one token per row. Logprobs are the model's,
-    before any token is banned or penalized."""
+    before any token is banned, penalized or masked by a grammar."""
     raw = logits
+    if batch.allowed is not None:
+        logits = apply_allowed(logits, batch.allowed)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))
     if batch.penalties is not None:
@@ -123,6 +128,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         if batch.max_logprobs > 0:
             result.top_logprobs, result.top_ids = logp.topk(batch.max_logprobs, dim=-1)
     return result
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token the packed mask `allowed` [B, W] leaves
+    out at -inf (greedy and random sampling alike then pick an allowed one)."""
+    shifts = torch.arange(32, device=allowed.device, dtype=torch.int32)
+    bits = (allowed[:, :, None] >> shifts) & 1          # [B, W, 32]; >> keeps the sign, & 1 the bit
+    keep = bits.view(allowed.shape[0], -1)[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

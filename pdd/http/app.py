@@ -31,6 +31,7 @@ from pdd import security
 from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
+from pdd.http import structured
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
@@ -38,6 +39,7 @@ from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http import request_log
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
+from pdd.http.tools import ToolCallReader, tool_format
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
 from pdd.router.router import Overloaded, Router, Unavailable
@@ -66,6 +68,7 @@ class OpenAIServer:
         self.default_max_tokens = router.cfg.router.default_max_tokens
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
+        self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
 
     async def _body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -94,7 +97,8 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size)
+        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size,
+                                   tool_fmt=self.tool_format)
         try:
             ids = await self.off_loop.call(len(body), "encode_chat", req.messages, **req.template_args)
         except BrokenProcessPool:
@@ -152,6 +156,9 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         self._check_length(req, len(ids))
+        if req.sampling.structured_output is not None:   # compiling a large schema takes a while
+            await asyncio.get_running_loop().run_in_executor(
+                None, structured.check, req.sampling.structured_output, req.structured_param)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
         states = await self.router.submit_choices(ids, req.sampling, request[request_log.REQUEST_ID], req.n)
@@ -247,12 +254,21 @@ class OpenAIServer:
                     choices[i].finish_reason = reason or choices[i].finish_reason
         prompt_lps = self._prompt_logprobs(req, choices)
         if req.kind == "chat":
-            body = [s.chat_choice(c.index, c.text.text, c.finish_reason, c.logprobs.result() if c.logprobs else None)
-                    for c in choices]
+            body = [self._chat_choice(req, c) for c in choices]
         else:
             body = [s.completion_choice(c.index, c.full_text, c.finish_reason,
                                         c.logprobs.result() if c.logprobs else None, prompt_lps) for c in choices]
         return json_response(s.response(req, body, self._usage(req, choices), prompt_lps))
+
+    @staticmethod
+    def _chat_choice(req: s.GenerateRequest, c: Choice) -> dict:
+        """A whole chat answer; with tools, the calls read from its text (pdd.http.tools)."""
+        logprobs = c.logprobs.result() if c.logprobs else None
+        if req.tool_format is None:
+            return s.chat_choice(c.index, c.text.text, c.finish_reason, logprobs)
+        content, calls = ToolCallReader.read(req.tool_format, c.text.text)
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        return s.chat_choice(c.index, content, finish, logprobs, calls)
 
     async def _stream(self, request: web.Request, req: s.GenerateRequest, choices: list[Choice]):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -263,9 +279,20 @@ class OpenAIServer:
             return self._usage(req, choices) if req.continuous_usage else None
 
         def chunk(i: int, delta: str, reason, frag=None) -> bytes:
+            reader = tool_calls.get(i)
+            if reader is not None:   # the text goes through the tool-call reader
+                deltas = reader.feed(delta) + (reader.finish() if reason else [])
+                reason = "tool_calls" if reason == "stop" and reader.ids else reason
+                out = [s.chat_chunk(req, d, None, frag if k == 0 else None, so_far(), i) for k, d in enumerate(deltas)]
+                if reason or (frag and not deltas):
+                    out.append(s.chat_chunk(req, {}, reason, None if deltas else frag, so_far(), i))
+                return b"".join(map(s.sse, out))
             if chat:
                 return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far(), i))
             return s.sse(s.completion_chunk(req, delta, reason, frag, so_far(), i))
+
+        # Each choice's text goes through its own tool-call reader (chat with tools).
+        tool_calls = {c.index: ToolCallReader(req.tool_format) for c in choices} if req.tool_format is not None else {}
 
         if chat:
             await resp.write(b"".join(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,

@@ -5,10 +5,11 @@ handlers read the body, call `parse_*`, and serialise what the builders return.
 Field names and shapes follow the OpenAI API (checked in the tests against the
 official `openai` client's types), with vLLM's extra fields where they exist
 (`top_k`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`repetition_penalty`, `prompt_logprobs`, ...). What we do not implement
-(`best_of` above `n`, tools, beam search, guided decoding, ...) is refused with
-a 400 naming the field, never silently ignored; fields we do not know at all
-are ignored, because OpenAI clients send extras.
+`repetition_penalty`, `prompt_logprobs`, `guided_json`, ...). Structured
+outputs and tool calling are read in pdd.http.structured. What we do not
+implement (`best_of` above `n`, beam search, ...) is refused with a 400 naming
+the field, never silently ignored; fields we do not know at all are ignored,
+because OpenAI clients send extras.
 
 A request with n > 1 has n choices, each a request of its own at the router
 (pdd.router.control.ControlPlane.submit_choices); the builders here take the
@@ -29,8 +30,9 @@ import orjson
 
 from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
-from pdd.http.validate import (APIError, Fields, bad, check_response_format,
-                               json_type, load_object, reject_nonempty,
+from pdd.http import structured
+from pdd.http.tools import ToolFormat, tool_format
+from pdd.http.validate import (APIError, Fields, bad, json_type, load_object, reject_nonempty,
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
 
 __all__ = [
@@ -43,8 +45,7 @@ __all__ = [
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # vLLM's request fields for features we do not have: refused when set (not None,
 # not empty, not false), as OpenAI's are.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                      "structured_outputs", "bad_words", "allowed_token_ids",
+UNSUPPORTED_EXTRAS = ("use_beam_search", "bad_words", "allowed_token_ids",
                       "return_tokens_as_token_ids", "priority", "chat_template", "documents",
                       "mm_processor_kwargs")
 # Names a chat template is rendered with: chat_template_kwargs may not replace them.
@@ -91,6 +92,12 @@ class GenerateRequest:
     # vLLM's prompt_logprobs: the response carries, per prompt token, its logprob,
     # rank and the top N (sampling.prompt_logprobs may be larger, for echo).
     prompt_logprobs: int | None = None
+    # Chat with tools (tool_choice not "none"): the format the output's calls are
+    # read in (pdd.http.tools); None: the output is all content.
+    tool_format: ToolFormat | None = None
+    # The field sampling.structured_output came from: errors of its compilation
+    # (pdd.http.structured.check, run by the app off its loop) name it.
+    structured_param: str | None = None
 
 
 # ---------------------------------------------------------------- requests
@@ -117,6 +124,7 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     wanted = _prompt_logprobs(f)
     if echo and logprobs is not None:
         sampling.prompt_logprobs = max(logprobs, wanted or 0)
+    sampling.structured_output, structured_param = structured.structured_output(f)
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     if max_tokens == 0 and sampling.min_tokens:
@@ -127,21 +135,21 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()), continuous_usage=continuous, n=n, echo=echo, echo_only=max_tokens == 0,
-        prompt_logprobs=wanted, **_text_options(f))
+        prompt_logprobs=wanted, structured_param=structured_param, **_text_options(f))
 
 
-def parse_chat_request(body: bytes, served_models: Sequence[str],
-                       vocab_size: int | None = None) -> GenerateRequest:
+def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: int | None = None,
+                       tool_fmt: ToolFormat | None = None) -> GenerateRequest:
+    """tool_fmt: the format the model writes tool calls in (default: hermes)."""
     f = Fields(load_object(body))
     model = _model(f, served_models)
     messages = _messages(f)
     if f.boolean("echo", False):
         raise bad("echo", "echo is not supported in chat; set 'echo' to false or leave it out")
     n = _choices(f)
-    for name in ("tools", "functions"):
-        reject_nonempty(f, name)
-    for name in ("tool_choice", "function_call"):
-        reject_tool_choice(f, name)
+    reject_nonempty(f, "functions")    # the deprecated form of tools: clients send tools now
+    reject_tool_choice(f, "function_call")
+    listed, choice, parallel = structured.tools(f)
     logprobs = _chat_logprobs(f)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; both are
     # type-checked, and the newer one wins when both are given.
@@ -150,6 +158,24 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
     wanted = _prompt_logprobs(f)
+    sampling.structured_output, structured_param = structured.structured_output(f)
+    template_args, text_options = _template_args(f), _text_options(f)
+    fmt = None
+    if listed:
+        template_args["tools"] = listed
+    constrained = sampling.structured_output is not None
+    if listed and choice not in ("none", "auto") and constrained:
+        raise bad("tool_choice", "a forced tool call ('tool_choice' \"required\" or a named function) "
+                                 "cannot be combined with response_format or guided decoding")
+    # Calls are read from the output unless the tools are off, or a response
+    # format makes the output that format's content.
+    if listed and choice != "none" and not constrained:
+        fmt = tool_fmt or tool_format("hermes", None)
+        if fmt.keeps_special_tokens:   # its calls begin with a special token
+            text_options["skip_special_tokens"] = False
+        if choice != "auto":
+            sampling.structured_output = structured.tool_grammar(fmt, listed, choice, parallel)
+            structured_param = "tools"
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)
@@ -157,8 +183,8 @@ def parse_chat_request(body: bytes, served_models: Sequence[str],
         kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset, template_args=_template_args(f), continuous_usage=continuous,
-        n=n, prompt_logprobs=wanted, **_text_options(f))
+        max_tokens_unset=unset, template_args=template_args, continuous_usage=continuous,
+        n=n, prompt_logprobs=wanted, tool_format=fmt, structured_param=structured_param, **text_options)
 
 
 def _model(f: Fields, served: Sequence[str]) -> str:
@@ -223,9 +249,16 @@ def _message(m: object, i: int) -> dict:
     if role not in ROLES:
         raise bad(mf.param("role"), f"'{mf.param('role')}' must be one of "
                                     f"{', '.join(ROLES)}; got '{role}'")
-    if mf.obj.get("tool_calls") or mf.obj.get("function_call"):
-        raise bad(mf.param("tool_calls"), f"'{mf.param('tool_calls')}': tool calls are not supported")
-    message = {"role": role, "content": _content(mf)}
+    if mf.obj.get("function_call"):
+        raise bad(mf.param("function_call"), f"'{mf.param('function_call')}' is not supported; use 'tool_calls'")
+    calls = mf.obj.get("tool_calls")
+    if calls and role != "assistant":
+        raise bad(mf.param("tool_calls"), f"'{mf.param('tool_calls')}': only assistant messages hold tool calls")
+    calls = structured.history_tool_calls(calls, mf.param("tool_calls")) if calls else None
+    # An assistant message that only calls tools has no content (null): templates get "".
+    message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf)}
+    if calls:
+        message["tool_calls"] = calls
     for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
         value = mf.string(key)
         if value is not None:
@@ -289,7 +322,6 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
         raise unsupported("logit_bias")
     for name in UNSUPPORTED_EXTRAS:
         reject_nonempty(f, name)
-    check_response_format(f)
     f.string("user")    # accepted and ignored, but a wrong type is still an error
     top_k = f.integer("top_k", 0, hi=INT64_MAX)   # above the vocabulary: the same as off
     if top_k < -1:
@@ -433,9 +465,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return choice
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def response(req: GenerateRequest, choices: list[dict], usage: dict, prompt_logprobs: list | None = None) -> dict:
@@ -453,9 +488,9 @@ def completion_response(req: GenerateRequest, text: str, finish_reason: str, usa
     return response(req, [completion_choice(0, text, finish_reason, logprobs)], usage)
 
 
-def chat_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
-                  logprobs: dict | None) -> dict:
-    return response(req, [chat_choice(0, text, finish_reason, logprobs)], usage)
+def chat_response(req: GenerateRequest, text: str | None, finish_reason: str, usage: dict,
+                  logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+    return response(req, [chat_choice(0, text, finish_reason, logprobs, tool_calls)], usage)
 
 
 def prompt_logprobs_json(tokenizer, prompt_ids: list[int], entries: list, num_top: int) -> list:

@@ -192,17 +192,11 @@ def reject_nonempty(f: Fields, name: str) -> None:
 
 
 def reject_tool_choice(f: Fields, name: str) -> None:
-    """`tool_choice`/`function_call`: with no tools, "none" and "auto" both mean
-    plain text (what we produce), so clients that always send them still work;
-    "required" or a named tool would need tool calling."""
+    """`function_call` (the deprecated form of tool_choice): "none" and "auto"
+    both mean plain text without `functions`, so clients that always send them
+    still work; anything else needs `tools` and `tool_choice`."""
     value = f.obj.get(name)
     if value is None or value in ("none", "auto"):
         return
-    raise unsupported(name, f" (only \"none\" or \"auto\" without tools), got {orjson.dumps(value).decode()}")
-
-
-def check_response_format(f: Fields) -> None:
-    fmt = f.mapping("response_format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad("response_format", f"'response_format' type {fmt.get('type')!r} is not supported; "
-                                     "only {\"type\": \"text\"}")
+    raise unsupported(name, f" (only \"none\" or \"auto\"; use 'tools' and 'tool_choice'), "
+                            f"got {orjson.dumps(value).decode()}")

@@ -132,6 +132,8 @@ def _fast_builder(cls, checked):
              "    if type(raw) is not dict or not _names.issuperset(raw):",
              "        return _checked(raw)"]
     nested = []
+    if any(_optional_dataclass(hint) is not None for hint, _ in spec.values()):
+        return checked    # none at a message's top level today: the checked path suffices
     for i, (name, (hint, required)) in enumerate(spec.items()):
         var = f"v{i}"
         lines.append(f"    {var} = raw.get({name!r}, _MISSING)")
@@ -174,13 +176,30 @@ def _fast_positional_builder(cls, checked):
              f"    {', '.join(names)}{',' if len(names) == 1 else ''} = raw"]
     for i, (var, (hint, _)) in enumerate(zip(names, spec.values())):
         if dataclasses.is_dataclass(hint) or _nested_list(hint):
-            return checked    # no nesting below a nested dataclass today: the checked path suffices
+            return checked    # no such nesting below a nested dataclass today: the checked path suffices
+        optional = _optional_dataclass(hint)
+        if optional is not None:   # SamplingParams.structured_output: None, or an array of its fields
+            env[f"_b{i}"], env["_Mismatch"] = _builder(optional, True), _Mismatch
+            lines += [f"    if {var} is not None:", "        try:", f"            {var} = _b{i}({var})",
+                      "        except _Mismatch:", "            return _checked(raw)"]
+            continue
         env[f"_p{i}"] = _predicate(hint)
         test = _inline_check(hint, var) or f"_p{i}({var})"
         lines += [f"    if not {test}:", "        return _checked(raw)"]
     lines.append(f"    return _cls({', '.join(names)})")
     exec("\n".join(lines), env)   # noqa: S102 -- code generated from our own type hints
     return env["build"]
+
+
+def _optional_dataclass(hint):
+    """The dataclass D of a hint `D | None`; None for any other hint."""
+    args = typing.get_args(hint)
+    if ((typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType") and len(args) == 2
+            and type(None) in args):
+        inner = args[0] if args[1] is type(None) else args[1]
+        if dataclasses.is_dataclass(inner):
+            return inner
+    return None
 
 
 def _nested_list(hint) -> bool:
@@ -214,6 +233,10 @@ def _converter(hint):
     dataclass arrays made instances."""
     if dataclasses.is_dataclass(hint):
         return _builder(hint, True)
+    optional = _optional_dataclass(hint)
+    if optional is not None:
+        build = _builder(optional, True)
+        return lambda value: None if value is None else build(value)
     if _nested_list(hint):
         item = _builder(typing.get_args(hint)[0], True)
 

@@ -4,8 +4,8 @@ Each message is a dataclass with a `TYPE` tag. On the wire it is a msgpack map
 {"t": TYPE, "v": PROTOCOL_VERSION, <fields>} (see codec.py). Field types are
 checked on receipt, so a malformed message is refused at the socket, with an
 error naming the field, before any handler sees it. Fields that are themselves
-dataclasses (TokenItem, SamplingParams) travel as arrays of their fields in
-declaration order (compact: a step's TokenBatch holds hundreds of items),
+dataclasses (TokenItem, SamplingParams, and its StructuredOutput) travel as
+arrays of their fields in declaration order (compact: a step's TokenBatch holds hundreds of items),
 checked the same way.
 
 Every message about one request carries its `epoch`: the router bumps it each

@@ -167,6 +167,7 @@ def test_host_names():
     ({"max_buffered_tokens": 0}, "router.max_buffered_tokens"),
     ({"allowed_hosts": ["http://gpu-box.lan"]}, "router.allowed_hosts: 'http://gpu-box.lan' is not a host name"),
     ({"allowed_hosts": ["gpu-box.lan:8000"]}, "router.allowed_hosts"),
+    ({"tool_call_parser": "xml"}, "router.tool_call_parser"),
 ])
 def test_settings_errors_name_the_key(router, message):
     with pytest.raises(ConfigError, match=message):

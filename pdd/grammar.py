@@ -1,0 +1,199 @@
+"""Constrained decoding: a request's StructuredOutput as a grammar, and the
+token bitmask that keeps its output inside it (llguidance; docs/design.md says
+why that library).
+
+The router checks a spec here (`check`: a clear 400 for a bad schema or
+regex); every engine that runs the request compiles it (`GrammarCompiler`,
+once per distinct spec) and gives the request its own `Matcher`, which replays
+the request's output tokens so far: a decode worker continuing after the
+prefill worker's first token, or a worker taking over a migrated request,
+reaches the same matcher state from the tokens alone, so the output is the
+same in every layout.
+
+The mask of a step is packed, 32 tokens per int32 word (bit t % 32 of word
+t // 32 set: token t allowed), one row per sampled request; the sampler
+unpacks it on the logits' device (pdd.engine.sampler). No torch here: the
+router imports this module.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from pdd.api import InvalidRequest, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+# Compiled grammars kept per engine (a pristine matcher each, copied per request).
+CACHE_SIZE = 256
+
+
+def _llg():
+    import llguidance
+    return llguidance
+
+
+# JSON is written with fixed separators and no other whitespace (as Python's
+# json.dumps writes it): models write it that way anyway, and a grammar that
+# allows free whitespace lets a weak model pad forever without ending.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def grammar_for(so: StructuredOutput) -> str:
+    """llguidance's grammar text for a spec; InvalidRequest naming what is wrong
+    when the spec cannot even be read (the grammar's own errors show when it is
+    compiled: `check`)."""
+    llg = _llg()
+    kind, spec = so.kind, so.spec
+    try:
+        if kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if kind == "json_schema":
+            schema = json.loads(spec)
+            if not isinstance(schema, dict):
+                raise InvalidRequest("structured_output: a JSON schema must be an object")
+            # The text, not the parsed object: llguidance reads it without the GIL.
+            return llg.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            if (not isinstance(choices, list) or not choices
+                    or not all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequest("structured_output: choice must be a non-empty array of non-empty strings")
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if kind == "grammar":
+            from llguidance.gbnf_to_lark import any_to_lark
+            return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
+    except InvalidRequest:
+        raise
+    except Exception as e:   # JSON errors, GBNF conversion errors, llguidance's ValueErrors
+        raise InvalidRequest(f"structured_output: cannot read the {kind} ({e})") from None
+    raise InvalidRequest(f"structured_output.kind: unknown kind {kind!r}")
+
+
+def check(so: StructuredOutput) -> None:
+    """InvalidRequest when the spec does not compile (without a tokenizer: the
+    router's check; an engine compiles it with the vocabulary anyway)."""
+    error = _llg().LLMatcher.validate_grammar(grammar_for(so))
+    if error:
+        raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(error)}")
+
+
+def _first_lines(text: str, limit: int = 600) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def words(vocab_size: int) -> int:
+    """int32 words of one mask row."""
+    return (vocab_size + 31) // 32
+
+
+class Matcher:
+    """One request's position in its grammar, fed the request's output tokens
+    (replayed from the start on any engine that takes the request over)."""
+
+    def __init__(self, inner, compiler: "GrammarCompiler"):
+        self.inner = inner
+        self.compiler = compiler
+        self.num_consumed = 0
+
+    def replay(self, tokens: list[int]) -> None:
+        """Consume output tokens produced before this engine had the request
+        (the tail of a migrated request's prompt): `sync` counts from after them."""
+        self._consume(tokens)
+
+    def sync(self, tokens: list[int], pending: int | None = None) -> None:
+        """Consume the tokens of `tokens` (the request's output so far, prefix
+        of what it saw last time) not consumed yet, then `pending` (a token the
+        host learned before it was appended) if not consumed yet."""
+        n = len(tokens) + (pending is not None)
+        if self.num_consumed >= n:
+            return
+        new = tokens[self.num_consumed:]
+        if pending is not None:
+            new = [*new, pending]
+        self.num_consumed = n
+        self._consume(new)
+
+    def _consume(self, tokens: list[int]) -> None:
+        # A refused token leaves the matcher in error, which stops the request
+        # (`stopped`); only EOS can be sampled until then.
+        if tokens and not self.inner.is_error() and not self.inner.consume_tokens(tokens):
+            log.warning("grammar refused a token of the output: %s", self.inner.get_error())
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing but EOS may follow (the grammar is complete, or in error)."""
+        return self.inner.is_stopped()
+
+
+class GrammarCompiler:
+    """The vocabulary of one checkpoint as llguidance sees it, the grammars
+    compiled against it (LRU), and the thread pool that fills a step's masks."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """vocab_size: the model's (the logits' width; the tokenizer's may be
+        smaller: rows past it are padding, never allowed)."""
+        llg = _llg()
+        # EOS ids the tokenizer does not have (a stand-in tokenizer's) cannot be named to it.
+        known = _num_tokens(tokenizer_json)
+        eos = [t for t in eos_token_ids if t < known] or None
+        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, known), eos_token=eos)
+        self.vocab_size = vocab_size
+        self.words = words(vocab_size)
+        self.executor = llg.LLExecutor()
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: str | Path, vocab_size: int,
+                       eos_token_ids: tuple[int, ...]) -> "GrammarCompiler":
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidRequest("structured_output: this checkpoint has no tokenizer.json, which "
+                                 "constrained decoding needs")
+        try:
+            return cls(path.read_text(), vocab_size, eos_token_ids)
+        except (ValueError, OSError) as e:   # a tokenizer llguidance cannot read (e.g. not byte-level BPE)
+            raise InvalidRequest(f"structured_output: constrained decoding cannot use this checkpoint's "
+                                 f"tokenizer ({e})") from None
+
+    def matcher(self, so: StructuredOutput) -> Matcher:
+        """A fresh matcher for the spec; InvalidRequest if it does not compile."""
+        key = (so.kind, so.spec)
+        pristine = self._compiled.get(key)
+        if pristine is None:
+            pristine = _llg().LLMatcher(self.tokenizer, grammar_for(so), log_level=0)
+            if pristine.is_error():
+                raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(pristine.get_error())}")
+            self._compiled[key] = pristine
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return Matcher(pristine.deep_copy(), self)
+
+
+
+def _num_tokens(tokenizer_json: str) -> int:
+    """The ids a tokenizer.json defines: its model's vocabulary and added tokens."""
+    spec = json.loads(tokenizer_json)
+    vocab = spec.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id", 0) for t in spec.get("added_tokens") or []]
+    return max(ids, default=-1) + 1
+
+
+def fill_masks(rows: list[tuple[Matcher, int]], num_rows: int) -> np.ndarray:
+    """[num_rows, words] int32: row i holds the tokens its matcher allows for
+    each (matcher, i) of `rows` (computed in parallel), every token elsewhere.
+    The matchers are of one engine (one compiler)."""
+    compiler = rows[0][0].compiler
+    mask = np.full((num_rows, compiler.words), -1, dtype=np.int32)
+    compiler.executor.unsafe_compute_mask_ptr([(m.inner, i) for m, i in rows], mask.ctypes.data,
+                                              compiler.words * 4, num_rows)
+    return mask
