@@ -66,6 +66,8 @@ class Request:
         # position but the last, filled chunk by chunk; handed out once, with
         # the first output token (take_prompt_logprobs).
         self.prompt_logprobs: list | None = [] if self.wants_prompt_logprobs else None
+        # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
+        self.grammar = None
 
     @property
     def output_start(self) -> int:
@@ -90,8 +92,6 @@ class Request:
         """The prompt's logprobs, once: None after the first call, and when not asked for."""
         taken, self.prompt_logprobs = self.prompt_logprobs, None
         return taken
-        # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
-        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
