@@ -19,6 +19,7 @@ from pdd.security import write_private
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster
 from tests.engine.helpers import random_prompts
+from tests.e2e.test_disagg_faults import _wait_for
 
 PROMPT = random_prompts([40], seed=77)[0]
 
@@ -30,16 +31,6 @@ def cluster(tmp_path_factory, tiny_model):
                   env={"PDD_LOG__FORMAT": "json", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}).start()
     yield c
     assert c.stop() == 0, c.logs()
-
-
-def _wait_for(cond, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def json_lines(path: Path) -> list[dict]:
