@@ -74,9 +74,11 @@ def test_injected_transfer_failures_and_dropped_reserves(tiny_model, offline):
         await router.send(m.SetFaults({"reserve.drop_rate": 1}), to="decode-0")
         await router.send(m.Reserve("b", 1, prompt, sampling, 30.0), to="decode-0")
         await router.send(m.SetFaults(clear=True), to="decode-0")
-        await router.send(m.SetFaults(clear=True), to="prefill-0")
         await router.send(m.Reserve("c", 1, prompt, sampling, 30.0), to="decode-0")
         await router.next(m.Reserved, lambda r: r.request_id == "c")
+        # Only now: both workers share this process's fault settings, and the
+        # prefill worker could clear them before the decode worker read "b".
+        await router.send(m.SetFaults(clear=True), to="prefill-0")
         reserved_for = [r.request_id for r in router.received if isinstance(r, m.Reserved)]
         await router.send(m.Abort(["c"]), to="decode-0")
         await disaggregated(router, "d", decode)
