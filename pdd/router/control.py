@@ -404,8 +404,10 @@ class ControlPlane:
     def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
         landed = self.requests.get(msg.request_id)
         if landed is None:   # the decode worker, started by the data plane, has streamed it all
-            self.traces.late(msg.request_id, TraceEvent(self.clock(), "transfer", msg.epoch, None, peer,
-                                                        _transfer_note(peer, msg.transfer)))
+            ended = self.traces.late(msg.request_id, TraceEvent(self.clock(), "transfer", msg.epoch, None, peer,
+                                                                _transfer_note(peer, msg.transfer)))
+            if ended is not None:   # its last placement's transfer: counted as any other
+                self.metrics.observe_transfer(peer, ended.served_by()[1] or "", msg.transfer)
             return
         if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
                 and landed.prompt_at == peer and landed.prefill_worker is None):

@@ -119,14 +119,17 @@ class TraceStore:
                 heapq.heapreplace(self._slow, item)
         return t
 
-    def late(self, request_id: str, event: TraceEvent) -> None:
+    def late(self, request_id: str, event: TraceEvent) -> Timeline | None:
         """An event about a request that already ended: a prefill worker's
         `PrefillDone` (the transfer's figures) may come after the decode worker,
-        started by the data plane, streamed the whole answer."""
+        started by the data plane, streamed the whole answer. The timeline it
+        joined (None: no finished request of that id and epoch is kept)."""
         t = next((t for t in reversed(self.recent) if t.request_id == request_id), None)
-        if t is not None and t.events and t.events[-1].epoch == event.epoch:
-            t.events.append(event)
-            t.events.sort(key=lambda e: e.at)
+        if t is None or not t.events or t.events[-1].epoch != event.epoch:
+            return None
+        t.events.append(event)
+        t.events.sort(key=lambda e: e.at)
+        return t
 
     def find(self, request_id: str) -> list[Timeline]:
         """Finished requests with this id (a client's id reused while in flight: `ID#2`, ... too), oldest first."""

@@ -101,7 +101,8 @@ def test_a_departed_worker_is_forgotten_after_the_grace_period_and_one_back_in_t
         status = c.admin("status")
         assert status["departed"] == []
         assert kept(c, "extra-1") == {"breakers": [], "series": set()}
-        assert kept(c, "extra-0") == before["extra-0"]
+        back = kept(c, "extra-0")   # nothing of it lost (its series may have grown since: heartbeats, late transfers)
+        assert back["breakers"] == before["extra-0"]["breakers"] and back["series"] >= before["extra-0"]["series"]
         assert served(c, offline, seed=50)
     finally:
         stop(*extras.values())
