@@ -30,6 +30,7 @@ import torch
 from pdd import SamplingParams
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from tests.e2e import http_util
+from tests.e2e.test_disagg_faults import _wait_for
 from tests.e2e.netns import TwoHosts, why_unavailable
 from tests.engine.helpers import random_prompts
 from tests.transfer.conftest import make_layout, make_pool
@@ -180,21 +181,23 @@ def test_a_cluster_across_two_hosts_serves_what_colocated_does(two_hosts, tmp_pa
                                                      "max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
             assert reply.status == 200, reply.body
             assert reply.json()["choices"][0]["text"] == exp.text
-        assert cluster.metric("pdd_kv_transfer_blocks_sent_total") > 0
+        # PrefillDone may come after the answer, and the workers' stats with their heartbeats.
+        _wait_for(lambda: cluster.metric("pdd_kv_transfer_blocks_sent_total") > 0, 30.0, "transfers counted")
         assert cluster.metric("pdd_disagg_fallbacks_total") == 0
         # The pages crossed the link: host b's data socket has host a as its peer
         # (over nixl, for the one-sided control), and the decode worker's control
         # connection goes the other way.
         assert connections(two_hosts, "b", local_port=DATA_PORT) == {two_hosts.addr["a"]}
         assert connections(two_hosts, "b", remote_port=CONTROL_PORT) == {two_hosts.addr["a"]}
-        decode = cluster.admin("workers")
-        writers = next(w for w in decode if w["worker_id"] == "decode-b")["transfer"].get("nixl_writers", 0)
+        def writers() -> int:
+            decode = cluster.admin("workers")
+            return next(w for w in decode if w["worker_id"] == "decode-b")["transfer"].get("nixl_writers", 0)
         if chosen == "nixl":   # the pages were NIXL writes, over UCX's own connections across the link
-            assert writers >= 3
+            _wait_for(lambda: writers() >= 3, 30.0, "three nixl writes reported")
             assert two_hosts.addr["a"] in connections(two_hosts, "b", exclude_local=DATA_PORT,
                                                       exclude_remote=CONTROL_PORT)
         else:
-            assert writers == 0
+            assert writers() == 0
     finally:
         cluster.stop()
     assert all(p.returncode is not None for p in cluster.procs.values())
