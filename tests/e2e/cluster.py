@@ -104,3 +104,14 @@ class UpCluster:
 
     def stop(self) -> int:
         return interrupt(self.proc, 60.0)
+
+
+def _wait_for(cond, timeout_s=20.0, what="condition"):
+    """cond() until it is truthy (returned), or AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

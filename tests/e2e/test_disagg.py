@@ -13,7 +13,7 @@ import pytest
 
 from pdd import SamplingParams
 from tests.e2e import http_util
-from tests.e2e.cluster import UpCluster
+from tests.e2e.cluster import UpCluster, _wait_for
 from tests.engine.helpers import random_prompts
 
 
@@ -74,7 +74,8 @@ def test_50_requests_match_colocated(disagg, offline):
         assert text == exp.text
         assert reason == exp.finish_reason
     assert metric(disagg, "pdd_requests_total", '{finish_reason="length",mode="disagg"}') >= 50
-    assert metric(disagg, "pdd_kv_transfer_blocks_sent_total") > before
+    # A PrefillDone may come after its answer: wait for the count, do not read it once.
+    _wait_for(lambda: metric(disagg, "pdd_kv_transfer_blocks_sent_total") > before, 30.0, "transfers counted")
     assert metric(disagg, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 0
     for phase in ("reserve", "prefill"):  # where a disaggregated TTFT goes, as the router saw it
         assert metric(disagg, "pdd_disagg_phase_seconds_count", f'{{phase="{phase}"}}') >= 50

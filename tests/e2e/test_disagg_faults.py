@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from pdd import SamplingParams
-from tests.e2e.cluster import UpCluster
+from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.test_disagg import complete, metric, run_all
 from tests.engine.helpers import random_prompts
 
@@ -33,16 +33,6 @@ def slow(tmp_path_factory, tiny_model):
                        "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64", "PDD_ENGINE__MAX_NUM_SEQS": "1"}).start()
     yield c
     assert c.stop() == 0, c.logs()
-
-
-def _wait_for(cond, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def abort_when(cluster, prompt, max_tokens, phase_reached) -> None:
