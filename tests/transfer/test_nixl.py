@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -18,23 +17,13 @@ from pdd.transfer import make_receiver, make_sender
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import PoolRegion, runs, unavailable, write_descs
+from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
 from tests.transfer.peers import Peer, SenderPeer, rss_bytes, wait_result
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 GRACE_S = 0.5   # the decode side's writer grace, shortened: a silent writer's blocks come back sooner
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "the condition"):
-    """Poll `cond` until it returns something true (generous bound: only a broken run takes long)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -140,12 +129,12 @@ def test_abort_holds_the_blocks_until_the_writer_ends(peer, make_nixl_sender):
     writers = peer("stats")["writers"]
     t = target(peer, "r4", [5, 7])
     sender.prepare(t)
-    wait_for(lambda: peer("stats")["writers"] > writers, what="the writer to begin")
+    _wait_for(lambda: peer("stats")["writers"] > writers, what="the writer to begin")
     send(sender, t, make_pool(peer.layout, seed=4), [2, 8], layers=[0])
     assert peer("close", t.lease_id) == "held"       # the decode side aborted while we may still write
     assert peer("released") == []
     sender.abort("r4")
-    assert wait_for(lambda: peer("released"), what="the held lease to be released") == [t.lease_id]
+    assert _wait_for(lambda: peer("released"), what="the held lease to be released") == [t.lease_id]
     assert sender.poll() == []                        # an abort reports nothing
 
 
@@ -159,7 +148,7 @@ def test_lease_about_to_expire_is_not_written(peer, make_nixl_sender):
     assert not r.ok and "would expire" in r.error
     assert torch.equal(peer("pool"), before)
     # The lease runs out; the writer ended when it failed, so nothing is held.
-    assert wait_for(lambda: peer("expired"), what="the lease to expire") == [(t.lease_id, "free")]
+    assert _wait_for(lambda: peer("expired"), what="the lease to expire") == [(t.lease_id, "free")]
 
 
 def test_layout_mismatch_refuses_to_open_the_pool(peer, make_nixl_sender):
@@ -196,7 +185,7 @@ def test_a_stalled_peer_fails_the_transfer_and_holds_nothing_after(own_peer, mak
     # deadline plus the grace, so the lease is short here.
     t = target(peer, "s1", [1, 2], ttl_s=3.0)
     sender.prepare(t)
-    wait_for(lambda: peer("stats")["writers"] == 1, what="the writer to begin")
+    _wait_for(lambda: peer("stats")["writers"] == 1, what="the writer to begin")
     os.kill(peer.pid, signal.SIGSTOP)                 # the decode worker stops answering
     try:
         send(sender, t, make_pool(peer.layout, seed=8), [3, 4])
@@ -214,7 +203,7 @@ def test_a_stalled_peer_fails_the_transfer_and_holds_nothing_after(own_peer, mak
     closed = peer("close", t.lease_id)
     assert closed in ("free", "held")
     if closed == "held":
-        assert wait_for(lambda: peer("released"), what="the held lease to be released") == [t.lease_id]
+        assert _wait_for(lambda: peer("released"), what="the held lease to be released") == [t.lease_id]
 
 
 def test_a_killed_decode_peer_fails_the_transfer_and_its_restart_is_a_new_agent(own_peer, make_nixl_sender):
@@ -229,7 +218,7 @@ def test_a_killed_decode_peer_fails_the_transfer_and_its_restart_is_a_new_agent(
     assert len(old_agents) == 1
     t = target(first, "k2", [5])
     sender.prepare(t)
-    wait_for(lambda: first("stats")["writers"] == 2, what="the writer to begin")
+    _wait_for(lambda: first("stats")["writers"] == 2, what="the writer to begin")
     first.kill()                                      # kill -9 while the request is open
     send(sender, t, src, [6])
     sender.finish("k2")
@@ -266,10 +255,10 @@ def test_a_killed_prefill_peer_leaves_no_held_block_and_its_restart_writes(monke
         lease = leases.grant("p1", [1, 2], ttl_s=3.0)
         prefill("send", dict(request_id="p1", lease_id=lease, dst_worker="d", dst_addr=receiver.address,
                              dst_block_ids=(1, 2), backend="nixl"), [3, 4])
-        wait_for(lambda: receiver.nixl.num_writers == 1, what="the writer to begin")
+        _wait_for(lambda: receiver.nixl.num_writers == 1, what="the writer to begin")
         prefill.kill()
         assert leases.close(lease) == "held"         # revoked (aborted, expired) with the writer silent
-        assert [held.lease_id for held in wait_for(leases.released, what="the held blocks to come back")] == [lease]
+        assert [held.lease_id for held in _wait_for(leases.released, what="the held blocks to come back")] == [lease]
         restarted = SenderPeer(layout, "nixl", seed=5)
         try:
             lease = leases.grant("p2", [6, 7], ttl_s=30)
