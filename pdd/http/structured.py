@@ -158,16 +158,22 @@ def tools(f: Fields) -> tuple[list[dict] | None, object, bool]:
     return listed, choice, parallel
 
 
-def _tool(t, param: str) -> dict:
-    if not isinstance(t, dict):
-        raise wrong_type(param, "an object", t)
-    tf = Fields(t, prefix=param + ".")
-    if tf.string("type", "function") != "function":
-        raise bad(tf.param("type"), f"'{tf.param('type')}' must be \"function\"")
-    fn = tf.mapping("function")
+def _function_fields(obj, param: str) -> tuple[Fields, Fields]:
+    """The fields of `obj` and of its "function", once `obj` is checked to be {"type": "function", "function": {...}}
+    (a tool, or a call in an assistant's history)."""
+    if not isinstance(obj, dict):
+        raise wrong_type(param, "an object", obj)
+    of = Fields(obj, prefix=param + ".")
+    if of.string("type", "function") != "function":
+        raise bad(of.param("type"), f"'{of.param('type')}' must be \"function\"")
+    fn = of.mapping("function")
     if fn is None:
-        raise bad(tf.param("function"), f"'{tf.param('function')}' is required")
-    ff = Fields(fn, prefix=param + ".function.")
+        raise bad(of.param("function"), f"'{of.param('function')}' is required")
+    return of, Fields(fn, prefix=param + ".function.")
+
+
+def _tool(t, param: str) -> dict:
+    _, ff = _function_fields(t, param)
     name = ff.string("name")
     if name is None or not FUNCTION_NAME.fullmatch(name):
         raise bad(ff.param("name"), f"'{ff.param('name')}' must be 1 to 64 letters, digits, '_', '.' or '-'")
@@ -199,15 +205,7 @@ def history_tool_calls(value, param: str) -> list[dict]:
     out = []
     for i, call in enumerate(value):
         p = f"{param}[{i}]"
-        if not isinstance(call, dict):
-            raise wrong_type(p, "an object", call)
-        cf = Fields(call, prefix=p + ".")
-        if cf.string("type", "function") != "function":
-            raise bad(cf.param("type"), f"'{cf.param('type')}' must be \"function\"")
-        fn = cf.mapping("function")
-        if fn is None:
-            raise bad(cf.param("function"), f"'{cf.param('function')}' is required")
-        ff = Fields(fn, prefix=p + ".function.")
+        cf, ff = _function_fields(call, p)
         name, arguments = ff.string("name"), ff.string("arguments")
         if name is None or arguments is None:
             missing = "name" if name is None else "arguments"
