@@ -142,14 +142,9 @@ class AdaptiveConfig:
     # A step holding a prefill chunk beside running decodes must not predict an
     # inter-token gap above this for them (as the TPOT target by default: a
     # decode-leaning worker takes a local prefill only while its steps stay
-    # within what its requests are promised).
+    # within what its requests are promised). A long prompt prefilled there is
+    # cut into chunks small enough to keep its deepest step within it.
     itl_slo_s: float = 0.05
-    # A prompt prefilled beside running decodes is cut into chunks small enough
-    # that its deepest step is predicted within this gap, as long as it still
-    # meets ttft_slo_s (0: the engine's chunk_size). A chunk's cost grows with
-    # how deep in its prompt it is: a 512-token chunk 12k tokens deep beside 80
-    # decodes took 37 ms on an H200, 25 ms at the start of a prompt.
-    local_chunk_gap_s: float = 0.03
     # A prefill worker's queue is used while the wait in it is predicted within
     # this share of ttft_slo_s; past it a long prompt prefills where it decodes
     # if that meets the targets. The rest of the target is the margin for the tail
@@ -173,8 +168,6 @@ class AdaptiveConfig:
             raise ConfigError("router.adaptive: ttft_slo_s, tpot_slo_s, itl_slo_s and demand_window_s must be > 0")
         if self.local_prefill_tokens < 0:
             raise ConfigError("router.adaptive.local_prefill_tokens: must be >= 0")
-        if self.local_chunk_gap_s < 0:
-            raise ConfigError("router.adaptive.local_chunk_gap_s: must be >= 0 (0: the engine's chunk_size)")
         if not 0.0 < self.ttft_headroom <= 1.0:
             raise ConfigError("router.adaptive.ttft_headroom: must be in (0, 1]")
         if not 0.0 < self.prefill_utilization <= 1.0 or not 0.0 <= self.hysteresis < 1.0:

@@ -439,6 +439,7 @@ def test_a_worker_that_only_decodes_takes_the_depth_cost_its_peer_measured():
     assert ests["c1"].step_token_s == pytest.approx(2.5e-5, rel=0.05)
 
 
+ITL30 = AdaptiveConfig(itl_slo_s=0.03)
 DEEP = dict(step_base_s=0.005, step_token_s=2.5e-5, step_decode_s=1e-4, step_pair_s=2e-9)  # ~H200, 8B
 
 
@@ -446,17 +447,17 @@ def test_a_long_prompt_prefilled_beside_decodes_gets_chunks_that_keep_the_gap(st
     """The prefill worker's queue is too long for the target: a 10k prompt
     prefills where 80 requests decode (a 13 ms step). Its deepest 512-token
     chunk would make a ~40 ms step; it gets the largest chunk whose deepest step
-    stays within local_chunk_gap_s, and still meets the planned share of the TTFT target."""
+    stays within the ITL target (30 ms here), and still meets the planned share of the TTFT target."""
     workers, _ = static_pd
     d0 = est(decoding=80, **DEEP)
     ests = estimates(p0=est(LEAN_PREFILL, pending_tokens=60_000, **DEEP), d0=d0)
     n = 10_000
-    assert d0.chunk_step_s(512, n - 512) > SLO.local_chunk_gap_s
-    plan = adaptive(prompt(n), workers, ests)
+    assert d0.chunk_step_s(512, n - 512) > ITL30.itl_slo_s
+    plan = adaptive(prompt(n), workers, ests, slo=ITL30)
     assert (plan.kind, plan.decode) == (LOCAL_PREFILL, "d0")
     chunk = plan.prefill_chunk
     assert 0 < chunk < 512 and chunk % 64 == 0
-    assert d0.chunk_step_s(chunk, n - chunk) <= SLO.local_chunk_gap_s < d0.chunk_step_s(chunk + 64, n - chunk - 64)
+    assert d0.chunk_step_s(chunk, n - chunk) <= ITL30.itl_slo_s < d0.chunk_step_s(chunk + 64, n - chunk - 64)
     assert d0.prefill_s(n, chunk=chunk) <= SLO.ttft_headroom * SLO.ttft_slo_s
 
 
@@ -464,29 +465,29 @@ def test_a_local_prompt_keeps_the_workers_chunk_when_that_already_keeps_the_gap_
     workers, _ = static_pd
     queued = est(LEAN_PREFILL, pending_tokens=60_000, **DEEP)
     light = est(decoding=4, **DEEP)                            # 512 tokens 2k deep: ~20 ms
-    plan = adaptive(prompt(2_000), workers, estimates(p0=queued, d0=light))
+    plan = adaptive(prompt(2_000), workers, estimates(p0=queued, d0=light), slo=ITL30)
     assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
     # beside 120 decodes, 16k tokens in chunks within 30 ms would take past 2 s: no smaller chunk helps
-    plan = adaptive(prompt(16_000), workers, estimates(p0=queued, d0=est(decoding=120, **DEEP)))
+    plan = adaptive(prompt(16_000), workers, estimates(p0=queued, d0=est(decoding=120, **DEEP)), slo=ITL30)
     assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
-    off = AdaptiveConfig(local_chunk_gap_s=0.0)
-    plan = adaptive(prompt(10_000), workers, estimates(p0=queued, d0=est(decoding=80, **DEEP)), slo=off)
+    # the default target (50 ms) already holds the ~36 ms deepest step of the worker's own chunk
+    plan = adaptive(prompt(10_000), workers, estimates(p0=queued, d0=est(decoding=80, **DEEP)))
     assert (plan.kind, plan.prefill_chunk) == (LOCAL_PREFILL, 0)
 
 
 def test_a_deep_prompt_beside_decodes_is_priced_at_its_depth(static_pd):
-    """The same 6k prompt beside 80 decodes, chunks not sized: without its
-    depth its last 512-token chunk looks within an ITL target of 30 ms (26 ms)
-    and it would stay local (the prefill worker is past its queue share); at
-    its depth it is not (32 ms), and it waits in the prefill worker's queue,
-    which still meets the TTFT target."""
+    """The same 6k prompt beside 80 decodes (the prefill worker is past its
+    queue share, so it prefills locally): without its depth its last 512-token
+    chunk looks within an ITL target of 30 ms (26 ms) and keeps the worker's
+    chunk; at its depth it is not (32 ms), and it gets a smaller chunk."""
     workers, _ = static_pd
-    slo = AdaptiveConfig(local_chunk_gap_s=0.0, itl_slo_s=0.03)
     p0 = est(LEAN_PREFILL, pending_tokens=40_000, **DEEP)
     flat = {**DEEP, "step_pair_s": 0.0}
-    plans = [adaptive(prompt(6_000), workers, estimates(p0=p0, d0=est(decoding=80, **costs)), slo=slo)
+    plans = [adaptive(prompt(6_000), workers, estimates(p0=p0, d0=est(decoding=80, **costs)), slo=ITL30)
              for costs in (flat, DEEP)]
-    assert [(p.kind, p.reason) for p in plans] == [(LOCAL_PREFILL, "prefill_queue"), (DISAGG, "slo")]
+    assert [(p.kind, p.reason) for p in plans] == [(LOCAL_PREFILL, "prefill_queue")] * 2
+    assert plans[0].prefill_chunk == 0
+    assert 0 < plans[1].prefill_chunk < 512
 
 
 def test_a_sized_local_chunk_reaches_the_worker_in_its_admit(monkeypatch):

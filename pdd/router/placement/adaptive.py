@@ -165,7 +165,7 @@ def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, slo: Ada
 def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) -> int:
     """The chunk a prompt prefilled beside this worker's decodes gets: the
     largest (in steps of COSTS.local_chunk_step tokens) whose deepest step, beside the
-    decodes alone, stays within local_chunk_gap_s while the prompt's predicted
+    decodes alone, stays within the ITL target (itl_slo_s) while the prompt's predicted
     TTFT stays within the planned share of its target (ttft_headroom: the rest
     is the tail's margin; on one H200 at saturation, sizing up to the whole
     target took TTFT p99 from 1.8 to 2.5 s); 0 (the worker's chunk) when its own
@@ -174,13 +174,11 @@ def _local_chunk(e: WorkerEstimate, slo: AdaptiveConfig, cached: int, new: int) 
     riding there are left out: they end, and the chunk holds for the whole
     prompt (whether to take it while they ride is the option's ITL hit, which
     counts them)."""
-    if not slo.local_chunk_gap_s:
-        return 0
     top = min(e.chunk, max(0, e.prefill_room))
     step = COSTS.local_chunk_step
     for chunk in sorted({top, *range(step, top, step)}, reverse=True):
         own = min(chunk, new)
-        if e.step_s(e.decoding, own, query_key_pairs(cached + new - own, own)) > slo.local_chunk_gap_s:
+        if e.step_s(e.decoding, own, query_key_pairs(cached + new - own, own)) > slo.itl_slo_s:
             continue
         if e.prefill_s(new, behind=e.pending_tokens, cached=cached, chunk=chunk) > slo.ttft_headroom * slo.ttft_slo_s:
             return 0
