@@ -1,7 +1,8 @@
 """Engine step times on a GPU against the roofline (DESIGN.md, "Performance model").
 
 decode: B requests with a context of --context tokens each, all decoding; a
-step's floor is (weight bytes + KV bytes read) / HBM bandwidth.
+step's floor is (weight bytes + KV bytes read) / HBM bandwidth, counting only the
+bytes a step reads (an untied embedding table is looked up, not read whole).
 prefill: one prompt of N tokens in one step; the floor is
 (2 * params * N + attention FLOPs) / matmul peak.
 mixed (--mixed-chunks): a prompt computed in chunks beside B decoding requests,
@@ -77,7 +78,7 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     cfg, spec = engine.model_config, engine.runner.kv_spec
-    weight_bytes = cfg.num_parameters() * engine.dtype.itemsize
+    weight_bytes = decode_weight_bytes(cfg, batch, engine.dtype.itemsize)
     # KV each step reads: the batch's mean total context over the timed steps.
     kv_bytes = (tokens_before + tokens_after) / 2 * spec.bytes_per_token
     step = statistics.median(times)
@@ -89,6 +90,13 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
             "p10_ms": 1e3 * deciles[0], "p90_ms": 1e3 * deciles[-1],
             "fraction_of_roofline": floor / step, "tokens_s": batch / step, "graph_forward_ms": forward_ms,
             "forward_fraction_of_roofline": (1e3 * forward_floor / forward_ms) if forward_ms else None}
+
+
+def decode_weight_bytes(cfg, batch: int, itemsize: int) -> int:
+    """Weight bytes one decode step reads: every layer and the LM head, but of an
+    untied embedding table only the batch's rows (a lookup, not a pass over it)."""
+    untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_parameters() - untied_embedding + batch * cfg.hidden_size) * itemsize
 
 
 def _decode_tokens_needed(args, max_batched: int, batch: int) -> int:
