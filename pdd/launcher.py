@@ -20,6 +20,7 @@ with -9 leaves no router or worker running unsupervised.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import json
@@ -159,15 +160,9 @@ class Cluster:
             self.claim()
         write_private(self.config_path, dump_toml(self.cfg))
         self._spawn("router", ["--role", "router"])
-        threads = cpu_threads_each(self.cfg, self.workers)
-        for role, wid, device in self.workers:
-            env = {"PDD_ENGINE__DEVICE": device} if device else {}
-            if threads and not (device or "cpu").startswith("cuda"):
-                env["PDD_ENGINE__CPU_THREADS"] = str(threads)
-            if role == "colocated" and self.cfg.router.mode == "adaptive":
-                # Adaptive placement moves these between prefill and decode work.
-                env["PDD_WORKER__PREFILL_FOR_OTHERS"] = "true"
-            self._spawn(wid, ["--role", role, "--worker-id", wid], env)
+        envs = worker_envs(self.cfg, self.workers)
+        for role, wid, _ in self.workers:
+            self._spawn(wid, ["--role", role, "--worker-id", wid], envs[wid])
 
     def _with_secrets(self, cfg: ClusterConfig) -> ClusterConfig:
         """`cfg` with what the config leaves out: a fresh key set, a random admin token."""
@@ -267,6 +262,27 @@ def _api_keys(args, base: ClusterConfig) -> list[str]:
               f"read it (ps); use --api-key-file FILE or {API_KEYS_ENV}", file=sys.stderr)
         keys += args.api_key
     return list(dict.fromkeys(keys))
+
+
+def worker_envs(cfg: ClusterConfig, workers: list[tuple[str, str, str | None]]) -> dict[str, dict[str, str]]:
+    """What each worker's environment adds to this process's: its device, its
+    share of a GPU it shares, its CPU threads, its part in adaptive placement."""
+    threads = cpu_threads_each(cfg, workers)
+    sharing = collections.Counter(device for _, _, device in workers if device)
+    engine = cfg.engine
+    envs = {}
+    for role, wid, device in workers:
+        env = {"PDD_ENGINE__DEVICE": device} if device else {}
+        if sharing[device] > 1 and engine.kv_cache_bytes is None and engine.num_blocks is None:
+            # Workers sharing one GPU split its utilization target between them.
+            env["PDD_ENGINE__GPU_MEMORY_UTILIZATION"] = f"{engine.gpu_memory_utilization / sharing[device]:.4f}"
+        if threads and not (device or "cpu").startswith("cuda"):
+            env["PDD_ENGINE__CPU_THREADS"] = str(threads)
+        if role == "colocated" and cfg.router.mode == "adaptive":
+            # Adaptive placement moves these between prefill and decode work.
+            env["PDD_WORKER__PREFILL_FOR_OTHERS"] = "true"
+        envs[wid] = env
+    return envs
 
 
 def _plan_workers(args, cfg: ClusterConfig) -> list[tuple[str, str, str | None]]:

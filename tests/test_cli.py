@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def pdd(*args, env=None):
     return subprocess.run([sys.executable, "-m", "pdd.cli", *args], capture_output=True, text=True,
@@ -61,6 +63,27 @@ def test_workers_on_the_cpu_share_the_cores(monkeypatch):
     assert cpu_threads_each(pinned, pd, cores=8) == 0
     monkeypatch.setenv("PDD_ENGINE__CPU_THREADS", "3")
     assert cpu_threads_each(cfg, pd, cores=8) == 0
+
+
+def test_workers_sharing_a_gpu_split_its_memory_target():
+    """Three workers on two GPUs: the two on cuda:0 take half of
+    gpu_memory_utilization each, the one alone on cuda:1 the whole; a KV size
+    the operator fixed is left as it is."""
+    import dataclasses
+
+    from pdd.config import load_cluster_config
+    from pdd.launcher import worker_envs
+
+    cfg = load_cluster_config()
+    workers = [("prefill", "prefill-0", "cuda:0"), ("decode", "decode-0", "cuda:1"), ("decode", "decode-1", "cuda:0")]
+    envs = worker_envs(cfg, workers)
+    share = cfg.engine.gpu_memory_utilization / 2
+    assert float(envs["prefill-0"]["PDD_ENGINE__GPU_MEMORY_UTILIZATION"]) == pytest.approx(share, abs=1e-4)
+    assert float(envs["decode-1"]["PDD_ENGINE__GPU_MEMORY_UTILIZATION"]) == pytest.approx(share, abs=1e-4)
+    assert "PDD_ENGINE__GPU_MEMORY_UTILIZATION" not in envs["decode-0"]
+    assert envs["decode-1"]["PDD_ENGINE__DEVICE"] == "cuda:0"
+    fixed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_cache_bytes=1 << 30))
+    assert all("PDD_ENGINE__GPU_MEMORY_UTILIZATION" not in e for e in worker_envs(fixed, workers).values())
 
 
 def test_an_engine_on_the_cpu_takes_its_thread_count():

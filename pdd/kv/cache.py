@@ -45,17 +45,18 @@ class KVCacheSpec:
             budget = cfg.kv_cache_bytes
         elif device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            # What the model and activations already hold stays; the rest up to
-            # the utilization target goes to KV.
-            budget = int(total * cfg.gpu_memory_utilization) - used - _ACTIVATION_RESERVE
+            # This process's share of the device, less what its model already
+            # holds, goes to KV: another process on the same GPU (a second
+            # worker) counts against what is free, not against this share.
+            own = torch.cuda.memory_reserved(device)
+            budget = min(int(total * cfg.gpu_memory_utilization) - own, free) - _ACTIVATION_RESERVE
         else:
             budget = _CPU_DEFAULT_BYTES
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 2:
             raise ConfigError(f"engine: KV budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks "
                               f"of {self.bytes_per_block / 2**20:.2f} MiB; raise kv_cache_bytes or "
-                              "gpu_memory_utilization")
+                              "gpu_memory_utilization (or lower it for the other processes on this GPU)")
         return int(num_blocks)
 
 
