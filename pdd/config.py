@@ -155,23 +155,14 @@ class AdaptiveConfig:
     # transfer would only add its latency) or caches most of the prompt; beside
     # running decodes a short prompt is priced like any other.
     local_prefill_tokens: int = 256
-    # Prefill demand a prefill-leaning worker is meant to carry, as a share of its
-    # measured prefill rate; above it another colocated worker leans to prefill.
-    prefill_utilization: float = 0.7
-    # The demand has to fall this much below the threshold before one stops
-    # leaning to prefill (no flapping at the boundary).
-    hysteresis: float = 0.2
-    demand_window_s: float = 10.0        # time constant of the measured prefill demand (tokens/s)
 
     def validate(self) -> "AdaptiveConfig":
-        if min(self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s, self.demand_window_s) <= 0:
-            raise ConfigError("router.adaptive: ttft_slo_s, tpot_slo_s, itl_slo_s and demand_window_s must be > 0")
+        if min(self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s) <= 0:
+            raise ConfigError("router.adaptive: ttft_slo_s, tpot_slo_s and itl_slo_s must be > 0")
         if self.local_prefill_tokens < 0:
             raise ConfigError("router.adaptive.local_prefill_tokens: must be >= 0")
         if not 0.0 < self.ttft_headroom <= 1.0:
             raise ConfigError("router.adaptive.ttft_headroom: must be in (0, 1]")
-        if not 0.0 < self.prefill_utilization <= 1.0 or not 0.0 <= self.hysteresis < 1.0:
-            raise ConfigError("router.adaptive: prefill_utilization must be in (0, 1], hysteresis in [0, 1)")
         return self
 
 

@@ -47,7 +47,7 @@ class Estimator:
         self.workers: dict[str, _Worker] = {}
         self.transfer = TransferRates(costs)
         self.prefill_leaning: set[str] = set()              # colocated workers steered to prefill
-        self._demand = Demand(cfg.demand_window_s)
+        self._demand = Demand(costs.demand_window_s)
 
     def _worker(self, worker_id: str) -> _Worker:
         w = self.workers.get(worker_id)
@@ -92,7 +92,7 @@ class Estimator:
         workers = list(workers)
         shared = self._shared_token_cost(workers)
         self.prefill_leaning = balance(self.prefill_leaning, workers, lambda w: self._estimate(w, shared).prefill_rate,
-                                       lambda wid: self._worker(wid).load.decoding, self.demand(now), self.cfg)
+                                       lambda wid: self._worker(wid).load.decoding, self.demand(now), self.costs)
 
     def left(self, worker_id: str) -> None:
         """A worker unregistered: its queue went with it (its requests were placed

@@ -356,7 +356,7 @@ def test_a_short_prompt_is_prefill_demand_only_when_sent_to_a_prefill_worker():
     e.placed("c1", "c1", 200, 0.0)          # prefilled where it decodes
     assert e.demand(0.0) == 0.0
     e.placed("c0", "c1", 200, 0.0)          # computed by a prefill worker
-    assert e.demand(0.0) == pytest.approx(200 / SLO.demand_window_s)
+    assert e.demand(0.0) == pytest.approx(200 / COSTS.demand_window_s)
 
 
 def test_a_cap_on_prompt_tokens_beside_decodes_slows_a_prefill_there_not_on_an_idle_worker():

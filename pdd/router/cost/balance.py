@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from pdd.config import AdaptiveConfig
+from pdd.router.cost.constants import COSTS, CostModelConstants
 from pdd.router.registry import WorkerInfo
 
 
@@ -21,7 +21,8 @@ def flexible(workers: Iterable[WorkerInfo]) -> list[WorkerInfo]:
 
 
 def balance(leaning: set[str], workers: list[WorkerInfo], rate: Callable[[WorkerInfo], float],
-            decoding: Callable[[str], int], demand_tokens_s: float, cfg: AdaptiveConfig) -> set[str]:
+            decoding: Callable[[str], int], demand_tokens_s: float,
+            cfg: CostModelConstants = COSTS) -> set[str]:
     """The workers to lean to prefill now, from those that do (`leaning`);
     `rate(w)`: w's prefill tokens/s; `decoding(id)`: requests decoding there."""
     flex = flexible(workers)

@@ -38,6 +38,11 @@ class CostModelConstants:
     # What a worker that reports no step limits is taken to have (m.StepLimits zeros):
     unreported_budget: int = 2048     # the engine's max_num_batched_tokens on the CPU
     unreported_chunk: int = 512       # the engine's default chunk_size
+    # The role balance (cost/balance.py), which has a choice only with three or more colocated
+    # workers that prefill for others (or two beside a decode worker); not measured:
+    prefill_utilization: float = 0.7  # demand a prefill-leaning worker carries, of its measured prefill rate
+    hysteresis: float = 0.2           # how far the demand falls below that before one stops leaning (no flapping)
+    demand_window_s: float = 10.0     # time constant of the measured prefill demand (tokens/s)
     # Placement:
     prefix_weight: float = 0.5        # a fully cached prompt is worth this much load (pick_worker's affinity bonus)
     local_chunk_step: int = 64        # a local prefill's own chunk is a multiple of this (and never smaller)
