@@ -211,7 +211,7 @@ def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
     return cfg
 
 
-def _fp8_quantization_config(fmt: str) -> dict[str, Any]:
+def fp8_quantization_config(fmt: str) -> dict[str, Any]:
     if fmt in ("tensor", "channel"):
         return {"activation_scheme": "dynamic", "quant_method": "fp8"}
     if fmt == "block":  # DeepSeek-V3 / Qwen3-*-FP8
@@ -364,7 +364,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
     out.mkdir(parents=True, exist_ok=True)
     cfg = model_config(preset, arch)
     if fp8 is not None:
-        cfg.update(dtype="bfloat16", torch_dtype="bfloat16", quantization_config=_fp8_quantization_config(fp8))
+        cfg.update(dtype="bfloat16", torch_dtype="bfloat16", quantization_config=fp8_quantization_config(fp8))
 
     # tokenizer.json keeps its own key order (the vocab must stay in id order).
     tok_json = _json_bytes(_tokenizer_json(preset), sort_keys=False)

@@ -21,7 +21,8 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, stride_q, 
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, BLOCK)
     in_group = (offs < K) & (offs < grp * GROUP + GROUP)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=in_group & (row < M), other=0.0).to(tl.float32)
+    real_row = tl.full([BLOCK], 0, tl.int64) + row < M   # padding rows read nothing
+    x = tl.load(x_ptr + row * stride_x + offs, mask=in_group & real_row, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
     else:
