@@ -13,7 +13,8 @@ import triton.language as tl
 from pdd.ops.fp8_linear import _MIN_AMAX, FP8_DTYPE, FP8_MAX
 
 
-@triton.jit
+# The row count changes with every batch: one compiled variant for all of them.
+@triton.jit(do_not_specialize=["M"])
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_grp,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
