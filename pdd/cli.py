@@ -19,10 +19,12 @@ from pdd.engine.args import add_engine_args, engine_kwargs
 
 
 def cmd_make_model(args) -> int:
-    from pdd.model.make_model import make_model
+    from pdd.model.make_model import dequantized_copy, make_model
 
-    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, fp8=args.fp8)
     print(out)
+    if args.dequantized_copy:
+        print(dequantized_copy(out, args.dequantized_copy))
     return 0
 
 
@@ -124,10 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "8b"])
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--fp8", choices=["tensor", "channel", "block", "compressed"], default=None,
+                   help="write an FP8 checkpoint: quant_method fp8 with per-tensor, per-channel or 128x128 "
+                        "block scales, or compressed-tensors (per-channel weights, dynamic per-token activations)")
+    p.add_argument("--dequantized-copy", metavar="DIR", default=None,
+                   help="with --fp8: also write the same weights dequantized to bfloat16 (a plain checkpoint) in DIR")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate text offline")

@@ -12,6 +12,13 @@ median gap between consecutive step() returns, steps back to back, which is
 what a decoding request waits per token.
 
     pdd bench gpu --model conf/models/llama-3.1-8b --load-format dummy
+
+An FP8 checkpoint (`pdd make-model --preset 8b --fp8 block --out DIR`, then
+`--model DIR --load-format auto`, or its config.json alone with dummy weights)
+is measured against the bytes it reads (1 byte per FP8 weight, plus scales) and
+its prefill against the FP8 GEMM peak (DESIGN.md's measured numbers, fixed so
+runs compare). The run starts by measuring the matmul peaks again (bf16, and
+torch._scaled_mm with each scale kind) on 8192^3, reported beside them.
 """
 from __future__ import annotations
 
@@ -24,6 +31,65 @@ import torch
 
 HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (DESIGN.md)
 MATMUL_FLOP_S = 796e12     # measured bf16 matmul on the lent H200
+FP8_MATMUL_FLOP_S = 1465e12  # torch._scaled_mm (e4m3, tensorwise), 8192^3, on the lent H200; each run prints its own
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter (tied ones once), FP8 weights at one byte each
+    plus their scales."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Weight bytes one decode step reads: every layer and the LM head, but of an
+    untied embedding table only the batch's rows (a lookup, not a pass over it)."""
+    table = model.model.embed_tokens.weight
+    row_bytes = table.shape[1] * table.element_size()
+    if table is model.lm_head.weight:
+        return weight_bytes(model)
+    return weight_bytes(model) - table.shape[0] * row_bytes + batch * row_bytes
+
+
+def is_fp8(model: torch.nn.Module) -> bool:
+    from pdd.model.fp8 import Fp8Linear
+
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def _cuda_time(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def matmul_peaks(n: int = 8192) -> dict:
+    """TFLOP/s of an n^3 GEMM: bf16, and FP8 e4m3 through torch._scaled_mm with
+    tensorwise, rowwise and 128x128 block scales (the kinds FP8 checkpoints use)."""
+    from pdd.ops import fp8_linear
+    from pdd.ops.fp8_linear import FP8_DTYPE
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE)
+    one = torch.ones((), device="cuda")
+    rows, cols = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    runs = {
+        "bf16": lambda: a @ b.t(),
+        "fp8_tensorwise": lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        "fp8_rowwise": lambda: torch._scaled_mm(a8, b8.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16),
+    }
+    if fp8_linear.block_gemm_supported():
+        import torch.nn.functional as F
+        a_scale = torch.ones(n // 128, n, device="cuda").t()      # column-major, as cuBLASLt takes it
+        b_scale = torch.ones(n // 128, n // 128, device="cuda").t()
+        runs["fp8_block"] = lambda: F.scaled_mm(a8, b8.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale,
+                                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    return {name: 2 * n ** 3 / _cuda_time(fn) / 1e12 for name, fn in runs.items()}
 
 
 def _engine(args, max_batched: int, num_blocks: int):
@@ -77,26 +143,19 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
         _profile_steps(engine, batch)
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
-    cfg, spec = engine.model_config, engine.runner.kv_spec
-    weight_bytes = decode_weight_bytes(cfg, batch, engine.dtype.itemsize)
+    model, spec = engine.runner.model, engine.runner.kv_spec
     # KV each step reads: the batch's mean total context over the timed steps.
     kv_bytes = (tokens_before + tokens_after) / 2 * spec.bytes_per_token
     step = statistics.median(times)
-    floor = (weight_bytes + kv_bytes) / HBM_BYTES_S
+    floor = (decode_weight_bytes(model, batch) + kv_bytes) / HBM_BYTES_S
     # The captured forward stops before the LM head: its floor is without those weights.
-    forward_floor = floor - cfg.vocab_size * cfg.hidden_size * engine.dtype.itemsize / HBM_BYTES_S
+    head = model.lm_head.weight
+    forward_floor = floor - head.numel() * head.element_size() / HBM_BYTES_S
     deciles = statistics.quantiles(times, n=10)
     return {"batch": batch, "context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
             "p10_ms": 1e3 * deciles[0], "p90_ms": 1e3 * deciles[-1],
             "fraction_of_roofline": floor / step, "tokens_s": batch / step, "graph_forward_ms": forward_ms,
             "forward_fraction_of_roofline": (1e3 * forward_floor / forward_ms) if forward_ms else None}
-
-
-def decode_weight_bytes(cfg, batch: int, itemsize: int) -> int:
-    """Weight bytes one decode step reads: every layer and the LM head, but of an
-    untied embedding table only the batch's rows (a lookup, not a pass over it)."""
-    untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return (cfg.num_parameters() - untied_embedding + batch * cfg.hidden_size) * itemsize
 
 
 def _decode_tokens_needed(args, max_batched: int, batch: int) -> int:
@@ -160,8 +219,9 @@ def bench_prefill(args, engine, tokens: int) -> dict:
     linear_flops = 2 * cfg.num_parameters() * tokens
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
     flops = linear_flops + attn_flops
+    peak = FP8_MATMUL_FLOP_S if is_fp8(engine.runner.model) else MATMUL_FLOP_S
     return {"tokens": tokens, "time_ms": 1e3 * step, "tflop_s": flops / step / 1e12,
-            "fraction_of_peak": flops / step / MATMUL_FLOP_S}
+            "fraction_of_peak": flops / step / peak, "peak_tflop_s": peak / 1e12}
 
 
 def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
@@ -228,7 +288,15 @@ def main(args) -> int:
         per_request = (args.context + _decode_tokens_needed(args, max_batched, args.mixed_batch)
                        + -(-args.mixed_prompt // min(chunks)) + args.steps)
         blocks_needed = max(blocks_needed, (args.mixed_batch * per_request + args.mixed_prompt) // 16 + 64)
+    peaks = matmul_peaks()
+    out["matmul_peaks_tflop_s"] = peaks
+    print("matmul peak 8192^3: " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in peaks.items()), flush=True)
     engine = _engine(args, max_batched, blocks_needed)
+    model = engine.runner.model
+    out["weight_bytes"] = weight_bytes(model)
+    out["fp8_linear_layers"] = is_fp8(model)
+    print(f"weights: {decode_weight_bytes(model, 1) / 2**30:.2f} GiB read per decode step"
+          f"{' (FP8 linear layers)' if is_fp8(model) else ''}", flush=True)
     if args.warm_up:
         engine.warm_up()
         from pdd import ops
@@ -244,7 +312,7 @@ def main(args) -> int:
         r = bench_prefill(args, engine, n)
         out["prefill"].append(r)
         print(f"prefill {n:>6} tokens: {r['time_ms']:.1f} ms, {r['tflop_s']:.0f} TFLOP/s, "
-              f"{100 * r['fraction_of_peak']:.0f}% of peak", flush=True)
+              f"{100 * r['fraction_of_peak']:.0f}% of the {r['peak_tflop_s']:.0f} TFLOP/s peak", flush=True)
     for c in chunks:
         r = bench_mixed(args, engine, args.mixed_batch, c, args.mixed_prompt)
         out.setdefault("mixed", []).append(r)

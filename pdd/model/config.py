@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.model.errors import CheckpointError
+from pdd.model.quant_config import Fp8Scheme, parse_quantization
+
+
 # HF `architectures` entry -> our family name. The decoder is the same for all
 # of them; the family only selects q/k/v bias and q/k RMSNorm.
 SUPPORTED_ARCHITECTURES = {
@@ -20,10 +24,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 _DTYPES = ("float32", "float16", "bfloat16")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (config, weights, tokenizer) that pdd cannot serve."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class ModelConfig:
     dtype: str = "float32"          # the checkpoint's dtype name (this module avoids importing torch)
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    quant: Fp8Scheme | None = None  # FP8 linear layers (quantization_config), None for a plain checkpoint
 
     @property
     def q_size(self) -> int:
@@ -148,6 +149,7 @@ class ModelConfig:
             dtype=dtype_name,
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=int(sliding) if sliding else None,
+            quant=parse_quantization(raw, source),
         )
 
 

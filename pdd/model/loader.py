@@ -7,12 +7,19 @@ never exists twice in host memory.
 from __future__ import annotations
 
 import hashlib
+import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from pdd.model import fp8
 from pdd.model.config import CheckpointError, ModelConfig
 from pdd.model.llama import PACKED_MODULES, CausalLM
+from pdd.model.quant_config import Fp8Scheme
+from pdd.ops.fp8_linear import FP8_DTYPE
+
+log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the decoder recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,14 +41,37 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> C
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                load_format: str = "auto") -> CausalLM:
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise CheckpointError(f"unknown load_format {load_format!r} (use auto, safetensors or dummy)")
     model = build_model(cfg, device, dtype)
+    if cfg.quant is not None:
+        _use_fp8_linears(model, cfg.quant, device, dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
-    elif load_format in ("auto", "safetensors"):
-        load_safetensors(model, Path(model_dir))
     else:
-        raise CheckpointError(f"unknown load_format {load_format!r} (use auto, safetensors or dummy)")
+        load_safetensors(model, Path(model_dir))
+    fp8.finalize(model)
     return model
+
+
+def _use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 GEMMs where this engine has them; else the loader dequantizes (see pdd.model.fp8)."""
+    why_not = fp8.fp8_gemm_unavailable(device, dtype, scheme)
+    if why_not is not None:
+        log.info("FP8 checkpoint (%s, %s weight scales): weights dequantized to %s at load: %s",
+                 scheme.method, scheme.weight, model.config.dtype, why_not)
+        return
+    hf_names, shard_sizes = {}, {}
+    for name, module in model.named_modules():
+        packed = [(frag, shard) for frag, (p, shard) in PACKED_MODULES.items() if name.endswith("." + p)]
+        if packed:
+            prefix = name.rsplit(".", 1)[0]
+            hf_names[name] = [f"{prefix}.{frag}" for frag, _ in sorted(packed, key=lambda x: x[1])]
+            shard_sizes[name] = [_shard_slice(model, name, s).stop - _shard_slice(model, name, s).start
+                                 for _, s in sorted(packed, key=lambda x: x[1])]
+    n = fp8.swap_linears(model, scheme, hf_names, shard_sizes, device, dtype)
+    log.info("FP8 checkpoint (%s, %s weight scales): %d linear layers run FP8 GEMMs",
+             scheme.method, scheme.weight, n)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -70,14 +100,21 @@ def _shard_slice(model: CausalLM, param_name: str, shard: int) -> slice:
     return slice(start, start + sizes[shard])
 
 
+_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale")
+
+
 def load_safetensors(model: CausalLM, model_dir: Path) -> None:
     from safetensors import safe_open
 
+    scheme = model.config.quant
     params = dict(model.named_parameters(remove_duplicate=False))
     # What must be filled: every parameter row range, tracked per (param, shard).
+    # An Fp8Linear's scales come with its weight, so only the weight is tracked.
     expected = set()
     for name in params:
         if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith(_SCALE_SUFFIXES):
             continue
         if any(p in name for p in ("qkv_proj", "gate_up_proj")):
             shards = 3 if "qkv_proj" in name else 2
@@ -86,33 +123,89 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
             expected.add((name, None))
 
     loaded = set()
-    for path in _checkpoint_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
-        with handle as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES):
+    with ExitStack() as stack:
+        index = {}  # tensor name -> (file, open handle): a weight's scales may sit in another shard file
+        for path in _checkpoint_files(model_dir):
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+            f = stack.enter_context(handle)
+            index.update((hf_name, (path, f)) for hf_name in f.keys())
+        for hf_name, (path, f) in index.items():
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if scheme is not None and hf_name.endswith(_SCALE_SUFFIXES):
+                if hf_name.rsplit(".", 1)[0] + ".weight" not in index:
+                    raise CheckpointError(f"{path}: scale {hf_name!r} has no weight")
+                continue  # read with its weight
+            name, shard = _target(hf_name)
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if name not in params:
+                raise CheckpointError(f"{path}: unexpected tensor {hf_name!r} for {model.config.architecture}")
+            tensor = f.get_tensor(hf_name)
+            dst = params[name].data
+            rows = _shard_slice(model, name, shard) if shard is not None else slice(0, dst.shape[0])
+            if shard is not None:
+                dst = dst[rows]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise CheckpointError(f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                      f"config.json implies {tuple(dst.shape)}")
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            if tensor.dtype == FP8_DTYPE:
+                if scheme is None:
+                    raise CheckpointError(f"{path}: tensor {hf_name!r} is float8 but config.json has no "
+                                          "quantization_config")
+                scale, input_scale = _scales(index, hf_name, tensor, scheme)
+                if isinstance(module, fp8.Fp8Linear):
+                    module.load_shard(rows, tensor, scale, input_scale)
+                    loaded.add((name, shard))
                     continue
-                name, shard = _target(hf_name)
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # tied: the embedding is the head
-                if name not in params:
-                    raise CheckpointError(f"{path}: unexpected tensor {hf_name!r} for {model.config.architecture}")
-                tensor = f.get_tensor(hf_name)
-                dst = params[name].data
-                if shard is not None:
-                    dst = dst[_shard_slice(model, name, shard)]
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise CheckpointError(f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                loaded.add((name, shard))
+                # Rounded to the checkpoint's dtype: what a dequantized copy of it holds.
+                tensor = fp8.dequantize(tensor, scale, scheme.block).to(getattr(torch, model.config.dtype))
+            elif isinstance(module, fp8.Fp8Linear) and name.endswith(".weight"):
+                raise CheckpointError(f"{path}: tensor {hf_name!r} is {tensor.dtype}, but quantization_config "
+                                      "makes that layer FP8 (is it missing from the ignore list?)")
+            dst.copy_(tensor)
+            loaded.add((name, shard))
     missing = expected - loaded
     if missing:
         names = sorted(f"{n}[shard {s}]" if s is not None else n for n, s in missing)
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(names)} tensor(s), e.g. {names[:5]}")
+
+
+def _scales(index: dict, hf_name: str, weight: torch.Tensor, scheme: Fp8Scheme
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight scale (shape checked against the scheme) and static input scale of an FP8 weight."""
+    prefix = hf_name.rsplit(".", 1)[0]
+    found = next((f"{prefix}.{s}" for s in scheme.weight_scale_names if f"{prefix}.{s}" in index), None)
+    if found is None:
+        raise CheckpointError(f"FP8 tensor {hf_name!r} has no scale "
+                              f"({' or '.join(prefix + '.' + s for s in scheme.weight_scale_names)})")
+    path, f = index[found]
+    scale = f.get_tensor(found)
+    n, k = weight.shape
+    if scheme.block:
+        bn, bk = scheme.block
+        ok = tuple(scale.shape) == (-(-n // bn), -(-k // bk))
+        want = f"[{-(-n // bn)}, {-(-k // bk)}] for {bn}x{bk} blocks"
+    elif scheme.weight == "channel":
+        ok, want = scale.numel() == n and scale.dim() <= 2, f"[{n}, 1] (one per output channel)"
+    else:  # the fp8 method's scales are one per tensor, or one per channel
+        ok, want = scale.numel() in (1, n) and scale.dim() <= 2, f"one value or [{n}, 1]"
+    if not ok or not scale.dtype.is_floating_point:
+        raise CheckpointError(f"{path}: scale {found!r} is {scale.dtype} {tuple(scale.shape)}, expected {want}")
+    if not scheme.static_input:
+        return scale, None
+    found_in = next((f"{prefix}.{s}" for s in scheme.input_scale_names if f"{prefix}.{s}" in index), None)
+    if found_in is None:
+        raise CheckpointError(f"FP8 tensor {hf_name!r}: static activation scheme but no {prefix}.input_scale")
+    path, f = index[found_in]
+    input_scale = f.get_tensor(found_in)
+    if input_scale.numel() != 1:
+        raise CheckpointError(f"{path}: {found_in!r} has shape {tuple(input_scale.shape)}, expected one value")
+    return scale, input_scale
 
 
 @torch.no_grad()
@@ -122,6 +215,10 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
+        elif p.dtype == FP8_DTYPE:  # FP8 values of a unit scale, times the 0.02 below
+            p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, 1.0, generator=gen))
+        elif name.endswith(_SCALE_SUFFIXES):
+            p.fill_(0.02 if "weight" in name else 1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
 

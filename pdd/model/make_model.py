@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,21 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, rms_norm_eps=1e-6,
         tokenizer_vocab_size=1024,
     ),
+    # Llama-3.1-8B's shapes (its vocabulary size too; the tokenizer is still the
+    # small one): for benchmarks of FP8 checkpoints without a download.
+    "8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tokenizer_vocab_size=1024,
+        config=dict(vocab_size=128256, tie_word_embeddings=False,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    ),
 }
+
+# make-model --fp8: how the linear layers of an FP8 checkpoint are stored, as the
+# published checkpoints of each format do (pdd.model.quant_config reads them).
+FP8_FORMATS = ("tensor", "channel", "block", "compressed")
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -190,9 +205,34 @@ def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
         torch_dtype="float32",  # the pre-5.0 transformers spelling
     )
     cfg.update(_ARCH_CONFIG[arch])
+    cfg.update(p.get("config", {}))
     if arch in ("qwen2", "qwen3"):
         cfg["max_window_layers"] = p["num_hidden_layers"]
     return cfg
+
+
+def fp8_quantization_config(fmt: str) -> dict[str, Any]:
+    if fmt in ("tensor", "channel"):
+        return {"activation_scheme": "dynamic", "quant_method": "fp8"}
+    if fmt == "block":  # DeepSeek-V3 / Qwen3-*-FP8
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    fp8_args = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8,
+                "observer_kwargs": {}, "symmetric": True, "type": "float"}
+    return {  # llm-compressor's FP8_DYNAMIC scheme
+        "config_groups": {"group_0": {
+            "input_activations": {**fp8_args, "dynamic": True, "observer": None, "strategy": "token"},
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {**fp8_args, "dynamic": False, "observer": "minmax", "strategy": "channel"},
+        }},
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+    }
 
 
 def _generation_config(preset: str) -> dict[str, Any]:
@@ -261,11 +301,40 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], mean: float, std: floa
     return (x * std + mean).to(torch.float32)
 
 
-def _weights(cfg: dict[str, Any], arch: str, seed: int) -> dict[str, torch.Tensor]:
+def _weights(cfg: dict[str, Any], arch: str, seed: int, fp8: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors; with `fp8`, linear layers quantized (one at a time:
+    an 8B model never exists in float32) and everything else in bfloat16."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return {name: _normal(gen, shape, mean, std) for name, shape, mean, std in _param_specs(cfg, arch)}
+    out = {}
+    for name, shape, mean, std in _param_specs(cfg, arch):
+        w = _normal(gen, shape, mean, std)
+        if fp8 is None:
+            out[name] = w
+        elif len(shape) == 2 and name.endswith("_proj.weight"):
+            out.update(_fp8_tensors(name, w, fp8))
+        else:
+            out[name] = w.to(torch.bfloat16)
+    return out
+
+
+def _fp8_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    import torch
+
+    from pdd.model.fp8 import quantize_weight
+
+    prefix = name.rsplit(".", 1)[0]
+    if fmt == "block":
+        q, scale = quantize_weight(w, "block", (128, 128))
+        return {name: q, f"{prefix}.weight_scale_inv": scale}
+    if fmt == "compressed":  # llm-compressor stores scales in the model's dtype
+        _, scale = quantize_weight(w, "channel")
+        scale = scale.to(torch.bfloat16)
+        q = (w / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return {name: q, f"{prefix}.weight_scale": scale}
+    q, scale = quantize_weight(w, fmt)
+    return {name: q, f"{prefix}.weight_scale": scale}
 
 
 # --------------------------------------------------------------------------- public API
@@ -283,12 +352,19 @@ def _json_bytes(obj: Any, sort_keys: bool = True) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=sort_keys) + "\n").encode("utf-8")
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
-    """Write a random-weight HF checkpoint for (preset, arch, seed) into out_dir and return it."""
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
+               fp8: str | None = None) -> Path:
+    """Write a random-weight HF checkpoint for (preset, arch, seed) into out_dir and return it.
+    `fp8` (one of FP8_FORMATS): the same weights as an FP8 checkpoint of that format, in
+    bfloat16 apart from the quantized linear layers, as published FP8 checkpoints are."""
     _check(preset, arch)
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        raise ValueError(f"unknown FP8 format {fp8!r}; choose from {FP8_FORMATS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model_config(preset, arch)
+    if fp8 is not None:
+        cfg.update(dtype="bfloat16", torch_dtype="bfloat16", quantization_config=fp8_quantization_config(fp8))
 
     # tokenizer.json keeps its own key order (the vocab must stay in id order).
     tok_json = _json_bytes(_tokenizer_json(preset), sort_keys=False)
@@ -304,7 +380,52 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
         (out / name).write_bytes(data)
     from safetensors.torch import save_file
 
-    save_file(_weights(cfg, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(cfg, arch, seed, fp8), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def dequantized_copy(fp8_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the FP8 checkpoint in fp8_dir as a plain one in out_dir: each FP8 weight
+    dequantized (pdd.model.fp8.dequantize) and rounded to the checkpoint's dtype,
+    scales dropped, every other tensor and file as it is. pdd serving fp8_dir on the
+    CPU computes what serving out_dir computes."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pdd.model.config import ModelConfig
+    from pdd.model.fp8 import dequantize
+
+    src, out = Path(fp8_dir), Path(out_dir)
+    scheme = ModelConfig.from_dir(src).quant
+    if scheme is None:
+        raise ValueError(f"{src}: not an FP8 checkpoint (config.json has no quantization_config)")
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    raw.pop("quantization_config")
+    dtype = getattr(torch, raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+    for path in src.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors"):
+            shutil.copyfile(path, out / path.name)
+    (out / "config.json").write_bytes(_json_bytes(raw))
+    scale_names = scheme.weight_scale_names + scheme.input_scale_names
+    files = sorted(src.glob("*.safetensors"))
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in files}
+        where = {name: f for f in handles.values() for name in f.keys()}  # a scale may sit in another file
+        for path, f in handles.items():
+            tensors = {}
+            for name in f.keys():
+                if name.endswith(scale_names):
+                    continue
+                t = f.get_tensor(name)
+                if t.dtype == torch.float8_e4m3fn:
+                    prefix = name.rsplit(".", 1)[0]
+                    scale = next(where[f"{prefix}.{s}"].get_tensor(f"{prefix}.{s}")
+                                 for s in scheme.weight_scale_names if f"{prefix}.{s}" in where)
+                    t = dequantize(t, scale, scheme.block).to(dtype)
+                tensors[name] = t
+            save_file(tensors, str(out / path.name), metadata={"format": "pt"})
     return out
 
 
