@@ -16,7 +16,7 @@ what a decoding request waits per token.
 An FP8 checkpoint (`pdd make-model --preset 8b --fp8 block --out DIR`, then
 `--model DIR --load-format auto`, or its config.json alone with dummy weights)
 is measured against the bytes it reads (1 byte per FP8 weight, plus scales) and
-its prefill against the FP8 GEMM peak (DESIGN.md's measured numbers, fixed so
+its prefill against the FP8 GEMM peak (measured on the lent H200, fixed so
 runs compare). The run starts by measuring the matmul peaks again (bf16, and
 torch._scaled_mm with each scale kind) on 8192^3, reported beside them.
 """
