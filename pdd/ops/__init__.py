@@ -52,6 +52,7 @@ def report_compiles(report) -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         return False
+
     def hook(**kw) -> None:
         global _compiles_reported
         with _compiles_lock:   # any thread may launch (an engine's, a sender's)

@@ -102,7 +102,7 @@ def env(tmp_path_factory) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton-cache"))}
 
 
-WAVES = [1, 3, 8, 17, 40, 1, 2, 5, 11, 40, 24, 1]
+WAVES = [1, 3, 8, 17, 40, 2, 5, 11, 24, 1]
 
 
 def test_colocated_workers_compile_nothing_in_service(tmp_path, model, env):
