@@ -201,6 +201,9 @@ class _WorkerCollector:
         preemptions = CounterMetricFamily("pdd_scheduler_preemptions", "Requests preempted since the worker "
                                         "started: blocks freed, every computed token (prompt chunks "
                                         "included) recomputed later", labels=["worker"])
+        compiled = CounterMetricFamily("pdd_kernels_compiled_in_service", "Triton kernels compiled after the "
+                                       "worker's warm-up, each a stall of every request on it (should stay 0)",
+                                       labels=["worker"])
         workers = GaugeMetricFamily("pdd_workers", "Registered workers", labels=["role", "accepting"])
         counts: dict[tuple[str, str], int] = {}
         for w in list(self.registry.workers.values()):
@@ -213,6 +216,7 @@ class _WorkerCollector:
             running.add_metric([w.worker_id], w.load.running)
             waiting.add_metric([w.worker_id], w.load.waiting)
             preemptions.add_metric([w.worker_id], w.load.num_preemptions)
+            compiled.add_metric([w.worker_id], w.load.kernels_compiled_in_service)
         for (role, accepting), n in counts.items():
             workers.add_metric([role, accepting], n)
-        yield from (free, total, hit, running, waiting, preemptions, workers)
+        yield from (free, total, hit, running, waiting, preemptions, compiled, workers)

@@ -180,8 +180,9 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run short synthetic requests through the engine's own steps, so the
         Triton kernels of eager (prefill, mixed) steps are compiled before real
-        requests wait on them (seconds of TTFT on a fresh H200 worker otherwise).
-        For an idle engine that serves nothing yet.
+        requests wait on them (seconds of TTFT on a fresh H200 worker otherwise),
+        then the variants of sampling and attention's split merge that those
+        steps do not all reach. For an idle engine that serves nothing yet.
 
         Leaves no trace: prefix caching is off while it runs (nothing is looked
         up, counted, published as a cached block or reported as a recent hash),
@@ -218,6 +219,8 @@ class LLMEngine:
         finally:
             self.kv.enable_prefix_caching = prefix_caching
         ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
+        mc = self.model_config
+        ops.warm_up_attention(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.max_model_len, self.device)
         if (self.model_dir / "tokenizer.json").is_file():
             try:
                 self.grammars   # the vocabulary, built now rather than on the first structured request
@@ -234,6 +237,12 @@ class LLMEngine:
         sched.num_preemptions = preemptions
         self.last_step = StepSample()
         log.info("engine warm-up: %d requests, %d steps in %.2f s", num, steps, time.perf_counter() - t0)
+
+    def watch_compiles(self) -> None:
+        """From now on, log each Triton kernel compiled in this process and count
+        it (pdd.ops.compiles_reported): called once the warm-ups are done (the
+        engine's, and the data plane's page copies), each one is a stall of every
+        request on the worker, and its specialization says which argument made it."""
         if self.device.type == "cuda":
             ops.report_compiles(lambda kernel: log.warning(
                 "a Triton kernel was compiled in service (every request here waited; the warm-up "

@@ -8,6 +8,7 @@ kernel bisection).
 from __future__ import annotations
 
 import os
+import threading
 from types import ModuleType
 
 import torch
@@ -17,10 +18,13 @@ from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax", "report_compiles", "warm_up_sampling"]
+           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
+           "warm_up_attention"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
+_compiles_reported = 0
+_compiles_lock = threading.Lock()
 
 
 def _load_triton() -> ModuleType | None:
@@ -48,10 +52,23 @@ def report_compiles(report) -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         return False
-    # repr: the kernel and its options; key: the argument specialization (which
-    # argument's alignment, divisibility or constexpr value made this variant)
-    runtime.jit_post_compile_hook = lambda **kw: report(f"{kw.get('repr')} key={kw.get('key')}")
+
+    def hook(**kw) -> None:
+        global _compiles_reported
+        with _compiles_lock:   # any thread may launch (an engine's, a sender's)
+            _compiles_reported += 1
+        # repr: the kernel and its options; key: the argument specialization (which
+        # argument's alignment, divisibility or constexpr value made this variant)
+        report(f"{kw.get('repr')} key={kw.get('key')}")
+
+    runtime.jit_post_compile_hook = hook
     return True
+
+
+def compiles_reported() -> int:
+    """Kernels compiled since report_compiles() was first called in this process
+    (a worker calls it after its warm-up: each one is a compile in service)."""
+    return _compiles_reported
 
 
 def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
@@ -59,6 +76,17 @@ def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
     (what a worker's warm-up steps do not all reach); how many, 0 off the GPU."""
     backend = _load_triton() if device.type == "cuda" else None
     return backend.warm_up_argmax(vocab, max_rows, device) if backend is not None else 0
+
+
+def warm_up_attention(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Compile attention's split merge for every split count it can pick with
+    contexts up to max_seq_len (what a worker's warm-up steps do not all
+    reach); how many, 0 off the GPU."""
+    backend = _load_triton() if device.type == "cuda" else None
+    if backend is None:
+        return 0
+    return backend.warm_up_merges(num_heads, kv_heads, head_dim, dtype, max_seq_len, device)
 
 
 def backend_for(t: torch.Tensor) -> ModuleType:

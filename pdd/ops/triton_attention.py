@@ -221,6 +221,38 @@ def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int, max
         num_warps=4 if _on_gpu(out) else 1)
 
 
+def decode_split_pads(kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> list[int]:
+    """Every split-axis width (the merge's S_PAD) a decode of contexts up to
+    max_seq_len can compile: a power of two for each split count from 2 up to
+    the most _decode_num_splits picks, which is for one sequence of
+    max_seq_len tokens (more sequences or shorter ones never split more; in
+    between, a sequence's length picks any count)."""
+    most = _decode_num_splits(1, kv_heads, max_seq_len, block_n, device)
+    return sorted({_pow2(s) for s in range(2, most + 1)})
+
+
+def warm_up_merges(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                   device: torch.device) -> int:
+    """Compile the split merge for every split count attention can pick, so no
+    decode meets a new one in service: its split axis is padded to a power of
+    two (a variant each, 2..64: a wider pad would cost every split decode step
+    in registers and masked lanes), and prefill's to PREFILL_MAX_SPLITS. Decode
+    steps in CUDA graphs compile theirs at capture, but a prefill worker has no
+    graphs and any worker decodes eagerly beside prompt chunks, at whatever
+    context lengths come. Nothing else of the merge's specialization varies in
+    service: its output and partials are fresh [rows, heads, ...] tensors, the
+    prefill's sliced past the decodes' rows (16-byte aligned still, for an even
+    number of heads), and num_splits is not specialized. Returns how many."""
+    block_n = _decode_config(head_dim, dtype, device.type != "cpu")["BLOCK_N"]
+    pads = sorted(set(decode_split_pads(kv_heads, max_seq_len, block_n, device)) | {PREFILL_MAX_SPLITS})
+    for pad in pads:
+        out = torch.empty((1, num_heads, head_dim), dtype=dtype, device=device)
+        m_part = torch.zeros((1, num_heads, pad), dtype=torch.float32, device=device)
+        acc_part = torch.zeros((1, num_heads, pad, head_dim), dtype=torch.float32, device=device)
+        _merge_splits(out, m_part, torch.ones_like(m_part), acc_part, pad, head_dim, pad)
+    return len(pads)
+
+
 # ---------------------------------------------------------------------------
 # prefill: varlen causal flash attention over the paged context
 # ---------------------------------------------------------------------------

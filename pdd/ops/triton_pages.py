@@ -62,9 +62,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
 # page copies
 # ---------------------------------------------------------------------------
 
+# One compiled variant per page-copy kernel and direction, whatever the pools:
+# Triton types an int argument i32 or i64 by its value, so a pool of over 2**31
+# elements a layer (a small model given a whole GPU) would get a variant of its
+# own, and a cuda_ipc sender writes into peers' pools of any size. The strides
+# are typed i64 here (their products are 64-bit anyway: the layer and block
+# indices are). They keep Triton's divisibility-by-16 specialization, which
+# lets the copies move 16 bytes per access; with pages a multiple of 16
+# elements (any block size >= 16) every stride of every pool is such a multiple.
+# The page and block counts only size the grid or bound loops (never specialized).
+
 @triton.jit
-def _copy_pages_kernel(src, dst, src_ids, dst_ids, src_layer_stride, dst_layer_stride,
-                       src_half_stride, src_block_stride, dst_half_stride, dst_block_stride,
+def _copy_pages_kernel(src, dst, src_ids, dst_ids, src_layer_stride: tl.int64, dst_layer_stride: tl.int64,
+                       src_half_stride: tl.int64, src_block_stride: tl.int64, dst_half_stride: tl.int64,
+                       dst_block_stride: tl.int64,
                        PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                        SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr):
     """dst[layer, half, dst_ids[i], chunk] = src[layer, half, src_ids[i], chunk], a
@@ -93,9 +104,10 @@ def _copy_pages_kernel(src, dst, src_ids, dst_ids, src_layer_stride, dst_layer_s
         tl.store(dst_ptrs, x.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _copy_pages_few_ctas_kernel(src, dst, src_ids, dst_ids, src_layer_stride, dst_layer_stride,
-                                src_half_stride, src_block_stride, dst_half_stride, dst_block_stride,
+@triton.jit(do_not_specialize=["n", "total"])
+def _copy_pages_few_ctas_kernel(src, dst, src_ids, dst_ids, src_layer_stride: tl.int64,
+                                dst_layer_stride: tl.int64, src_half_stride: tl.int64, src_block_stride: tl.int64,
+                                dst_half_stride: tl.int64, dst_block_stride: tl.int64,
                                 n, total, PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     """_copy_pages_kernel's work (both id lists given) done by a fixed number of
     programs, each looping over (layer, page, half, chunk) items: a copy that

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from pdd.api import SamplingParams, StepSample
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 @dataclass
@@ -110,6 +110,9 @@ class Heartbeat(Message):
     steps_completed: int = 0
     step_running_s: float = 0.0
     faults: dict[str, float] = field(default_factory=dict)   # injected faults set (pdd.faults)
+    # Triton kernels compiled after the worker's warm-up (each stalled every
+    # request on it): should stay 0 (pdd.engine.engine.LLMEngine.watch_compiles).
+    kernels_compiled_in_service: int = 0
 
 
 @dataclass

@@ -88,6 +88,7 @@ class WorkerInfo:
             "steps_completed": load.steps_completed if load else 0,
             "step_running_s": load.step_running_s if load else 0.0,
             "faults": dict(load.faults) if load else {},
+            "kernels_compiled_in_service": load.kernels_compiled_in_service if load else 0,
         }
 
 

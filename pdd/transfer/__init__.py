@@ -126,6 +126,10 @@ class MultiSender(KVSender):
         for s in self.senders.values():
             s.step_done()
 
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        for s in self.senders.values():
+            s.warm_up(kv_cache)
+
     def finish(self, request_id: str, blocks_skipped: int = 0, handoff=None) -> None:
         # A request never prepared sent nothing: any sender reports that.
         s = self._chosen.pop(request_id, None) or next(iter(self.senders.values()))

@@ -122,6 +122,12 @@ class KVSender(abc.ABC):
     def poll(self) -> list[TransferResult]:
         """Results completed since the last call (never blocks)."""
 
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        """Launch once each kernel this backend runs on the pages (a gather, a
+        copy into a peer's pool), on the worker's own pool `kv_cache` and its
+        null block 0 (read, or copied onto itself), so that Triton compiles
+        them before the first request waits on it. For an idle worker."""
+
     def set_wakeup(self, fn: Callable[[], None]) -> None:
         """`fn` is called, from any thread, whenever poll() has something new."""
         self._wakeup = fn
@@ -143,6 +149,9 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def start(self) -> None: ...
+
+    def warm_up(self) -> None:
+        """As KVSender.warm_up, for the kernels that write arriving pages."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

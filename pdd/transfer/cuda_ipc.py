@@ -247,6 +247,16 @@ class CudaIpcSender(ControlSender):
                 ids.counted = True
             w.progress.bytes += ids.nbytes * src_run.shape[0]
 
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        """The copy _launch makes, once: the null block onto itself in our own
+        pool, over a run of layers as send_layer cuts them. A peer's pool differs
+        from ours only in its number of blocks, which makes no new variant of
+        the kernel (pdd.ops.triton_pages), nor does the number of pages."""
+        run = min(self.layer_group or kv_cache.shape[0], kv_cache.shape[0])
+        ids = index_tensor([0], self.device)
+        copy_blocks_unchecked(run_of_layers(kv_cache[run - 1], run - 1, 0), kv_cache[:run], ids, ids, self.copy_ctas)
+        torch.cuda.current_stream(self.device).synchronize()
+
     def step_done(self) -> None:
         pending, self._at_step_end = self._at_step_end, []
         for w, ids, src_run in pending:

@@ -17,7 +17,7 @@ from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVReceiver, TransferTarget
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.receiver import PageWriter
-from pdd.transfer.sender import Progress, SenderBase, Tombstones, dst_blocks_for, stage_pages
+from pdd.transfer.sender import Progress, SenderBase, Tombstones, dst_blocks_for, stage_pages, warm_up_staging
 from pdd.transfer.wire import encode_done, encode_pages_header
 
 _PREFIX = "local://"
@@ -47,6 +47,9 @@ class LocalReceiver(KVReceiver):
             if other is not None and other is not self:
                 raise ValueError(f"{self.address} is already taken by another local receiver")
             _registry[self.address] = self
+
+    def warm_up(self) -> None:
+        self._writer.warm_up()
 
     def close(self) -> None:
         with _registry_lock:
@@ -113,6 +116,9 @@ class LocalSender(SenderBase):
         self._targets.pop(rid, None)
         self._seq.pop(rid, None)
         return self._progress.pop(rid, None) or Progress(rid)
+
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        warm_up_staging(kv_cache, to_host=False)
 
     def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
         with self._lock:

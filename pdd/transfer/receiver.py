@@ -105,6 +105,14 @@ class PageWriter:
                                    Handoff.from_dict(header["handoff"]))
         return header, None if err is None else self.reject(_LeaseRefusal(err))
 
+    def warm_up(self) -> None:
+        """One write as _write makes it (a fresh page tensor on the device, the
+        ids sent there), of the null block's own pages back into it: the scatter
+        kernel compiled before the first transfer (KVReceiver.warm_up)."""
+        kv_layer = self.kv_cache[0]
+        ids = torch.tensor([0], dtype=torch.long, device=kv_layer.device)
+        self._scatter(kv_layer, ids, kv_layer[:, :1].clone())
+
     def _check(self, h: dict, payload) -> str | None:
         if h["layout"] != self._layout_dict:  # the common case costs one dict compare
             err = self._layout_error(h["layout"])
@@ -151,13 +159,23 @@ class PageWriter:
             if err is not None:
                 return _LeaseRefusal(err)
             if dst:
-                ops.scatter_blocks(kv_layer, ids, pages)
-                if kv_layer.is_cuda:
-                    # The write must be done, not merely queued, before the lock is
-                    # released: a close() that returns hands the blocks to another
-                    # request, whose writes may run on another stream.
-                    torch.cuda.current_stream(kv_layer.device).synchronize()
+                self._scatter(kv_layer, ids, pages)
         return None
+
+    @staticmethod
+    def _scatter(kv_layer: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor) -> None:
+        if not kv_layer.is_cuda:
+            ops.scatter_blocks(kv_layer, ids, pages)
+            return
+        # On the pool's device, whatever this thread's current one: the kernel
+        # launches there, and Triton keeps its compiled kernels per device (the
+        # warm-up compiled this one on the pool's).
+        with torch.cuda.device(kv_layer.device):
+            ops.scatter_blocks(kv_layer, ids, pages)
+            # The write must be done, not merely queued, before the lock is
+            # released: a close() that returns hands the blocks to another
+            # request, whose writes may run on another stream.
+            torch.cuda.current_stream(kv_layer.device).synchronize()
 
     def reject(self, err: str) -> str:
         msg = self.stats.refused(str(err))
@@ -218,6 +236,9 @@ class DataSocket(KVReceiver):
         if self._start_error is not None:
             self._thread.join()
             raise ValueError(f"kv receiver cannot bind {self._bind_addr}: {self._start_error}")
+
+    def warm_up(self) -> None:
+        self._writer.warm_up()
 
     def close(self) -> None:
         self._stop.set()

@@ -103,6 +103,11 @@ def stage_pages(src_layer: torch.Tensor, src_block_ids: list[int], to_host: bool
     return Staged(host, event)
 
 
+def warm_up_staging(kv_cache: torch.Tensor, to_host: bool) -> None:
+    """stage_pages once (the null block of one layer): its gather compiled now."""
+    stage_pages(kv_cache[0], [0], to_host).wait()
+
+
 @dataclass
 class Progress:
     """What has been delivered of one request so far, and when its transfer

@@ -30,7 +30,7 @@ from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones,
-                                 dst_blocks_for, handshake_refused, stage_pages)
+                                 dst_blocks_for, handshake_refused, stage_pages, warm_up_staging)
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ class TcpSender(IoSender):
         if dst:
             staged = stage_pages(src_layer, src_block_ids, to_host=True)
             self._put(("send", target, layer, dst, staged, time.perf_counter()))
+
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        warm_up_staging(kv_cache, to_host=True)
 
     def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
         self._mail.put(("finish", request_id, blocks_skipped, handoff))

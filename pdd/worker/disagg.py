@@ -249,6 +249,10 @@ class DecodeSide:
                 "ipc_writers": self.receiver.ipc.num_writers,
                 "nixl_writers": self.receiver.nixl.num_writers if self.receiver.nixl is not None else 0}
 
+    def warm_up(self) -> None:
+        """The kernels that write arriving pages, compiled now (KVReceiver.warm_up)."""
+        self.receiver.warm_up()
+
     def close(self) -> None:
         self.receiver.close()
 
@@ -373,6 +377,10 @@ class PrefillSide:
     @property
     def transfers_pending(self) -> bool:
         return self.placements.any_in(SHIPPING)
+
+    def warm_up(self) -> None:
+        """The page kernels of every backend offered, compiled now (KVSender.warm_up)."""
+        self.sender.warm_up(self.engine.runner.kv_cache)
 
     def close(self) -> None:
         self.sender.close()

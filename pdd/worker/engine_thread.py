@@ -180,9 +180,11 @@ class EngineThread(threading.Thread):
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
         e = self.engine = LLMEngine(engine_cfg)
         self.placements = PlacementTable(e)
-        if engine_cfg.warm_up and e.device.type == "cuda":
-            # Before registering: the router's first requests must not pay the
-            # Triton compilation of eager steps (on CPU nothing is compiled).
+        # Before registering: the router's first requests must not pay the
+        # Triton compilation of eager steps or of the data plane's page copies
+        # (on CPU nothing is compiled).
+        warm_up = engine_cfg.warm_up and e.device.type == "cuda"
+        if warm_up:
             e.warm_up()
         layout = KVLayout(
             model_id=self.cfg.served_model_name(e.model_dir),
@@ -203,6 +205,11 @@ class EngineThread(threading.Thread):
         # e.g. no keys, data_addr taken, cuda_ipc without a GPU, nixl without its extra (NixlUnavailable)
         except (ValueError, RuntimeError) as err:
             raise _DataPlaneUnavailable(str(err)) from err
+        if warm_up:
+            for side in (self.decode_side, self.prefill_side):
+                if side is not None:
+                    side.warm_up()
+            e.watch_compiles()
         self._publish_snapshot()
         return EngineInfo(
             device=str(e.device), layout=layout, num_blocks=e.kv.pool.num_usable_blocks,

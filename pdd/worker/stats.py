@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdd import ops
 from pdd.api import StepSample
 from pdd.protocol import messages as m
 
@@ -77,6 +78,7 @@ class EngineSnapshot:
     prefill_tokens_pending: int = 0
     recent_hashes: JournalView = JournalView()
     transfer: dict = field(default_factory=dict)
+    kernels_compiled_in_service: int = 0
 
 
 class EngineStats:
@@ -105,7 +107,7 @@ class EngineStats:
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
             steps=self.steps.view(), prefill_tokens_pending=_prompt_tokens_pending(sched),
             recent_hashes=self.recent_hashes.view(),
-            transfer=transfer)
+            transfer=transfer, kernels_compiled_in_service=ops.compiles_reported())
 
 
 def _prompt_tokens_pending(sched) -> int:
@@ -131,4 +133,4 @@ class HeartbeatReader:
             steps=self._steps.take(snap.steps), prefill_tokens_pending=snap.prefill_tokens_pending,
             decoding=snap.decoding, recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
             draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,
-            faults=faults or {})
+            faults=faults or {}, kernels_compiled_in_service=snap.kernels_compiled_in_service)

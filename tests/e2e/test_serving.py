@@ -315,7 +315,7 @@ def test_metrics_and_health(cluster):
                  "pdd_e2e_request_latency_seconds_bucket", "pdd_scheduler_iteration_latency_seconds_bucket",
                  "pdd_prefill_chunk_size_tokens_bucket", "pdd_decode_batch_size_requests_bucket",
                  "pdd_kv_cache_page_free_pages{", "pdd_prefix_cache_hit_ratio{", "pdd_scheduler_preemptions_total{",
-                 "pdd_prefix_cache_hit_tokens_total{", "pdd_requests_total{"):
+                 "pdd_prefix_cache_hit_tokens_total{", "pdd_requests_total{", "pdd_kernels_compiled_in_service_total{"):
         assert f"\n{name}" in text, name
     models = client(cluster).models.list()
     assert [m.id for m in models.data] == [cluster.model_name]

@@ -375,6 +375,110 @@ def test_copy_blocks_over_a_run_of_layers():
 
 
 # ---------------------------------------------------------------------------
+# compiled variants: what a worker's warm-up must cover (a kernel compiled in
+# service stalls every request on the worker)
+# ---------------------------------------------------------------------------
+
+class _Launches:
+    """Records each launch of a kernel (its arguments) and makes it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+    def variants(self) -> set:
+        """The compiled variants these launches need: Triton's specialization
+        of each launch's arguments (types, alignment, divisibility, constexprs)."""
+        jit_mod = pytest.importorskip("triton.runtime.jit")
+        compiler = pytest.importorskip("triton.backends.compiler")
+        make_binder = getattr(jit_mod, "create_function_from_signature", None)
+        if make_binder is None:
+            pytest.skip("this Triton has no create_function_from_signature")
+        jit = self.kernel if isinstance(self.kernel, jit_mod.JITFunction) else \
+            jit_mod.JITFunction(self.kernel.fn, **self.kernel.kwargs)
+        binder = make_binder(jit.signature, jit.params, compiler.BaseBackend)
+        return {(str(binder(*a, **kw)[1]), str(sorted(kw.items()))) for a, kw in self.calls}
+
+
+def make_pool(layers, num_blocks, seed=0, layer_stride=None):
+    """A [layers, 2, blocks, 16, 2, 32] pool; `layer_stride` (one layer only):
+    that of a pool of over 2**31 elements a layer, without its memory."""
+    pool = torch.stack([make_kv(num_blocks, 16, 2, 32, torch.float32, seed=seed + i) for i in range(layers)])
+    if layer_stride is not None:
+        assert layers == 1
+        pool = pool.as_strided(pool.shape, (layer_stride, *pool.stride()[1:]))
+    return pool
+
+
+def test_page_copies_compile_one_variant_per_direction(monkeypatch):
+    """A gather, a scatter and a copy between pools each compile once, whatever
+    the number of pages and the pools' sizes (a cuda_ipc sender writes into
+    peers' pools of any size; the warm-up copies within its own pool)."""
+    from pdd.ops import triton_pages as tp
+    launches = _Launches(tp._copy_pages_kernel)
+    monkeypatch.setattr(tp, "_copy_pages_kernel", launches)
+    big = 2**31   # a layer of 2**31 elements: its stride no longer fits an int32
+    pools = [make_pool(1, 3), make_pool(1, 40, seed=3), make_pool(1, 3, seed=5, layer_stride=big)]
+    variants = {}
+    for name, run in (
+            ("gather", lambda pool, ids: tk.gather_blocks(pool[0], ids)),
+            ("scatter", lambda pool, ids: tk.scatter_blocks(pool[0], ids, make_kv(len(ids), 16, 2, 32,
+                                                                                    torch.float32))),
+            ("copy", lambda pool, ids: tp.copy_blocks_unchecked(pools[1], pool, ids, ids.flip(0))),
+            ("copy", lambda pool, ids: tp.copy_blocks_unchecked(pool, pools[1][:1], ids, ids.flip(0)))):
+        launches.calls.clear()
+        for pool in pools:
+            for n in (1, 2, 3):
+                run(pool, torch.arange(n, device=DEVICE))
+        variants.setdefault(name, set()).update(launches.variants())
+    assert {name: len(v) for name, v in variants.items()} == {"gather": 1, "scatter": 1, "copy": 1}
+
+
+def test_few_program_page_copies_compile_once(monkeypatch):
+    """With max_ctas the copy loops over the pages: their count only bounds the
+    loop, and no count compiles a variant of its own."""
+    from pdd.ops import triton_pages as tp
+    launches = _Launches(tp._copy_pages_few_ctas_kernel)
+    monkeypatch.setattr(tp, "_copy_pages_few_ctas_kernel", launches)
+    for layers in (1, 3):
+        src, dst = make_pool(layers, 20), make_pool(layers, 33, seed=7)
+        for n in (1, 2, 16, 17):
+            ids = torch.arange(n, device=DEVICE)
+            tp.copy_blocks_unchecked(src, dst, ids, ids.flip(0), max_ctas=5)
+    assert len(launches.variants()) == 1
+
+
+@pytest.mark.parametrize("kv_heads,max_seq_len", [(1, 5000), (2, 100_000), (8, 300), (1, 60)])
+def test_merge_warm_up_covers_every_split_count_decode_picks(kv_heads, max_seq_len):
+    """Every split count the decode can pick, for any batch and context up to
+    max_seq_len, merges with a split axis the warm-up compiled (the interpreter
+    counts 4 "SMs": fewer splits than an H200 picks, the same rule)."""
+    cpu = torch.device("cpu")
+    block_n = 16
+    picked = {ta._decode_num_splits(nd, kv_heads, seq_len, block_n, cpu)
+              for nd in range(1, 9) for seq_len in range(1, max_seq_len + 1, 7)} | \
+             {ta._decode_num_splits(1, kv_heads, max_seq_len, block_n, cpu)}
+    pads = {ta._pow2(s) for s in picked if s > 1}
+    assert set(ta.decode_split_pads(kv_heads, max_seq_len, block_n, cpu)) == pads
+
+
+def test_merge_warm_up_launches_each_split_axis(monkeypatch):
+    launches = _Launches(ta._merge_splits_kernel)
+    monkeypatch.setattr(ta, "_merge_splits_kernel", launches)
+    cpu = torch.device("cpu")
+    n = ta.warm_up_merges(8, 1, 32, torch.float32, 10_000, cpu)
+    s_pads = sorted(kw["S_PAD"] for _, kw in launches.calls)
+    bn = ta._decode_config(32, torch.float32, False)["BLOCK_N"]
+    assert s_pads == sorted({*ta.decode_split_pads(1, 10_000, bn, cpu), ta.PREFILL_MAX_SPLITS}) and n == len(s_pads)
+    assert len(launches.variants()) == n   # one compiled variant each, the decode's and the prefill's
+
+
+# ---------------------------------------------------------------------------
 # CUDA only: realistic shapes (Llama-3-8B attention: 32 q heads, 8 kv heads, 128)
 # ---------------------------------------------------------------------------
 

@@ -176,3 +176,35 @@ def test_layer_wise_copies_land_every_layer(deep_peer, layers_per_copy):
         assert deep_peer("close", lease) == "free"      # committed: nothing held
     finally:
         s.close()
+
+
+def test_the_warm_up_compiles_the_copy_a_transfer_makes():
+    """The warm-up copies the null block onto itself in the sender's own pool;
+    after it, a transfer into a peer's pool of another size compiles nothing
+    (a compile in service stalls every request on the worker)."""
+    import triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    layout = make_layout("bfloat16", head_dim=24)   # a page no other test here copies: nothing compiled yet
+    peer = Peer(layout, PEER)
+    s = make_sender("cuda_ipc", layout, timeout_s=10, device="cuda:0")
+    hook, compiled = runtime.jit_post_compile_hook, []
+    try:
+        src = make_pool(layout, seed=3, blocks=40).cuda()
+        before = src.clone()
+        s.warm_up(src)
+        assert torch.equal(src, before)
+        runtime.jit_post_compile_hook = lambda **kw: compiled.append(f"{kw.get('repr')} key={kw.get('key')}")
+        lease = peer("grant", "w", [5, 2], 30)
+        target = TransferTarget("w", lease, "d", peer.address, (5, 2), backend="cuda_ipc")
+        s.prepare(target)
+        send(s, target, src, [33, 1])
+        s.finish("w")
+        r = wait_result(s, "w")
+        assert r.ok, r.error
+        assert compiled == []
+    finally:
+        runtime.jit_post_compile_hook = hook
+        s.close()
+        peer.stop()

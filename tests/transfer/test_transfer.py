@@ -246,3 +246,17 @@ def test_garbage_does_not_kill_the_receiver(pair):
     pair.sender.finish("good")
     assert pair.wait_result("good").ok
     assert torch.equal(pair.dst[:, :, 2], pair.src[:, :, 3])
+
+
+def test_warm_up_leaves_both_pools_as_they_were(pair):
+    """A worker's warm-up runs its data plane's page kernels once on its own
+    pool's null block (read, or written with its own pages) before it serves:
+    no page of either pool changes, and transfers go on as before."""
+    src, dst = pair.src.clone(), pair.dst.clone()
+    pair.sender.warm_up(pair.src)
+    pair.receiver.warm_up()
+    assert torch.equal(pair.src, src) and torch.equal(pair.dst, dst)
+    pair.send_all(pair.target("r", [3]), [5])
+    pair.sender.finish("r")
+    assert pair.wait_result("r").ok
+    assert torch.equal(pair.dst, _expected(pair, dst, [5], [3]))

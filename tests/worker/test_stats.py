@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from pdd import ops
 from pdd.api import StepSample
 from pdd.worker.stats import EngineStats, HeartbeatReader, Journal, JournalCursor
 
@@ -82,3 +85,20 @@ def test_heartbeats_carry_the_prefix_caches_totals():
     """Totals, not a ratio: the router turns them into counters to rate()."""
     hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(fake_engine([]), {}), 0.0, False)
     assert (hb.prefix_hit_tokens, hb.prefix_query_tokens, hb.prefix_hit_rate) == (32, 128, 0.25)
+
+
+def test_heartbeats_carry_the_kernels_compiled_in_service(monkeypatch):
+    """Each kernel Triton reports compiled after the warm-up is counted, and the
+    count travels in the heartbeats (the router's pdd_kernels_compiled_in_service_total)."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", None)   # put back after the test
+    seen = []
+    assert ops.report_compiles(seen.append)
+    before = ops.compiles_reported()
+    runtime.jit_post_compile_hook(repr="_copy_pages_kernel", key="k")   # as Triton calls it after a compile
+    hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(fake_engine([]), {}), 0.0, False)
+    assert hb.kernels_compiled_in_service == before + 1
+    assert seen == ["_copy_pages_kernel key=k"]
