@@ -38,3 +38,9 @@ def test_the_standard_variables_fill_what_pdd_settings_leave_unset(tmp_path):
 def test_a_bad_value_is_refused_naming_its_key(key, value, named):
     with pytest.raises(ConfigError, match=rf"^{named.replace('[', '.').replace(']', '.')}"):
         load_cluster_config(env={f"PDD_TRACING__{key}": value})
+
+
+def test_pdd_admin_config_masks_the_headers():
+    from pdd.admin.server import masked_config
+    cfg = load_cluster_config(env={"PDD_TRACING__HEADERS": "Authorization=Bearer s3cret"})
+    assert masked_config(cfg)["tracing"]["headers"] == ["***"]
