@@ -14,8 +14,7 @@ from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.test_disagg import metric
 from tests.engine.helpers import random_prompts
-from tests.tracing.collector import Collector, attrs
-from tests.tracing.test_otlp import closed_port
+from tests.tracing.collector import Collector, attrs, closed_port
 
 ROUTER_PHASES = {"request", "queued", "reserving", "prefilling", "decoding"}
 

@@ -3,6 +3,7 @@ its own, that keeps every ExportTraceServiceRequest posted to /v1/traces."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 from aiohttp import web
@@ -62,3 +63,10 @@ class Collector:
 def attrs(span: dict) -> dict:
     """A span's attributes as a dict of their values (intValue stays a string, as on the wire)."""
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a collector that is down: connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

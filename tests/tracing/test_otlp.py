@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 
 import orjson
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from pdd.tracing.context import (SpanContext, parse_traceparent, phase_span_id, sampled_by_ratio, server_span)
 from pdd.tracing.otlp import KIND_SERVER, Exporter, Span, SpanEvent, encode_request
 from tests.e2e.cluster import _wait_for
-from tests.tracing.collector import Collector
+from tests.tracing.collector import Collector, closed_port
 
 TRACE, PARENT, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "1122334455667788"
 
@@ -107,12 +106,6 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting():
         e.emit(s)
     assert (e.dropped_queue_full, e.stats()["queued"]) == (2, 3)
     e.stop(timeout_s=0)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_collector_that_is_down_costs_dropped_spans_and_one_log_line(caplog):

@@ -89,6 +89,15 @@ def test_a_fallback_is_a_span_and_the_local_prefill_is_sent_under_the_decoding_s
     assert emitted[5].context.span_id == phase_span_id(ROOT, 1, "decoding")
 
 
+def test_a_colocated_request_is_admitted_under_its_decoding_span(emitted):
+    c, sent = traced_cluster(("c0", "colocated"))
+    submit(c)
+    run_to_end(c)
+    admit, = [msg for msg in sent if isinstance(msg, m.Admit)]
+    assert admit.traceparent == tp(1, "decoding")
+    assert [s.name for s in emitted] == ["request", "queued", "decoding"]
+
+
 def test_an_unsampled_request_sends_no_traceparent_and_exports_nothing(emitted):
     c, sent = traced_cluster(("c0", "colocated"))
     submit(c, sampled=False)
