@@ -15,6 +15,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 
 class ConfigError(ValueError):
@@ -422,6 +423,53 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """[tracing]: request spans exported to an OpenTelemetry collector (pdd.tracing). Unset
+    keys fall back to the standard OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS
+    and OTEL_SERVICE_NAME; PDD_TRACING__* and the file win over them."""
+    # The collector's OTLP/HTTP base URL (spans go to <it>/v1/traces as JSON),
+    # e.g. http://127.0.0.1:4318. Empty: no spans, no traceparent in responses.
+    otlp_endpoint: str = ""
+    service_name: str = "pdd"            # each process is service <service_name>-<role>
+    # Share of new traces recorded; a request with a traceparent is recorded as its caller says.
+    sample_ratio: float = 1.0
+    # Sent with every export, "name=value" each (e.g. an Authorization header).
+    headers: tuple[str, ...] = ()
+    batch_size: int = 512                # spans per export
+    # Spans waiting for export at most; more are dropped and counted
+    # (pdd_trace_spans_dropped_total): a slow or down collector never slows serving.
+    queue_size: int = 4096
+    export_interval_s: float = 1.0       # a batch that is not full goes after this long
+    export_timeout_s: float = 5.0        # one export's limit; past it the batch is dropped
+
+    def header_dict(self) -> dict[str, str]:
+        return {name.strip(): value for name, _, value in (h.partition("=") for h in self.headers)}
+
+    def validate(self) -> "TracingConfig":
+        def bad(key, why):
+            raise ConfigError(f"tracing.{key}: {why}")
+        if self.otlp_endpoint and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.otlp_endpoint):
+            bad("otlp_endpoint", f"must be an http:// or https:// URL (the collector's base, e.g. "
+                                 f"http://127.0.0.1:4318), got {self.otlp_endpoint!r}")
+        if not self.service_name:
+            bad("service_name", "must not be empty")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            bad("sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
+        for i, h in enumerate(self.headers):
+            name, eq, value = h.partition("=")
+            if not eq or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name.strip()) or "\n" in value:
+                bad(f"headers[{i}]", "must be name=value with a valid HTTP header name")
+        if self.batch_size < 1:
+            bad("batch_size", "must be >= 1")
+        if self.queue_size < self.batch_size:
+            bad("queue_size", f"must be >= batch_size ({self.batch_size})")
+        for key in ("export_interval_s", "export_timeout_s"):
+            if getattr(self, key) <= 0:
+                bad(key, "must be > 0")
+        return self
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Everything one config file holds; each process reads the tables it needs."""
     engine: EngineConfig = EngineConfig()
@@ -429,6 +477,7 @@ class ClusterConfig:
     worker: WorkerConfig = WorkerConfig()
     security: SecurityConfig = SecurityConfig()
     log: LogConfig = LogConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def served_model_name(self, model_dir) -> str:
         """What clients put in "model": configured, else the checkpoint directory's name."""
@@ -440,7 +489,8 @@ class ClusterConfig:
 
 
 _TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig,
-           "security": SecurityConfig, "log": LogConfig}
+           "security": SecurityConfig, "log": LogConfig,
+           "tracing": TracingConfig}
 # Older names of PDD_* variables, still read when the new one is not set.
 ENV_ALIASES = {"PDD_LOG_LEVEL": "PDD_LOG__LEVEL"}
 
@@ -457,8 +507,28 @@ def load_cluster_config(path: str | Path | None = None, env: dict | None = None,
     for name, cls in _TABLES.items():
         table = dict(raw.get(name) or {})
         table.update((overrides or {}).get(name) or {})
+        if cls is TracingConfig:
+            table = {**otel_env(env), **table}
         parts[name] = build(cls, table, name, env)
     return ClusterConfig(**parts)
+
+
+def otel_env(env: dict) -> dict:
+    """[tracing] keys from the standard OpenTelemetry variables, where set (the
+    headers' values are URL-encoded there, as the OTel spec has them)."""
+    out = {}
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        out["otlp_endpoint"] = env["OTEL_EXPORTER_OTLP_ENDPOINT"].strip()
+    if env.get("OTEL_SERVICE_NAME"):
+        out["service_name"] = env["OTEL_SERVICE_NAME"].strip()
+    if env.get("OTEL_EXPORTER_OTLP_HEADERS"):
+        headers = []
+        for item in env["OTEL_EXPORTER_OTLP_HEADERS"].split(","):
+            name, eq, value = item.partition("=")
+            if item.strip():   # one without "=" stays as it is: validation names it
+                headers.append(f"{name.strip()}={unquote(value.strip())}" if eq else item.strip())
+        out["headers"] = headers
+    return out
 
 
 def with_aliases(env: dict) -> dict:

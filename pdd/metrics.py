@@ -20,7 +20,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdd import __version__
+from pdd import __version__, tracing
 from pdd.router.breaker import STATE_VALUE
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -101,6 +101,7 @@ class RouterMetrics:
         self._prefix_totals: dict[str, tuple[int, int]] = {}
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
+        r.register(_TracingCollector())
 
     def observe_heartbeat(self, hb) -> None:
         w = hb.worker_id
@@ -220,3 +221,20 @@ class _WorkerCollector:
         for (role, accepting), n in counts.items():
             workers.add_metric([role, accepting], n)
         yield from (free, total, hit, running, waiting, preemptions, compiled, workers)
+
+
+class _TracingCollector:
+    """The router's span exporter (pdd.tracing), when tracing is on."""
+
+    def collect(self):
+        stats = tracing.stats()
+        if stats is None:
+            return
+        exported = CounterMetricFamily("pdd_trace_spans_exported", "Spans the OTLP collector accepted")
+        exported.add_metric([], stats["exported"])
+        dropped = CounterMetricFamily("pdd_trace_spans_dropped", "Spans not exported: queue_full (the export "
+                                      "queue was full) or export_failed (the collector refused them, was "
+                                      "unreachable or too slow)", labels=["reason"])
+        dropped.add_metric(["queue_full"], stats["dropped_queue_full"])
+        dropped.add_metric(["export_failed"], stats["dropped_export_failed"])
+        yield from (exported, dropped)

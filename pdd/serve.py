@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pdd import sdnotify
+from pdd import sdnotify, tracing
 from pdd.config import EXIT_REFUSED, ROLES, ClusterConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
 
     tokenizer = Tokenizer(model_dir)
     eos_token_ids = model.eos_token_ids
+    tracing.start(cfg.tracing, "router", f"router-{socket.gethostname()}-{os.getpid()}")
     router = Router(cfg)
     await router.start()
     admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
@@ -103,6 +106,7 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     await runner.cleanup()
     await admin.stop()
     await router.stop()
+    await asyncio.to_thread(tracing.stop)
     return 0
 
 
@@ -126,6 +130,7 @@ async def run_worker(cfg: ClusterConfig) -> int:
     from pdd.worker.worker import Worker
 
     worker = Worker(cfg)
+    tracing.start(cfg.tracing, worker.role, worker.worker_id)
     progress = EngineProgress(cfg.worker.step_timeout_s)
     watch = asyncio.create_task(sdnotify.keep_alive(
         sdnotify.notifier(), lambda: progress.moved(worker.engine_thread), lambda: _worker_status(worker, progress)))
@@ -133,6 +138,7 @@ async def run_worker(cfg: ClusterConfig) -> int:
         return await worker.serve()
     finally:
         watch.cancel()
+        await asyncio.to_thread(tracing.stop)
 
 
 class EngineProgress:

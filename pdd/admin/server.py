@@ -41,7 +41,7 @@ MAX_REQUEST_BYTES = 64 * 1024   # larger requests get an error reply
 _HARD_LIMIT_BYTES = 1 << 20     # larger ones are not even read: zmq drops the connection
 MAX_ARGS = 16
 # (table, key) of the config values the `config` command masks.
-SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"))
+SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"), ("tracing", "headers"))
 # Commands that only read; the others, and these with arguments where they take
 # some (breaker open ..., faults set ..., log-level LEVEL), change something.
 READS = frozenset({"status", "workers", "requests", "config", "security", "trace"})

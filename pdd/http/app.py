@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 import orjson
 from aiohttp import web
 
-from pdd import security
+from pdd import security, tracing
 from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import schemas as s
@@ -161,7 +161,8 @@ class OpenAIServer:
                 None, structured.check, req.sampling.structured_output, req.structured_param)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
-        states = await self.router.submit_choices(ids, req.sampling, request[request_log.REQUEST_ID], req.n)
+        span = request[request_log.SPAN] = tracing.incoming(request.headers.get(request_log.TRACEPARENT))
+        states = await self.router.submit_choices(ids, req.sampling, request[request_log.REQUEST_ID], req.n, span)
         # The access line reads the first choice (the one that computes the prompt).
         request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
         choices = [self._choice(req, ids, i, state) for i, state in enumerate(states)]

@@ -13,7 +13,11 @@ The access line: one per request at INFO on logger `pdd.access` (GET /health
 and /metrics at DEBUG: probes), written when the handler is done, however it
 ended — method, path, status, duration, client address and, for a generation,
 mode, prefill/decode workers, tokens in/out, cached tokens, TTFT, finish reason,
-fallbacks and migrations.
+fallbacks and migrations; its trace id when traced.
+
+Tracing (pdd.tracing, when tracing.otlp_endpoint is set): a generation's root
+span continues the client's W3C `traceparent` (else starts a trace), and its
+response says where with a `traceparent` of its own (the router's root span).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from pdd.router.traces import Timeline
 log = logging.getLogger(ACCESS_LOGGER)
 
 HEADER = "X-Request-Id"
+TRACEPARENT = "traceparent"
 SERVER_NAME = "pdd"   # the Server header: no version for a scanner to match
 MAX_ID_CHARS = 128
 _SANE_ID = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_ID_CHARS}}}")
@@ -41,6 +46,7 @@ _key = getattr(web, "RequestKey", lambda name, _type: name)
 REQUEST_ID = _key("pdd_request_id", str)      # the id the response carries (the client's, or made here)
 FROM_CLIENT = _key("pdd_id_from_client", bool)
 STATE = _key("pdd_request_state", object)     # a generation's RequestState, once submitted
+SPAN = _key("pdd_span", object)               # a generation's root SpanContext, when traced
 STREAMED = _key("pdd_streamed", bool)
 PREPARED_STATUS = _key("pdd_prepared_status", int)   # the status its headers went out with
 
@@ -86,6 +92,9 @@ async def add_headers(request: web.Request, response: web.StreamResponse) -> Non
     if rid is not None:
         response.headers[HEADER] = rid
     response.headers["Server"] = SERVER_NAME
+    span = request.get(SPAN)
+    if span is not None:
+        response.headers[TRACEPARENT] = span.traceparent()
     request[PREPARED_STATUS] = response.status
 
 
@@ -109,4 +118,6 @@ def access_line(request: web.Request, status: int, duration_s: float) -> None:
             fields["fallbacks"] = t["fallbacks"]
         if t["migrations"]:
             fields["migrations"] = t["migrations"]
+        if state.span is not None:
+            fields["trace_id"] = state.span.trace_id
     log.log(level, "%s %s", request.method, request.path, extra=fields)

@@ -214,6 +214,9 @@ class Admit(Message):
     # (0: the engine's chunk_size). Adaptive placement sizes it so that a long
     # prompt prefilled where others decode keeps their inter-token gap in bounds.
     prefill_chunk: int = 0
+    # The router's phase span this work belongs to, as a W3C traceparent ("":
+    # not traced; the worker makes no span). pdd.tracing.
+    traceparent: str = ""
 
 
 @dataclass
@@ -265,6 +268,7 @@ class Reserve(Message):
     # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
     # the router: the worker need not hash the prompt again.
     block_hashes: list[int] = field(default_factory=list)
+    traceparent: str = ""     # as Admit's
 
 
 @dataclass
@@ -295,6 +299,7 @@ class Prefill(Message):
     # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
     # the router: the worker need not hash the prompt again.
     block_hashes: list[int] = field(default_factory=list)
+    traceparent: str = ""     # as Admit's
 
 
 @dataclass
@@ -310,6 +315,7 @@ class KVTarget(Message):
     skip_blocks: int
     lease_id: str
     dst_public_key: str = ""   # the decode worker's data-socket CURVE key, as it registered
+    traceparent: str = ""      # as Admit's
 
 
 @dataclass
@@ -360,6 +366,7 @@ class PrefillLocally(Message):
     epoch: int
     lease_id: str
     first_token: int | None = None
+    traceparent: str = ""     # as Admit's
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

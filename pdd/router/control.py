@@ -70,6 +70,8 @@ from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, 
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.traces import TraceStore
+from pdd.tracing import requests as spans
+from pdd.tracing.context import SpanContext
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +121,11 @@ class ControlPlane:
     # ------------------------------------------------------------------ from HTTP
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
-               hashes: list[int] | None = None) -> RequestState:
+               hashes: list[int] | None = None, span: SpanContext | None = None) -> RequestState:
         """`hashes`: the prompt's block hashes if the caller computed them (off the event loop).
         An id already in flight (two clients sent the same X-Request-Id) gets `#2`, `#3`, ...:
-        the id of record is unique, and still starts with what the client sent."""
+        the id of record is unique, and still starts with what the client sent.
+        `span`: its root span's context when traced (pdd.tracing.incoming)."""
         if request_id in self.requests:
             n = 2
             while f"{request_id}#{n}" in self.requests:
@@ -136,7 +139,7 @@ class ControlPlane:
         if hashes is None:
             hashes = self.prompt_hashes(prompt_token_ids)
         now = self.clock()
-        state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now)
+        state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now, span=span)
         state.mark("queued", f"{len(prompt_token_ids)} prompt tokens", at=now)
         plan = self._first_plan(state)
         if plan is None:
@@ -154,7 +157,7 @@ class ControlPlane:
         return state
 
     def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
-                       hashes: list[int] | None = None) -> list[RequestState]:
+                       hashes: list[int] | None = None, span: SpanContext | None = None) -> list[RequestState]:
         """The n choices of one request (n > 1), ids "<request_id>-<index>": choice i
         samples with seed + i (mod 2**63), as vLLM, so that they differ and a
         seeded request still repeats. The first is placed now, the others
@@ -162,17 +165,18 @@ class ControlPlane:
         prompt's logprobs (they are the same for all): the others may take
         the prompt from the prefix cache."""
         if n == 1:
-            return [self.submit(prompt_token_ids, sampling, request_id, hashes)]
+            return [self.submit(prompt_token_ids, sampling, request_id, hashes, span)]
         ids = [f"{request_id}-{i}" for i in range(n)]
         taken = next((rid for rid in ids if rid in self.requests), None)
         if taken is not None:
             raise Unavailable(f"request id {taken!r} is already in flight")
-        first = self.submit(prompt_token_ids, sampling, ids[0], hashes)
+        first = self.submit(prompt_token_ids, sampling, ids[0], hashes, span)
         for i, rid in enumerate(ids[1:], 1):
             seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
             follower = RequestState(rid, first.prompt_token_ids,
                                     dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
-                                    first.block_hashes, arrival=first.arrival, leader=first)
+                                    first.block_hashes, arrival=first.arrival, leader=first,
+                                    span=span.sibling() if span is not None else None)
             self._hold(follower)
             first.followers.append(follower)
         return [first, *first.followers]
@@ -391,7 +395,7 @@ class ControlPlane:
         skip = msg.num_cached_tokens // self.registry.layout.block_size
         self._enter(state, PREFILLING, self.cfg.kv_lease_ttl_s)
         self.send(prefill, m.KVTarget(state.request_id, state.epoch, peer, decode.data_addr, msg.block_ids, skip,
-                                      msg.lease_id, decode.public_key))
+                                      msg.lease_id, decode.public_key, spans.phase_traceparent(state)))
 
     def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
         # Often while the decode worker still reserves: the prompt went to both at once.
@@ -555,14 +559,16 @@ class ControlPlane:
             self.breakers.placed(plan.prefill, plan.decode, state.placed_at, state.request_id)
             self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
             self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
-                                             state.sampling, self.cfg.kv_lease_ttl_s, state.block_hashes))
+                                             state.sampling, self.cfg.kv_lease_ttl_s, state.block_hashes,
+                                             spans.phase_traceparent(state)))
             self._send_prompt(state, plan.prefill)
             return
         self._enter(state, DECODING)
         tokens = state.prompt_token_ids + state.output_token_ids
         hashes = state.hashes_of(tokens, self.registry.layout.block_size) if self.registry.layout else []
         self.send(plan.decode, m.Admit(state.request_id, state.epoch, tokens, state.sampling,
-                                       len(state.output_token_ids), hashes, plan.prefill_chunk))
+                                       len(state.output_token_ids), hashes, plan.prefill_chunk,
+                                       spans.phase_traceparent(state)))
 
     def _place_again(self, state: RequestState, reason: str | None, why: str,
                      exclude: frozenset[str] = frozenset()) -> None:
@@ -586,7 +592,7 @@ class ControlPlane:
     def _send_prompt(self, state: RequestState, prefill: str) -> None:
         state.prompt_at = prefill
         self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
-                                     state.transfer_backend, state.block_hashes))
+                                     state.transfer_backend, state.block_hashes, spans.phase_traceparent(state)))
 
     def _prefill_locally(self, state: RequestState, reason: str) -> None:
         """The KV will not come: the decode worker computes the prompt in the
@@ -599,7 +605,8 @@ class ControlPlane:
         self._own(state, state.decode_worker, None)
         self._enter(state, DECODING)
         first = state.output_token_ids[0] if state.output_token_ids else None
-        self.send(state.decode_worker, m.PrefillLocally(state.request_id, state.epoch, state.lease_id, first))
+        self.send(state.decode_worker, m.PrefillLocally(state.request_id, state.epoch, state.lease_id, first,
+                                                        spans.phase_traceparent(state)))
 
     def _prefill_for(self, state: RequestState) -> str | None:
         """The prefill worker planned at placement, or another one if it left meanwhile."""
@@ -663,7 +670,7 @@ class ControlPlane:
         self._own(state, None, None)
         state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
         self.metrics.inflight.dec()
-        self.traces.finished(state, self.clock())
+        spans.export(state.span, self.traces.finished(state, self.clock()))
         if state.followers:      # it ended before its decode worker said a word (a stop string in the first token)
             self._release_followers(state)
 

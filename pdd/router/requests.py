@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from pdd.api import SamplingParams
 from pdd.kv.hashing import ROOT_HASH, block_hashes
+from pdd.tracing.context import SpanContext
 
 
 class RequestError(Exception):
@@ -84,6 +85,7 @@ class RequestState:
     finish_reason: str | None = None
     num_migrations: int = 0
     trace: list[TraceEvent] = field(default_factory=list)
+    span: SpanContext | None = None     # its root span when traced (pdd.tracing.requests)
     # What the router produced and the client's handler has not taken yet
     # (TokenEvents, then at most one RequestError); see take_events. A handler
     # blocked on a client that does not read takes nothing: pdd.router.control

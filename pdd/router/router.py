@@ -33,6 +33,7 @@ from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
 from pdd.router.traces import TraceStore
 from pdd.security import control_security
+from pdd.tracing.context import SpanContext
 
 __all__ = ["Overloaded", "Router", "Unavailable"]
 
@@ -112,8 +113,9 @@ class Router:
         return (await self.submit_choices(prompt_token_ids, sampling, request_id or uuid.uuid4().hex, 1))[0]
 
     async def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
-                             n: int) -> list[RequestState]:
-        """The n choices of one request (pdd.router.control.ControlPlane.submit_choices)."""
+                             n: int, span: SpanContext | None = None) -> list[RequestState]:
+        """The n choices of one request (pdd.router.control.ControlPlane.submit_choices);
+        `span`: its root span when traced (pdd.tracing.incoming)."""
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         hashes = None
@@ -121,7 +123,7 @@ class Router:
             # ~3.6 us a block (measured): a 1M-token prompt would hold the loop, and every stream, 0.2 s.
             hashes = await asyncio.get_running_loop().run_in_executor(
                 None, self.control.prompt_hashes, prompt_token_ids)
-        return self.control.submit_choices(prompt_token_ids, sampling, request_id, n, hashes)
+        return self.control.submit_choices(prompt_token_ids, sampling, request_id, n, hashes, span)
 
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away ("abort"), or its answer is complete ("stop": a stop

@@ -40,6 +40,7 @@ from pdd.engine.engine import EngineOutput, LLMEngine
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve
+from pdd.tracing import placements as spans
 from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
 from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector
@@ -61,6 +62,7 @@ def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.
                                prefill_chunk=msg.prefill_chunk)
     except InvalidRequest as e:
         return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
+    spans.begin(p, "prefill", msg.traceparent, **{"pdd.prompt_tokens": len(msg.prompt_token_ids)})
     return []
 
 
@@ -70,6 +72,7 @@ def token_batch(worker_id: str, placements: PlacementTable, outputs: list[Engine
     items = []
     for o in outputs:
         p = placements.get(o.request_id)
+        spans.tokens(p, len(o.new_token_ids), o.finish_reason)
         if o.finished:
             placements.release(o.request_id)
         items.append(m.TokenItem(p.request_id, p.epoch, o.position, o.new_token_ids, o.finished,
@@ -136,6 +139,7 @@ class DecodeSide:
         # Only the blocks the transfer may write are leased; cached prefix blocks
         # may be shared with other requests and must never be written.
         p.lease_id = self.leases.grant(p.engine_id, blocks[skip:], msg.lease_ttl_s)
+        spans.begin(p, "kv_wait", msg.traceparent, **{"pdd.blocks": len(blocks), "pdd.cached_tokens": num_cached})
         return m.Reserved(wid, msg.request_id, msg.epoch, ok=True, lease_id=p.lease_id, block_ids=blocks,
                           num_cached_tokens=num_cached)
 
@@ -154,6 +158,7 @@ class DecodeSide:
             return self._run_as(p, msg.epoch, lambda: None)
         # Revoked before the blocks are used (or freed): no page may land after this.
         self._end_lease(p, RUNNING)
+        spans.begin(p, "prefill", msg.traceparent, ends="kv_wait", **{"pdd.local_fallback": True})
         return self._run_as(p, msg.epoch, lambda: self.engine.prefill_locally(p.engine_id, msg.first_token))
 
     def _run_as(self, p: WorkerPlacement, epoch: int, start: Callable[[], EngineOutput | None]) -> list[m.Message]:
@@ -181,6 +186,7 @@ class DecodeSide:
                       landed.lease_id)
             return []
         self._end_lease(p, LANDED)
+        spans.begin(p, "decode", ends="kv_wait")
         h = landed.handoff
         try:
             out = self.engine.kv_ready(p.engine_id, h.first_token)
@@ -294,6 +300,7 @@ class PrefillSide:
             return [m.PrefillFailed(self.worker_id, msg.request_id, msg.epoch, str(e))]
         p.backend, p.num_prompt_tokens = msg.transfer_backend, len(msg.prompt_token_ids)
         self.connector.expect(p.engine_id)
+        spans.begin(p, "prefill", msg.traceparent, **{"pdd.prompt_tokens": p.num_prompt_tokens})
         return []
 
     def _target(self, msg: m.KVTarget) -> list[m.Message]:
@@ -309,6 +316,7 @@ class PrefillSide:
         p.target = TransferTarget(p.engine_id, msg.lease_id, msg.dst_worker, msg.dst_addr, tuple(msg.dst_block_ids),
                                   msg.skip_blocks, backend=p.backend, dst_public_key=msg.dst_public_key)
         self.connector.set_target(p.target)
+        spans.begin(p, "kv_send", msg.traceparent, **{"pdd.dst_worker": msg.dst_worker, "pdd.backend": p.backend})
         return []
 
     def _check_target(self, msg: m.KVTarget, prompt_len: int) -> None:
@@ -330,6 +338,7 @@ class PrefillSide:
             p = self.placements.get(o.request_id)
             p.state = SHIPPING
             h = p.handoff = Handoff(o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
+            spans.end(p, "prefill", **{"pdd.cached_tokens": h.num_cached_tokens})
             # An injected failure (pdd.faults) withholds the start, as a lost last message would.
             self.connector.finish(p.engine_id, None if faults.fail_transfer(p.engine_id) else h)
             replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, h.first_token, h.logprobs,
@@ -346,6 +355,9 @@ class PrefillSide:
             p = self.placements.get(r.request_id)
             if p is None or p.state not in (COMPUTING, SHIPPING):
                 continue   # aborted meanwhile
+            spans.end(p, "kv_send", None if r.ok else f"KV transfer failed: {r.error}",
+                      **{"pdd.bytes": r.bytes, "pdd.transfer_s": r.seconds, "pdd.blocks_sent": r.blocks_sent,
+                         "pdd.blocks_skipped": r.blocks_skipped})
             if p.state is COMPUTING:
                 if not r.ok:
                     # Failed while the prompt still computes: stop computing it.

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pdd.api import InvalidRequest
+from pdd.tracing import placements as spans
+from pdd.tracing.placements import PlacementTrace
 from pdd.transfer.base import Handoff, TransferTarget
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class WorkerPlacement:
     num_prompt_tokens: int = 0
     target: TransferTarget | None = None
     handoff: Handoff | None = None
+    trace: PlacementTrace | None = None   # its open spans, when traced (pdd.tracing.placements)
 
 
 class Holder(Protocol):
@@ -146,6 +149,7 @@ class PlacementTable:
                 del self._engine_ids[p.request_id]
             for holder in self._holders:
                 holder.release(p)
+            spans.ended(p)
         self.engine.abort_request(eid)
         return p
 
