@@ -154,13 +154,13 @@ def main(args) -> int:
         if args.json:
             _out(json.dumps(error_document(e.kind, str(e), e.exit_code, args.admin_command, **e.detail), indent=2))
         else:
-            print(f"pdd admin {args.admin_command}: {e}", file=sys.stderr)
+            print(f"pdd admin: {e}", file=sys.stderr)
         return e.exit_code
     except (OSError, ValueError) as e:   # a config or key file that cannot be read
         if args.json:
             _out(json.dumps(error_document("local", str(e), EXIT_FAILED, args.admin_command), indent=2))
         else:
-            print(f"pdd admin {args.admin_command}: {e}", file=sys.stderr)
+            print(f"pdd admin: {e}", file=sys.stderr)
         return EXIT_FAILED
     _out(json.dumps(result, indent=2) if args.json else tables.render(command.name, result, args))
     return EXIT_OK
