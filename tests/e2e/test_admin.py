@@ -24,11 +24,11 @@ import pdd
 from pdd.admin.client import call_with_config
 from pdd.config import load_cluster_config
 from pdd.launcher import Cluster, free_port
-from pdd.router.drained import FILE_NAME
 from tests.e2e import http_util
 from tests.e2e.cluster import _wait_for
 
 WORKERS = [("prefill", "prefill-0", None), ("decode", "decode-0", None)]
+FILE_NAME = "drained-workers.json"   # in router.state_dir
 ABORTED = "aborted by the operator"
 
 
