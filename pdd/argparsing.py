@@ -16,11 +16,11 @@ def error_document(kind: str, message: str, exit_code: int, command: str | None 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to an option's help, unless there is no default
-    worth showing (None, False, a suppressed one) or the help already says it."""
+    worth showing (None, False, empty, a suppressed one) or the help already says it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS, [], ()) or "default" in text:
+        if action.default in (None, False, "", argparse.SUPPRESS, [], ()) or "default" in text:
             return text
         return super()._get_help_string(action)
 

@@ -13,8 +13,8 @@ and other secrets are never logged nor echoed.
 Every command leaves an audit line on logger `pdd.audit` (pdd.logs): the
 command, its arguments, who sent it (the admin key's name under CURVE, and the
 peer's address) and how it ended — at INFO for a command that changes
-something (drain, undrain, breaker/faults/log-level with arguments), at DEBUG
-for one that only reads (monitors poll `status`).
+something (drain, undrain, abort, breaker/faults/log-level with arguments), at
+DEBUG for one that only reads (monitors poll `status`).
 """
 from __future__ import annotations
 
