@@ -156,7 +156,7 @@ def main(args) -> int:
         else:
             print(f"pdd admin: {e}", file=sys.stderr)
         return e.exit_code
-    except (OSError, ValueError) as e:   # a config or key file that cannot be read
+    except (OSError, ValueError, zmq.ZMQError) as e:   # a config or key file that cannot be read, a bad --addr
         if args.json:
             _out(json.dumps(error_document("local", str(e), EXIT_FAILED, args.admin_command), indent=2))
         else:

@@ -375,7 +375,10 @@ class Router:
         worker = self.registry.workers.get(worker_id)
         if worker is None and not (not draining and worker_id in self.registry.drained):
             raise KeyError(f"no worker {worker_id!r}; known: {sorted(self.registry.workers)}")
-        (self.registry.drained.add if draining else self.registry.drained.discard)(worker_id)
+        if draining:
+            self.registry.drained.add(worker_id)
+        else:
+            self.registry.drained.discard(worker_id)
         if worker is not None:
             worker.draining = draining
         out = worker.summary() if worker is not None else {"worker_id": worker_id, "draining": False}
