@@ -1,5 +1,8 @@
-"""`pdd` — the one executable.
+"""pdd, an LLM serving daemon with prefill/decode disaggregation: the one executable.
 
+    pdd up [--mode disagg|colocated]           a local cluster (router + workers) in one command
+    pdd serve --role ROLE | --instance ROLE-N  one process of a cluster (what a systemd unit runs)
+    pdd admin COMMAND                          operate a running cluster (pdd admin --help)
     pdd make-model --preset tiny --out DIR     random-weight HF checkpoint, no download
     pdd generate --prompt TEXT [--model DIR]   offline generation with the engine
     pdd bench offline                          engine throughput benchmark (CPU or GPU)
@@ -13,7 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdd import logs
+from pdd import __version__, build_info, logs
+from pdd.admin.commands import add_admin_parser, log_level_type
+from pdd.argparsing import Parser
 from pdd.config import LOG_LEVELS
 from pdd.engine.args import add_engine_args, engine_kwargs
 
@@ -108,28 +113,27 @@ def cmd_keys_generate(args) -> int:
     return 0
 
 
-def _log_level(value: str) -> str:
-    if value.lower() not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
-    return value.lower()
-
-
 def _add_log_level(p: argparse.ArgumentParser, help: str) -> None:
     # SUPPRESS: given after the command it wins, else the one before it (pdd --log-level X serve) holds.
-    p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL", help=help)
+    p.add_argument("--log-level", type=log_level_type, default=argparse.SUPPRESS, metavar="LEVEL", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdd", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", type=_log_level, default=None, metavar="LEVEL",
+    parser = Parser(prog="pdd", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                    formatter_class=argparse.RawDescriptionHelpFormatter, json_switch=False)
+    build = build_info()
+    parser.add_argument("--version", action="version", help="print pdd's version and exit",
+                        version=f"pdd {__version__} (Python {build['python']})")
+    parser.add_argument("--log-level", type=log_level_type, default=None, metavar="LEVEL",
                         help=f"{', '.join(LOG_LEVELS)} (default: warning; serve and up: the config's log.level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "8b"])
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "8b"], help="model size")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
+                   help="architecture of the checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write it to")
     p.add_argument("--fp8", choices=["tensor", "channel", "block", "compressed"], default=None,
                    help="write an FP8 checkpoint: quant_method fp8 with per-tensor, per-channel or 128x128 "
                         "block scales, or compressed-tensors (per-channel weights, dynamic per-token activations)")
@@ -139,34 +143,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text offline")
     add_engine_args(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the token ids and finish reason")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="run one process of a cluster (what a systemd unit runs)")
     who = p.add_mutually_exclusive_group(required=True)
-    who.add_argument("--role", choices=["router", "colocated", "prefill", "decode"])
+    who.add_argument("--role", choices=["router", "colocated", "prefill", "decode"], help="the process to run")
     who.add_argument("--instance", metavar="ROLE-N",
                      help="a worker named as its systemd unit's instance (pdd-worker@decode-0): role decode, "
                           "worker id decode-0; another name exits 78")
     p.add_argument("--config", default=None, help="TOML config (conf/*.toml); PDD_<TABLE>__<KEY> env overrides")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None, help="a worker's id (default: worker.worker_id, else ROLE-HOST-PID)")
     p.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override one config value")
     _add_log_level(p, "this process's log level (default: log.level, PDD_LOG__LEVEL; info)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
-    p.add_argument("--config", default=None)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML config the cluster starts from (default: built-in defaults)")
     p.add_argument("--mode", default="disagg", choices=["disagg", "colocated"],
                    help="disagg: --prefill + --decode workers; colocated: --workers")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
@@ -175,14 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive", action="store_true",
                    help="router.mode = adaptive: per request, remote or local prefill by measured cost; "
                         "colocated workers also prefill for others, leaning to prefill or decode with the load")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (refused in one line if in use)")
     p.add_argument("--tool-call-parser", default=None, choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (router.tool_call_parser; default auto: "
                         "read from the chat template)")
     p.add_argument("--run-dir", default=None,
                    help="where logs, keys and the generated config go (default ~/.cache/pdd/run/up-PORT): "
                         "made 0700 if new; an existing one is used as it is, its keys kept, if only you can write it")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds for every worker to register before giving up")
     p.add_argument("--api-key-file", action="append", metavar="FILE",
                    help="require 'Authorization: Bearer KEY' on the HTTP API for the keys in FILE, one a line "
                         "(blank lines and # comments skipped; repeatable); or PDD_SECURITY__API_KEYS=KEY1,KEY2")
@@ -191,33 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as --api-key-file, but on the command line, where other users can read it (warned)")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("admin", help="operate a running cluster through the router's admin socket")
-    p.add_argument("--addr", default=None, help="admin socket (default from --config, else tcp://127.0.0.1:7101)")
-    token = p.add_mutually_exclusive_group()
-    token.add_argument("--token-file", default=None, metavar="FILE",
-                       help="file holding the admin token (default: $PDD_ADMIN_TOKEN, else --config's)")
-    token.add_argument("--token", default=None,
-                       help="the admin token on the command line, where other users can read it (warned)")
-    p.add_argument("--config", default=None)
-    p.add_argument("--keys", default=None, help="keys directory with admin.key_secret and router.key "
-                                                "(default: --config's security.keys_dir)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--slow", action="store_true",
-                   help="requests: the slowest finished requests, with the time each spent in each phase")
-    p.add_argument("--worker", default=None, metavar="ID|all",
-                   help="log-level: set it on this worker, or on the router and every worker (all); "
-                        "default: the router")
-    p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config",
-                                             "security", "breaker", "faults", "trace", "log-level"])
-    p.add_argument("args", nargs="*", help="drain/undrain: WORKER; breaker: [open|close|auto [PREFILL DECODE | all]]; "
-                                           "faults: [set NAME=VALUE[,...] [WORKER] | clear [WORKER]]; "
-                                           "trace: REQUEST_ID; log-level: [LEVEL]")
-    p.set_defaults(func=cmd_admin)
+    add_admin_parser(sub).set_defaults(func=cmd_admin)
 
     p = sub.add_parser("keys", help="CURVE keys that authenticate every socket of a cluster")
     keys_sub = p.add_subparsers(dest="keys_command", required=True)
     k = keys_sub.add_parser("generate", help="new key pairs and authorized-key directories in DIR")
-    k.add_argument("dir")
+    k.add_argument("dir", metavar="DIR", help="directory to write the keys to (made 0700; never overwritten)")
     k.add_argument("--only", default=None, metavar="ROLES",
                    help="comma list of router, worker, admin (default: all three); "
                         "e.g. --only worker: a pair for one more worker host")

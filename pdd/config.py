@@ -253,6 +253,11 @@ class RouterConfig:
     # The format the model writes tool calls in (pdd.http.tools): auto (read
     # from the chat template), hermes, llama3_json or mistral.
     tool_call_parser: str = "auto"
+    # Where the router keeps what must outlive it: the workers drained by
+    # `pdd admin drain` (pdd.router.drained). "": systemd's $STATE_DIRECTORY
+    # (the units' StateDirectory=, /var/lib/pdd) when set, else nowhere (a
+    # drain then lasts as long as the router process).
+    state_dir: str = ""
     breaker: BreakerConfig = BreakerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     threshold: ThresholdConfig = ThresholdConfig()
@@ -281,6 +286,8 @@ class RouterConfig:
             if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
                 raise ConfigError(f"router.allowed_hosts: {host!r} is not a host name; want a name such as "
                                   "'gpu-box.lan' (no scheme, port or path), or '*' for any")
+        if self.state_dir and not os.path.isabs(self.state_dir):
+            raise ConfigError(f"router.state_dir: must be an absolute path (or empty), got {self.state_dir!r}")
         if not 0 < self.drain_timeout_s < float("inf"):
             raise ConfigError(f"router.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
         return self
@@ -345,7 +352,7 @@ class WorkerConfig:
 
 
 # Paths the HTTP API may serve without a key (security.open_paths).
-HTTP_OPENABLE_PATHS = ("/health", "/metrics", "/v1/models")
+HTTP_OPENABLE_PATHS = ("/health", "/ready", "/metrics", "/v1/models")
 
 
 @dataclass(frozen=True)
@@ -358,7 +365,7 @@ class SecurityConfig:
     insecure: bool = False
     # HTTP `Authorization: Bearer KEY`; empty = the HTTP API is open (warned at start).
     api_keys: tuple[str, ...] = ()
-    open_paths: tuple[str, ...] = ("/health", "/metrics")   # served without a key
+    open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")   # served without a key
     http_header_timeout_s: float = 10.0   # first byte of a request -> end of its headers
     http_body_timeout_s: float = 60.0     # reading a request body
     http_idle_timeout_s: float = 75.0     # a connection with no request in progress

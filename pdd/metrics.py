@@ -14,13 +14,11 @@ Per-worker series are dropped by `forget_worker` once a worker has left for good
 """
 from __future__ import annotations
 
-import platform
-
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdd import __version__, tracing
+from pdd import __version__, build_info, tracing
 from pdd.router.breaker import STATE_VALUE
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -41,7 +39,7 @@ class RouterMetrics:
         r = self.registry
         ProcessCollector(namespace="pdd", registry=r)
         Info("pdd_build", "The router's build: pdd and Python versions", registry=r).info(
-            {"version": __version__, "python": platform.python_version()})
+            {k: v for k, v in build_info().items() if k in ("version", "python")})
         self.ttft = Histogram("pdd_time_to_first_token_seconds", "Arrival to first token, at the router",
                               _TOKEN_LABELS, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdd_inter_token_latency_seconds",

@@ -1,7 +1,10 @@
 """The `pdd` executable, run as a user runs it."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -140,3 +143,55 @@ def test_serve_names_an_address_in_use(tmp_path, tiny_model):
                 "--set", f"router.port={port}", "--set", f"router.control_addr=tcp://127.0.0.1:{free_port()}",
                 "--set", f"router.admin_addr=tcp://127.0.0.1:{free_port()}", env=env)
     assert r.returncode == 1 and "in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _parsers(parser, path=("pdd",)):
+    """(command path, parser) of `parser` and every sub-parser under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, path + (name,))
+
+
+def _help_of(text: str, option: str) -> str:
+    """An option's help in a parser's --help text: from its name to the next option."""
+    start = re.search(rf"^  {re.escape(option)}\b", text, re.M).end()
+    return text[start:].split("\n  -", 1)[0]
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    from pdd.cli import build_parser
+
+    missing, no_default = [], []
+    for path, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.help == "==SUPPRESS==" or action.dest == "help":
+                continue
+            if isinstance(action, argparse._SubParsersAction):   # its commands: each says what it does
+                missing += [f"{' '.join(path)} {c.dest}" for c in action._choices_actions if not c.help]
+                continue
+            if not action.help:
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+            elif (action.option_strings and action.default not in (None, False, "", [], (), "==SUPPRESS==")
+                  and "default" not in _help_of(text, action.option_strings[0])):
+                no_default.append(f"{' '.join(path)} {action.option_strings[0]}")
+    assert not missing, f"options without help: {missing}"
+    assert not no_default, f"options whose help does not show the default: {no_default}"
+
+
+def test_version():
+    from pdd import __version__
+    r = pdd("--version")
+    assert r.returncode == 0 and r.stdout.startswith(f"pdd {__version__} (Python "), r.stdout
+
+
+def test_admin_usage_errors_are_json_when_json_is_asked_for():
+    for args in (["admin", "--json", "drain"], ["admin", "drain", "--json"], ["admin", "--json", "nope"],
+                 ["admin", "--json", "status", "--stray"]):
+        r = pdd(*args)
+        error = json.loads(r.stdout)["error"]
+        assert r.returncode == 2 and error["kind"] == "usage" and error["exit_code"] == 2, (args, r.stdout)
+    r = pdd("admin", "drain")
+    assert r.returncode == 2 and r.stdout == "" and "the following arguments are required: WORKER" in r.stderr

@@ -1,5 +1,17 @@
-"""`pdd admin [--addr ADDR] [--token-file FILE] [--keys DIR | --config FILE] COMMAND [ARGS]`:
-talks to the router's admin socket.
+"""`pdd admin [--addr ADDR] [--token-file FILE] [--keys DIR | --config FILE] [--json] COMMAND [ARGS]`:
+talks to the router's admin socket (the commands: pdd.admin.commands).
+
+Output: a table or a few lines for people (pdd.admin.tables), or with --json
+the command's result as JSON on stdout. An error is one line on stderr, or
+with --json `{"error": {"command", "kind", "message", "exit_code"}}` on
+stdout; either way the exit code says what kind of error it is:
+
+    0  done
+    1  refused or failed: the router said no (unknown worker or request, bad
+       arguments) or this side could not ask (no keys, an unreadable token file)
+    2  bad usage (argparse's)
+    3  no answer from the router, or its door refused ours (CURVE)
+    4  drain --wait: the worker still had requests when --timeout passed
 
 The token comes from --token-file, $PDD_ADMIN_TOKEN or the config: a --token
 on the command line works too, but any user of the host can read it there.
@@ -13,18 +25,37 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import msgpack
 import zmq
 
+from pdd import build_info
+from pdd.admin import tables
+from pdd.admin.commands import BY_NAME, DEFAULT_ADDR
+from pdd.argparsing import EXIT_USAGE, error_document
 from pdd.security import Curve, admin_client_security, read_secret_file
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_TIMEOUT = 0, 1, 3, 4
+_EXIT_OF = {"refused": EXIT_FAILED, "local": EXIT_FAILED, "usage": EXIT_USAGE, "unreachable": EXIT_UNREACHABLE,
+            "timeout": EXIT_TIMEOUT}
+
+
 class AdminError(RuntimeError):
-    pass
+    """`kind`: refused (the router said no), local (this side could not ask),
+    usage, unreachable (no answer), timeout (drain --wait); it sets the exit code."""
+
+    def __init__(self, message: str, kind: str = "refused", detail: dict | None = None):
+        super().__init__(message)
+        self.kind, self.detail = kind, detail or {}
+
+    @property
+    def exit_code(self) -> int:
+        return _EXIT_OF[self.kind]
 
 
 def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0, security: Curve | None = None):
@@ -47,9 +78,10 @@ def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0, securit
         events = dict(poller.poll(int(timeout_s * 1000)))
         if sock not in events and monitor in events:
             raise AdminError(f"{addr} refused the connection (CURVE handshake failed): the admin key is not "
-                             "authorized there, the router key is wrong, or one side runs without keys")
+                             "authorized there, the router key is wrong, or one side runs without keys",
+                             "unreachable")
         if sock not in events:
-            raise AdminError(f"no answer from {addr} within {timeout_s:.0f}s (is the router running?)")
+            raise AdminError(f"no answer from {addr} within {timeout_s:.0f}s (is the router running?)", "unreachable")
         reply = msgpack.unpackb(sock.recv(), raw=False)
     finally:
         sock.disable_monitor()
@@ -66,65 +98,6 @@ def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0):
     return call(cfg.router.admin_addr, cfg.router.admin_token, cmd, *args, timeout_s=timeout_s, security=keys)
 
 
-def _format_workers(workers: list[dict]) -> str:
-    """The workers, then each prefill -> decode pair's KV transfer backend and why."""
-    table = _table(workers, ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting",
-                             "free_blocks", "num_blocks", "prefix_hit_rate", "last_seen_s_ago"])
-    pairs = [{"prefill": w["worker_id"], "decode": d, "backend": t["backend"] or "none", "why": t["reason"]}
-             for w in workers for d, t in sorted(w.get("transfer_to", {}).items())]
-    return table + ("\n\n" + _table(pairs, ["prefill", "decode", "backend", "why"]) if pairs else "")
-
-
-def _table(rows: list[dict], cols: list[str]) -> str:
-    cells = [[str(r.get(c, "")) if not isinstance(r.get(c), float) else f"{r[c]:.3f}" for c in cols] for r in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(wd) for c, wd in zip(cols, widths))]
-    lines += ["  ".join(v.ljust(wd) for v, wd in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
-
-
-def _format_placement(placement: dict) -> str:
-    """The policy and its settings, its decisions so far, and what it reads of each worker."""
-    settings = "  ".join(f"{k}={v}" for k, v in placement.get("settings", {}).items())
-    decisions = "  ".join(f"{kind}/{reason}={n}" for kind, reasons in sorted(placement.get("decisions", {}).items())
-                          for reason, n in sorted(reasons.items()))
-    lines = [f"placement: policy={placement.get('policy')}" + (f"  {settings}" if settings else ""),
-             f"decisions: {decisions or 'none yet'}"]
-    if placement.get("prefill_leaning"):
-        lines.append(f"leaning to prefill: {', '.join(placement['prefill_leaning'])}  "
-                     f"demand={placement.get('prefill_demand_tokens_s')} prompt tokens/s")
-    estimates = placement.get("estimates", {})
-    cols = list(dict.fromkeys(k for e in estimates.values() for k in e))
-    if cols:
-        lines.append(_table([{"worker_id": wid, **e} for wid, e in sorted(estimates.items())], ["worker_id", *cols]))
-    return "\n".join(lines)
-
-
-SLOW_COLUMNS = ["request_id", "mode", "finish_reason", "duration_s", "ttft_s", "queued_s", "reserving_s",
-                "prefilling_s", "decoding_s", "prefill_worker", "decode_worker", "fallbacks", "migrations"]
-
-
-def _format_trace(t: dict) -> str:
-    """One request's timeline: its figures, the time in each phase, then each event."""
-    ttft = f"{t['ttft_s']:.3f}s" if t.get("ttft_s") is not None else "-"
-    head = (f"request {t['request_id']}  mode={t['mode']}  finish={t['finish_reason'] or '-'}"
-            f"{'  (in flight)' if t.get('in_flight') else ''}  started {t['started_at']}\n"
-            f"prompt={t['prompt_tokens']} cached={t['cached_tokens']} output={t['output_tokens']}  "
-            f"ttft={ttft}  total={t['duration_s']:.3f}s  migrations={t['migrations']}\n"
-            "time in phase: " + "  ".join(f"{p}={t[p + '_s']:.3f}s"
-                                          for p in ("queued", "reserving", "prefilling", "decoding")))
-    events = [{**e, "t_s": f"+{e['t_s']:.3f}", "prefill": e["prefill"] or "-", "decode": e["decode"] or "-"}
-              for e in t["events"]]
-    return head + "\n" + _table(events, ["t_s", "event", "epoch", "prefill", "decode", "note"])
-
-
-def _format_log_level(r: dict) -> str:
-    parts = [f"router: {r['router']}"] if "router" in r else []
-    if r.get("sent_to"):
-        parts.append(f"{r['level']} sent to {', '.join(r['sent_to'])}")
-    return "; ".join(parts) or "no worker to send it to"
-
-
 def _connection(args) -> tuple[str, str, Curve | None]:
     """(address, token, CURVE identity or None) from the flags, the config and the environment."""
     addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
@@ -136,13 +109,13 @@ def _connection(args) -> tuple[str, str, Curve | None]:
         token = token or cfg.router.admin_token
         keys_dir = keys_dir or cfg.security.keys_dir
         insecure = cfg.security.insecure
-    addr = addr or "tcp://127.0.0.1:7101"
+    addr = addr or DEFAULT_ADDR
     if keys_dir:
         return addr, token, admin_client_security(keys_dir)
     if insecure:
         return addr, token, None
     raise AdminError("no keys: pass --keys DIR (holding admin.key_secret and router.key) or --config FILE "
-                     "with security.keys_dir")
+                     "with security.keys_dir", "local")
 
 
 def _flag_token(args) -> str:
@@ -156,59 +129,71 @@ def _flag_token(args) -> str:
     try:
         tokens = read_secret_file(args.token_file, "--token-file")
     except ValueError as e:
-        raise AdminError(str(e)) from None
+        raise AdminError(str(e), "local") from None
     if len(tokens) > 1:
-        raise AdminError(f"--token-file {args.token_file}: holds {len(tokens)} lines; want the one token")
+        raise AdminError(f"--token-file {args.token_file}: holds {len(tokens)} lines; want the one token", "local")
     return tokens[0]
 
 
-def _wire_args(args) -> list:
-    """The command's arguments as the admin socket takes them (its flags become arguments)."""
-    out = list(args.args)
-    if getattr(args, "slow", False):
-        if args.admin_command != "requests":
-            raise AdminError("--slow goes with requests: pdd admin requests --slow")
-        out = ["slow", *out]
-    if getattr(args, "worker", None) is not None:
-        if args.admin_command != "log-level" or not out:
-            raise AdminError("--worker goes with log-level LEVEL: pdd admin log-level LEVEL --worker ID|all")
-        out.append(args.worker)
-    return out
-
-
 def main(args) -> int:
+    """Run one command; print its result or its error; the exit code (see the module's docstring)."""
+    command = BY_NAME[args.admin_command]
     try:
+        try:
+            wire = command.wire(args)
+        except ValueError as e:
+            raise AdminError(str(e), "usage") from None
         addr, token, keys = _connection(args)
-        result = call(addr, token, args.admin_command, *_wire_args(args), security=keys)
+
+        def ask(cmd: str, *cmd_args):
+            return call(addr, token, cmd, *cmd_args, security=keys)
+
+        result = ask(command.name, *wire)
+        result = _follow(args, result, ask)
     except AdminError as e:
-        print(f"pdd admin: {e}", file=sys.stderr)
-        return 1
+        if args.json:
+            _out(json.dumps(error_document(e.kind, str(e), e.exit_code, args.admin_command, **e.detail), indent=2))
+        else:
+            print(f"pdd admin: {e}", file=sys.stderr)
+        return e.exit_code
+    except (OSError, ValueError, zmq.ZMQError) as e:   # a config or key file that cannot be read, a bad --addr
+        if args.json:
+            _out(json.dumps(error_document("local", str(e), EXIT_FAILED, args.admin_command), indent=2))
+        else:
+            print(f"pdd admin: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    _out(json.dumps(result, indent=2) if args.json else tables.render(command.name, result, args))
+    return EXIT_OK
+
+
+def _out(text: str) -> None:
     try:
-        _print(args, result)
+        print(text, flush=True)
     except BrokenPipeError:   # `pdd admin workers | head`: the reader had what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
-    return 0
 
 
-def _print(args, result) -> None:
-    if args.json:
-        print(json.dumps(result, indent=2))
-    elif args.admin_command == "status":
-        print(f"model {result['model']}  ready={result['ready']}  accepting={result['accepting']}  "
-              f"in flight={result['requests_in_flight']}  uptime={result['uptime_s']}s")
-        print(_format_workers(result["workers"]))
-        if "placement" in result:
-            print(_format_placement(result["placement"]))
-        for d in result.get("departed", []):
-            print(f"departed {d['worker_id']}: gone {d['gone_s']}s, forgotten in {d['forget_in_s']}s "
-                  f"unless it registers again")
-    elif args.admin_command == "workers":
-        print(_format_workers(result))
-    elif args.admin_command == "requests" and getattr(args, "slow", False):
-        print(_table(result, SLOW_COLUMNS) if result else "no finished request kept yet")
-    elif args.admin_command == "trace":
-        print("\n\n".join(_format_trace(t) for t in result))
-    elif args.admin_command == "log-level":
-        print(_format_log_level(result))
-    else:
-        print(json.dumps(result, indent=2))
+def _follow(args, result, ask):
+    """What a command does on this side after the router answered."""
+    if args.admin_command == "version":
+        return {"client": build_info(), **result}
+    if args.admin_command == "drain" and args.wait:
+        return wait_idle(args.worker, args.timeout, lambda: ask("workers"), result)
+    return result
+
+
+def wait_idle(worker_id: str, timeout_s: float, workers, drained: dict, poll_s: float = 0.2) -> dict:
+    """Until `worker_id` has no request in flight: none owned at the router, none
+    running or waiting in its last heartbeat (or it is gone). AdminError
+    (timeout) if that takes longer than `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        now = next((w for w in workers() if w["worker_id"] == worker_id), None)
+        busy = 0 if now is None else max(now["inflight"], now["running"] + now["waiting"])
+        if not busy:
+            return {**drained, **(now or {}), "waited_s": round(time.monotonic() - start, 3)}
+        if time.monotonic() - start >= timeout_s:
+            raise AdminError(f"{worker_id} still has {busy} request(s) in flight after {timeout_s:g}s; it stays "
+                             f"drained (pdd admin undrain {worker_id} takes it back)", "timeout",
+                             {"worker": now})
+        time.sleep(poll_s)

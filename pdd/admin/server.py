@@ -13,8 +13,8 @@ and other secrets are never logged nor echoed.
 Every command leaves an audit line on logger `pdd.audit` (pdd.logs): the
 command, its arguments, who sent it (the admin key's name under CURVE, and the
 peer's address) and how it ended — at INFO for a command that changes
-something (drain, undrain, breaker/faults/log-level with arguments), at DEBUG
-for one that only reads (monitors poll `status`).
+something (drain, undrain, abort, breaker/faults/log-level with arguments), at
+DEBUG for one that only reads (monitors poll `status`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ MAX_ARGS = 16
 SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"), ("tracing", "headers"))
 # Commands that only read; the others, and these with arguments where they take
 # some (breaker open ..., faults set ..., log-level LEVEL), change something.
-READS = frozenset({"status", "workers", "requests", "config", "security", "trace"})
+READS = frozenset({"status", "workers", "requests", "config", "security", "trace", "version"})
 READS_WITHOUT_ARGS = frozenset({"breaker", "faults", "log-level"})
 
 
@@ -66,8 +66,12 @@ class AdminServer:
             "trace": self._trace,
             # log-level: the router's; log-level LEVEL [WORKER | all]: set it on the router, one worker, or all
             "log-level": self._log_level,
+            # drain/undrain WORKER: no new work for it (kept across a router restart), or again
             "drain": lambda *worker: router.set_draining(_one_worker("drain", worker), True),
             "undrain": lambda *worker: router.set_draining(_one_worker("undrain", worker), False),
+            # abort REQUEST_ID: end a request in flight with an error that says so
+            "abort": lambda *rid: router.abort_request(_one_request(rid)),
+            "version": lambda: router.versions(),
             "config": self._config,
             "security": security_report,
             # breaker: every pair; breaker open|close|auto [PREFILL DECODE | all]: force until auto
@@ -247,6 +251,12 @@ def _audit(cmd: str, args: list, reply: dict, sender: dict) -> None:
 def _one_worker(cmd: str, args: tuple) -> str:
     if len(args) != 1:
         raise ValueError(f"name one worker: pdd admin {cmd} WORKER (pdd admin workers lists them)")
+    return args[0]
+
+
+def _one_request(args: tuple) -> str:
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise ValueError("name one request: pdd admin abort REQUEST_ID (pdd admin requests lists them)")
     return args[0]
 
 

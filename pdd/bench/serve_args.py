@@ -33,13 +33,13 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the API the requests go to")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", "--dataset-name", default="random",
-                   choices=["random", "mixed", "shared-prefix", "multi-turn"])
+                   choices=["random", "mixed", "shared-prefix", "multi-turn"], help="the workload's prompts")
     p.add_argument("--num-prompts", type=int, default=100, help="requests (multi-turn: conversations)")
     p.add_argument("--input-len", type=int_range, default=None, metavar="MIN:MAX",
                    help="prompt tokens (mixed: the short class; shared-prefix: the suffix; multi-turn: "
@@ -55,7 +55,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="token ids or text (auto: text for chat and multi-turn, else ids)")
     p.add_argument("--token-id-range", type=int_range, default=(10, 1000), metavar="LO:HI",
                    help="random token ids are drawn from [LO, HI)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrivals")
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:

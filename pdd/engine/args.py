@@ -8,14 +8,16 @@ import argparse
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes (no weight files read)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if present)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (auto: the checkpoint's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from the memory budget, engine.kv_cache_bytes)")
+    p.add_argument("--chunk-size", type=int, default=512, help="longest prefill chunk of one request per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU, 2048 on the CPU")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next")
 

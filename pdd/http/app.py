@@ -113,17 +113,30 @@ class OpenAIServer:
             "owned_by": "pdd", "max_model_len": self.router.max_model_len()}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.router.ready and self.router.accepting:
-            # Overloaded is still alive and ready (a load balancer must not pull it): said, not failed.
-            return json_response({"status": "overloaded" if self.router.overloaded else "ok",
-                                  "workers": len(self.router.registry.workers)})
-        if not self.router.accepting:
-            reason = "shutting down"
-        elif self.router.registry.workers:
-            reason = "every worker is draining or not accepting work"
-        else:
-            reason = "no worker registered"
-        return json_response({"status": "unavailable", "reason": reason}, status=503)
+        """Liveness: 200 whenever the event loop answers, whatever the workers do
+        (a restart would not bring them back). The status says what /ready would."""
+        status = "shutting down" if not self.router.accepting else self._readiness()[0]
+        return json_response({"status": status, "workers": len(self.router.registry.workers)})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while a new request would be placed (Router.ready), 503 with why otherwise."""
+        status, reason = self._readiness()
+        if reason:
+            return json_response({"status": status, "reason": reason}, status=503)
+        return json_response({"status": status, "workers": len(self.router.registry.workers)})
+
+    def _readiness(self) -> tuple[str, str]:
+        """(status, why it cannot serve or "")."""
+        router = self.router
+        if not router.accepting:
+            return "unavailable", "shutting down"
+        if router.ready:
+            # Overloaded is still ready (a load balancer must not pull it): said, not failed.
+            return ("overloaded" if router.overloaded else "ok"), ""
+        if not router.registry.workers:
+            return "unavailable", "no worker registered"
+        return "unavailable", ("no worker can take a request: every worker is drained, draining or hung, or "
+                               f"none serves in router.mode = {router.cfg.router.mode}")
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.router.metrics.render(),
@@ -431,6 +444,7 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/ready", server.ready)
     app.router.add_get("/metrics", server.metrics)
 
     async def close_tokenizer(_app) -> None:

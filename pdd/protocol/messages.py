@@ -75,6 +75,7 @@ class Register(Message):
     # A colocated worker that also prefills for others (worker.prefill_for_others).
     prefills_for_others: bool = False
     step: StepLimits = field(default_factory=StepLimits)
+    build: dict = field(default_factory=dict)   # pdd.build_info() of the worker (`pdd admin version`)
 
 
 @dataclass

@@ -80,6 +80,10 @@ class Breakers:
     def allows(self, prefill: str, decode: str, now: float) -> bool:
         return self.get(PATH).allows(now) and self.get((prefill, decode)).allows(now)
 
+    def would_allow(self, prefill: str, decode: str, now: float) -> bool:
+        """`allows`, read only: a pair not seen yet is closed, and stays unlisted."""
+        return all(b is None or b.allows(now) for b in (self.breakers.get(PATH), self.breakers.get((prefill, decode))))
+
     def placed(self, prefill: str, decode: str, now: float, request_id: str) -> None:
         """A request was placed on this pair: in half-open it is the trial."""
         for key in (PATH, (prefill, decode)):

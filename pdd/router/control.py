@@ -69,11 +69,14 @@ from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, 
                                   transfer_backend)
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
-from pdd.router.traces import TraceStore
+from pdd.router.traces import TraceStore, matches
 from pdd.tracing import requests as spans
 from pdd.tracing.context import SpanContext
 
 log = logging.getLogger(__name__)
+
+
+ABORTED_BY_OPERATOR = "aborted by the operator (pdd admin abort)"
 
 
 class Unavailable(Exception):
@@ -245,6 +248,31 @@ class ControlPlane:
             state.finished, state.finish_reason = True, reason
         self._abort_owners(state)
         self._retire(state)
+
+    def operator_abort(self, request_id: str) -> list[str]:
+        """`pdd admin abort ID`: the request with this id (an id sent twice: each;
+        n > 1: its choices, ID-0, ID-1, ...) ends with an error that says the
+        operator aborted it, and its workers free its blocks. The ids ended."""
+        found = [s for rid, s in self.requests.items() if matches(rid, request_id)]
+        if not found:
+            found = [s for rid, s in self.requests.items()
+                     if rid.startswith(request_id + "-") and rid[len(request_id) + 1:].isdigit()]
+        ended = []
+        for state in found:
+            if self.requests.get(state.request_id) is state:   # not gone with its first choice
+                ended.append(state.request_id)
+                self._fail(state, ABORTED_BY_OPERATOR)
+        return ended
+
+    def can_place(self) -> bool:
+        """Whether a new request would be placed now, read only: the policy, the
+        workers that take work and the breakers `submit` places by, asked for a
+        one-token prompt (`/ready`)."""
+        now, workers, layout = self.clock(), self.registry.workers.values(), self.registry.layout
+        estimates = self.estimator.estimates(workers, layout, now) if self.policy.needs_estimates else None
+        view = ClusterView.of(workers, estimates=estimates, block_size=layout.block_size if layout else 16,
+                              pair_allowed=lambda p, d: self.breakers.would_allow(p, d, now))
+        return place(PlaceRequest([], num_tokens=1, max_tokens=1), view, self.policy) is not None
 
     def fail_all(self, why: str) -> None:
         for state in list(self.requests.values()):

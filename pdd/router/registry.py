@@ -37,6 +37,7 @@ class WorkerInfo:
     public_key: str = ""            # its data socket's CURVE key, handed to prefill workers that write to it
     prefills_for_others: bool = False   # a colocated worker that also prefills prompts and ships their KV
     step: m.StepLimits = field(default_factory=m.StepLimits)   # its scheduler's limits
+    build: dict = field(default_factory=dict)   # its pdd.build_info()
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
     heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one
@@ -95,6 +96,7 @@ class WorkerInfo:
 class WorkerRegistry:
     def __init__(self, heartbeat_interval_s: float, heartbeat_misses: int):
         self.workers: dict[str, WorkerInfo] = {}
+        self.drained: set[str] = set()   # worker ids drained by the admin (pdd.router.drained keeps them)
         self.layout: KVLayout | None = None
         self.timeout_s = heartbeat_interval_s * heartbeat_misses
 
@@ -120,10 +122,14 @@ class WorkerRegistry:
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
                           msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
-                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step)
+                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step, build=msg.build)
+        # Drained by the admin: whatever process registers under the id, after
+        # a restart of either side, stays drained until undrained.
+        info.draining = msg.worker_id in self.drained
         if old is not None:
             # A repeated registration of the same process keeps its state.
-            info.draining, info.inflight, info.cached_hashes = old.draining, old.inflight, old.cached_hashes
+            info.draining = info.draining or old.draining
+            info.inflight, info.cached_hashes = old.inflight, old.cached_hashes
             info.load, info.heartbeats = old.load, old.heartbeats
         self.workers[msg.worker_id] = info
         return None

@@ -19,7 +19,7 @@ from collections import deque
 
 import zmq.asyncio
 
-from pdd import faults
+from pdd import build_info, faults
 from pdd.api import SamplingParams
 from pdd.config import ClusterConfig
 from pdd.metrics import RouterMetrics
@@ -28,7 +28,8 @@ from pdd.protocol.bus import RouterChannel
 from pdd.router.breaker import PATH
 from pdd.router.connections import Connections
 from pdd.router.control import ControlPlane, Overloaded, Unavailable
-from pdd.router.placement import SERVING_ROLES, ClusterView, transfer_pairs
+from pdd.router.drained import DrainedWorkers, state_dir
+from pdd.router.placement import ClusterView, transfer_pairs
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
 from pdd.router.traces import TraceStore
@@ -52,6 +53,8 @@ class Router:
                                     step_timeout_s=cfg.worker.step_timeout_s,
                                     traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
+        self.drained = DrainedWorkers(state_dir(rc.state_dir))
+        self.registry.drained = self.drained.load()
         self.accepting = True
         self.started_at = time.time()
         self.connections = Connections()
@@ -101,7 +104,9 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        return bool(self.registry.candidates(SERVING_ROLES))
+        """A new request would be placed now (ControlPlane.can_place: the placement
+        policy on the workers that take work), and the router takes requests."""
+        return self.accepting and self.control.can_place()
 
     def max_model_len(self) -> int | None:
         return self.registry.max_model_len()
@@ -296,11 +301,16 @@ class Router:
         """`pdd admin breaker`: every pair's state, failures in the window, time to the next trial."""
         return self.control.breakers.snapshot(time.monotonic())
 
-    def set_breaker(self, state: str, prefill: str = "all", decode: str | None = None) -> list[dict]:
-        """`pdd admin breaker open|close|auto [PREFILL DECODE | all]`: force until set back to auto."""
+    def set_breaker(self, state: str, prefill: str | None = None, decode: str | None = None) -> list[dict]:
+        """`pdd admin breaker open|close|auto PREFILL DECODE | all`: force until set back to auto."""
         forced = {"open": "open", "close": "closed", "closed": "closed", "auto": None}
         if state not in forced:
             raise ValueError(f"breaker: expected open, close or auto, got {state!r}")
+        if prefill is None:
+            raise ValueError(f"breaker {state}: name a pair or all: pdd admin breaker {state} PREFILL DECODE, "
+                             f"or pdd admin breaker {state} all (pdd admin breaker lists the pairs)")
+        if prefill == "all" and decode is not None:
+            raise ValueError(f"breaker {state} all: takes no second worker")
         if prefill == "all":
             keys = [PATH, *self.control.breakers.breakers]
         elif decode is None:
@@ -361,8 +371,35 @@ class Router:
         return targets
 
     def set_draining(self, worker_id: str, draining: bool) -> dict:
+        """`pdd admin drain|undrain WORKER`: no new work for it (or again), kept
+        in the state file (pdd.router.drained) for a restarted router. A worker
+        drained and not registered now (after a restart) may be undrained."""
         worker = self.registry.workers.get(worker_id)
-        if worker is None:
+        if worker is None and not (not draining and worker_id in self.registry.drained):
             raise KeyError(f"no worker {worker_id!r}; known: {sorted(self.registry.workers)}")
-        worker.draining = draining
-        return worker.summary()
+        if draining:
+            self.registry.drained.add(worker_id)
+        else:
+            self.registry.drained.discard(worker_id)
+        if worker is not None:
+            worker.draining = draining
+        out = worker.summary() if worker is not None else {"worker_id": worker_id, "draining": False}
+        try:
+            self.drained.save(self.registry.drained)
+        except OSError as e:
+            log.error("router: cannot keep the drained workers in %s (%s); a restarted router forgets them",
+                      self.drained.path, e)
+            return {**out, "kept_in": None, "warning": f"not kept across a restart: {self.drained.path}: {e}"}
+        return {**out, "kept_in": str(self.drained.path) if self.drained.path else None}
+
+    def abort_request(self, request_id: str) -> dict:
+        """`pdd admin abort ID`: end that request (ControlPlane.operator_abort)."""
+        aborted = self.control.operator_abort(request_id)
+        if not aborted:
+            raise KeyError(f"no request {request_id!r} in flight (pdd admin requests lists them)")
+        return {"aborted": aborted}
+
+    def versions(self) -> dict:
+        """`pdd admin version`: the router's build and each registered worker's."""
+        return {"router": build_info(),
+                "workers": {wid: w.build for wid, w in sorted(self.registry.workers.items())}}

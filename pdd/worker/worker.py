@@ -32,7 +32,7 @@ import uuid
 
 import zmq.asyncio
 
-from pdd import faults, logs, sdnotify
+from pdd import build_info, faults, logs, sdnotify
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
@@ -177,7 +177,7 @@ class Worker:
             device=i.device, layout=i.layout.to_dict(), num_blocks=i.num_blocks, max_num_seqs=i.max_num_seqs,
             max_model_len=i.max_model_len, data_addr=i.data_addr, transfer_backends=i.transfer_backends,
             host_id=host_id(), incarnation=self.incarnation, public_key=worker_public_key(self.cfg),
-            prefills_for_others=i.prefills_for_others, step=i.step)
+            prefills_for_others=i.prefills_for_others, step=i.step, build=build_info())
 
     async def _register_loop(self) -> None:
         """(Re-)register until the router answers; the router may start after us.

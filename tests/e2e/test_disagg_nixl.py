@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from pdd.admin.client import _format_workers
+from pdd.admin.tables import workers as workers_table
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from tests.e2e.cluster import UpCluster
 from tests.e2e.streams import stream_all
@@ -40,7 +40,7 @@ def test_1p1d_over_nixl_matches_colocated(tmp_path, tiny_model, offline):
         assert workers["prefill-0"]["transfer_to"] == {
             "decode-0": {"backend": "nixl", "reason": "both take nixl, and nothing else both take; "
                                                       "nixl is for two hosts"}}
-        assert "prefill-0  decode-0  nixl" in _format_workers(list(workers.values()))
+        assert "prefill-0  decode-0  nixl" in workers_table(list(workers.values()))
         assert workers["decode-0"]["transfer"]["held_leases"] == 0
         assert_all_free(c)
     finally:

@@ -261,8 +261,9 @@ def test_admin_status_and_drain(cluster):
         assert e.value.status_code == 503
         assert counted(cluster, "pdd_requests_rejected_total", 'reason="no_worker"') == refused + 1
         from tests.e2e import http_util as rq
-        health = rq.get(cluster.url + "/health")
-        assert health.status == 503 and "draining" in health.json()["reason"]
+        ready = rq.get(cluster.url + "/ready")
+        assert ready.status == 503 and "drained" in ready.json()["reason"]
+        assert rq.get(cluster.url + "/health").status == 200   # alive all the same
     finally:
         cluster.admin("undrain", "colocated-0")
         cluster.admin("undrain", "colocated-1")
