@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
+from pdd.engine.args import add_kv_cache_dtype_arg
 
 
 def _runner(module: str):
@@ -57,6 +58,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--sequential", action="store_true", help="one request at a time (TTFT without queueing)")
     b.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     b.add_argument("--dtype", default="auto")
+    add_kv_cache_dtype_arg(b)
     b.add_argument("--kv-cache-bytes", type=int, default=None)
     b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc"])
     b.add_argument("--json", default=None)
@@ -148,6 +150,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
     b.add_argument("--model", default="conf/models/llama-3.1-8b")
     b.add_argument("--load-format", default="dummy")
+    add_kv_cache_dtype_arg(b)
     b.add_argument("--batches", default="1,32,128")
     b.add_argument("--context", type=int, default=1024)
     b.add_argument("--steps", type=int, default=60)
