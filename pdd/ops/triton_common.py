@@ -66,10 +66,13 @@ def _kv_scales(kv: torch.Tensor, kv_scale: tuple[float, float]) -> tuple[float, 
 
 
 @triton.jit
-def _quantize_fp8(x, inv_scale):
-    """x as an FP8 cache stores it: times the reciprocal of its scale, clamped to
-    e4m3's range (saturate, never NaN); the store's cast rounds to nearest even."""
-    return tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -_FP8_MAX), _FP8_MAX)
+def _to_kv_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """x as a cache of element type `dtype` stores it. FP8: times the reciprocal
+    of its scale, clamped to e4m3's range (saturate, never NaN), then the cast
+    rounds to nearest even. (A function, so that a caller's values keep their type.)"""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -_FP8_MAX), _FP8_MAX)
+    return x.to(dtype)
 
 
 def _pow2(n: int) -> int:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import _check_kv_write, _kv_scales, _quantize_fp8
+from pdd.ops.triton_common import _check_kv_write, _kv_scales, _to_kv_cache
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -142,20 +142,14 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_ca
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
                 + h[:, None] * stride_ch + d[None, :]
             cdt = k_cache.dtype.element_ty
-            if FP8:
-                k1 = _quantize_fp8(k1, inv_k_scale)
-                k2 = _quantize_fp8(k2, inv_k_scale)
-            tl.store(k_cache + dst, k1.to(cdt), mask=m)
-            tl.store(k_cache + dst + HALF, k2.to(cdt), mask=m)
+            tl.store(k_cache + dst, _to_kv_cache(k1, inv_k_scale, cdt, FP8), mask=m)
+            tl.store(k_cache + dst + HALF, _to_kv_cache(k2, inv_k_scale, cdt, FP8), mask=m)
             # V moves in the same two half tiles, so one mask and one dst serve all four stores.
             src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd
             v1 = tl.load(src, mask=m)
             v2 = tl.load(src + HALF * stride_vd, mask=m)
-            if FP8:
-                v1 = _quantize_fp8(v1, inv_v_scale)
-                v2 = _quantize_fp8(v2, inv_v_scale)
-            tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=m)
-            tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=m)
+            tl.store(v_cache + dst, _to_kv_cache(v1, inv_v_scale, cdt, FP8), mask=m)
+            tl.store(v_cache + dst + HALF, _to_kv_cache(v2, inv_v_scale, cdt, FP8), mask=m)
 
 
 def _check_rotary(positions, q, k, cos, sin) -> None:

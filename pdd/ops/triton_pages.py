@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from pdd.ops.triton_common import (_KV_DTYPES, _check_index, _check_kv_layer, _check_kv_write, _kv_scales,
-                                   _on_gpu, _pow2, _quantize_fp8)
+                                   _on_gpu, _pow2, _to_kv_cache)
 
 # ---------------------------------------------------------------------------
 # store_kv
@@ -33,11 +33,8 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
                     mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
             + offs_h[:, None] * stride_ch + offs_d[None, :]
-        if FP8:
-            k = _quantize_fp8(k, inv_k_scale)
-            v = _quantize_fp8(v, inv_v_scale)
-        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+        tl.store(k_cache + dst, _to_kv_cache(k, inv_k_scale, k_cache.dtype.element_ty, FP8), mask=mask)
+        tl.store(v_cache + dst, _to_kv_cache(v, inv_v_scale, v_cache.dtype.element_ty, FP8), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
