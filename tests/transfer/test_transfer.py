@@ -22,9 +22,10 @@ def _expected(pair: Pair, before: torch.Tensor, src_blocks: list[int], dst_block
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pages_land_exactly_in_leased_blocks(make_pair, dtype):
-    pair = make_pair(dtype=dtype)
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", ""), ("bfloat16", ""), ("bfloat16", "float8_e4m3fn")])
+def test_pages_land_exactly_in_leased_blocks(make_pair, dtype, kv_cache_dtype):
+    """FP8 pages too: one byte an element, as they are (the bytes count says so)."""
+    pair = make_pair(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     before = pair.dst.clone()
     src_blocks, dst_blocks = [1, 4, 5, 10], [7, 2, 9, 0]
     pair.send_all(pair.target("r1", dst_blocks), src_blocks)
@@ -86,6 +87,20 @@ def test_layout_mismatch_is_refused(make_pair, field, value):
     assert not r.ok and f"mismatch on {field}" in r.error, r.error
     assert torch.equal(pair.dst, before)
     assert pair.receiver.stats.rejected >= 1 and pair.receiver.stats.messages == 0
+
+
+@pytest.mark.parametrize("field, sender", [("kv_cache_dtype", dict(kv_cache_dtype="float8_e4m3fn", kv_scales="unit")),
+                                           ("kv_scales", dict(kv_cache_dtype="float8_e4m3fn", kv_scales="b2:0123456789ab"))])
+def test_fp8_pages_meaning_other_values_are_refused(make_pair, field, sender):
+    """An FP8 sender to a bf16 pool, or to an FP8 pool under other scales."""
+    receiver_kv = "" if field == "kv_cache_dtype" else "float8_e4m3fn"
+    pair = make_pair(dtype="bfloat16", kv_cache_dtype=receiver_kv, sender_layout=make_layout("bfloat16", **sender))
+    before = pair.dst.clone()
+    pair.send_all(pair.target("r", [1, 2]), [3, 4])
+    pair.sender.finish("r")
+    r = pair.wait_result("r")
+    assert not r.ok and f"mismatch on {field}" in r.error, r.error
+    assert torch.equal(pair.dst, before)
 
 
 def _bad_lease(pair: Pair, case: str):
