@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+from pdd.kv.scales import KV_CACHE_DTYPES
+
 
 class ConfigError(ValueError):
     """A configuration value pdd cannot use; the message names the key."""
@@ -28,6 +30,9 @@ class EngineConfig:
     model: str | None = None
     load_format: str = "auto"            # auto | safetensors | dummy
     dtype: str = "auto"                  # auto | float32 | float16 | bfloat16
+    # KV cache elements: auto (the model's dtype) | fp8_e4m3 (half the bytes of
+    # bf16: twice the tokens, half the transfer; static per-layer scales, see pdd.kv.scales)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     block_size: int = 16
     # KV pool size: num_blocks wins, then kv_cache_bytes, then (GPU)
@@ -94,6 +99,8 @@ class EngineConfig:
             bad("load_format", f"must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad("dtype", f"must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         return self
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
+from pdd.engine.args import add_kv_cache_dtype_arg
 
 
 def _runner(module: str):
@@ -58,6 +59,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes")
     b.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add_kv_cache_dtype_arg(b)
     b.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="each worker's KV cache budget (default: engine.kv_cache_bytes / gpu_memory_utilization)")
     b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc"],
@@ -152,6 +154,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--model", default="conf/models/llama-3.1-8b",
                    help="checkpoint (config-only is enough with dummy weights)")
     b.add_argument("--load-format", default="dummy", help="dummy: random weights of the checkpoint's shapes")
+    add_kv_cache_dtype_arg(b)
     b.add_argument("--batches", default="1,32,128", help="comma list of decode batch sizes")
     b.add_argument("--context", type=int, default=1024, help="context tokens of each decoding request")
     b.add_argument("--steps", type=int, default=60, help="decode steps timed per batch size")

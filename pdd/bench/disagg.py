@@ -37,7 +37,7 @@ def _run_mode(args, mode: str, prompts, model: str | None) -> dict:
     gpus = _gpus()
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode if mode == "disagg" else ["colocated"]
     workers = [(role, f"{role}-{i}", gpus[i % len(gpus)] if gpus else None) for i, role in enumerate(roles)]
-    engine = {"load_format": args.load_format, "dtype": args.dtype}
+    engine = {"load_format": args.load_format, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     if args.kv_cache_bytes:
         engine["kv_cache_bytes"] = args.kv_cache_bytes
     cluster = start_cluster(Path(args.run_dir) / mode, workers, model, mode, engine,

@@ -97,6 +97,7 @@ def _engine(args, max_batched: int, num_blocks: int):
     from pdd.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device="cuda",
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   num_blocks=num_blocks, max_num_seqs=max(256, max_batched),
                                   max_num_batched_tokens=max_batched,
                                   # with the warm-up, a worker's chunk (its shapes are what it compiles)
@@ -144,7 +145,8 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     model, spec = engine.runner.model, engine.runner.kv_spec
-    # KV each step reads: the batch's mean total context over the timed steps.
+    # KV each step reads (in the cache's dtype: FP8 halves it): the batch's mean
+    # total context over the timed steps.
     kv_bytes = (tokens_before + tokens_after) / 2 * spec.bytes_per_token
     step = statistics.median(times)
     floor = (decode_weight_bytes(model, batch) + kv_bytes) / HBM_BYTES_S
@@ -275,6 +277,16 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
             "by_depth": groups, "steps": trace}
 
 
+def kv_capacity_tokens(engine, utilization: float = 0.90) -> int:
+    """Tokens a worker's pool would hold at the default gpu_memory_utilization
+    beside this model (the bench sizes its own pool to what it needs)."""
+    from pdd.kv.cache import gpu_kv_budget
+
+    spec, pool = engine.runner.kv_spec, engine.runner.kv_cache
+    budget = gpu_kv_budget(engine.device, utilization, pool.numel() * pool.element_size())
+    return max(0, budget // spec.bytes_per_block) * spec.block_size
+
+
 def main(args) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if x and int(x) > 0]  # "0": no prefill runs
@@ -292,11 +304,16 @@ def main(args) -> int:
     out["matmul_peaks_tflop_s"] = peaks
     print("matmul peak 8192^3: " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in peaks.items()), flush=True)
     engine = _engine(args, max_batched, blocks_needed)
-    model = engine.runner.model
+    model, spec = engine.runner.model, engine.runner.kv_spec
     out["weight_bytes"] = weight_bytes(model)
     out["fp8_linear_layers"] = is_fp8(model)
     print(f"weights: {decode_weight_bytes(model, 1) / 2**30:.2f} GiB read per decode step"
           f"{' (FP8 linear layers)' if is_fp8(model) else ''}", flush=True)
+    out["kv_cache_dtype"] = str(spec.dtype).removeprefix("torch.")
+    out["kv_bytes_per_token"] = spec.bytes_per_token
+    out["kv_capacity_tokens"] = kv_capacity_tokens(engine)
+    print(f"KV cache {out['kv_cache_dtype']}: {spec.bytes_per_token / 1024:.0f} KiB/token, a pool at "
+          f"gpu_memory_utilization 0.90 holds {out['kv_capacity_tokens']} tokens", flush=True)
     if args.warm_up:
         engine.warm_up()
         from pdd import ops

@@ -47,7 +47,7 @@ def _layout(args) -> KVLayout:
 def _pool(layout: KVLayout, blocks: int, device: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return (torch.rand(shape, generator=g) + 1).to(getattr(torch, layout.dtype)).to(device)
+    return (torch.rand(shape, generator=g) + 1).to(getattr(torch, layout.kv_cache_dtype)).to(device)
 
 
 class _LocalDecode:
@@ -223,7 +223,7 @@ def main(args) -> int:
     layout = _layout(args)
     sizes = [float(s) for s in args.sizes.split(",")]
     per_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * \
-        getattr(torch, layout.dtype).itemsize * layout.num_layers
+        getattr(torch, layout.kv_cache_dtype).itemsize * layout.num_layers
     want = {s: max(1, round(s * MiB / per_block)) for s in sizes}
     total_blocks = max(want.values()) + 1
     rig = _Rig(layout, total_blocks, args.device, args.receiver_process, args.backend)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdd.kv.scales import KV_CACHE_DTYPES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
@@ -12,6 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the checkpoint's shapes (no weight files read)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if present)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (auto: the checkpoint's)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks (default: from the memory budget, engine.kv_cache_bytes)")
@@ -22,8 +25,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before scheduling the next")
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache elements: auto (the model's dtype) or fp8_e4m3 (half the bytes)")
+
+
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,

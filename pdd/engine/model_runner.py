@@ -26,7 +26,8 @@ from pdd.engine.prompt_logprobs import PromptRows, PromptScores
 from pdd.engine.sampler import SampleResult, SamplingBatch, sample
 from pdd.engine.scheduler import SchedulerOutput
 from pdd.engine.staging import Staging
-from pdd.kv.cache import KVCacheSpec, allocate_kv_cache
+from pdd.kv.cache import KVCacheSpec, allocate_kv_cache, is_fp8, resolve_kv_cache_dtype
+from pdd.kv.scales import KVScales
 from pdd.model.config import ModelConfig
 from pdd.model.loader import load_model
 from pdd.ops.metadata import AttentionMetadata
@@ -86,15 +87,33 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.model = load_model(model_dir, model_cfg, device, dtype, cfg.load_format)
-        self.kv_spec = KVCacheSpec.for_model(model_cfg, cfg.block_size, dtype)
+        self.kv_spec = KVCacheSpec.for_model(model_cfg, cfg.block_size,
+                                             resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype))
         num_blocks = self.kv_spec.num_blocks_for(cfg, device)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, device)
-        self.model.set_kv_cache(self.kv_cache)
-        log.info("KV pool: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, cfg.block_size,
+        self.kv_scales = self._kv_scales()
+        self.model.set_kv_cache(self.kv_cache, self.kv_scales)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens of %s (%.1f MiB) on %s", num_blocks, cfg.block_size,
+                 num_blocks * cfg.block_size, str(self.kv_spec.dtype).removeprefix("torch."),
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, device)
 
         self.graphs = None
         self.staging = Staging(device)
+
+    def _kv_scales(self) -> KVScales | None:
+        """An FP8 cache's scales: the checkpoint's, else 1.0 (pdd.kv.scales says
+        what that risks); None for a cache in the model's dtype."""
+        if not is_fp8(self.kv_spec.dtype):
+            return None
+        scales = self.model.kv_scales
+        if scales is None:
+            log.info("FP8 KV cache: the checkpoint has no KV scales, using 1.0 "
+                     "(K/V values beyond +-448 saturate)")
+            return KVScales.unit(self.model_cfg.num_layers)
+        if scales.num_layers != self.model_cfg.num_layers:
+            raise ValueError(f"the checkpoint's KV scales cover {scales.num_layers} layers, "
+                             f"the model has {self.model_cfg.num_layers}")
+        return scales
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only; needs the pool and max_model_len)."""

@@ -11,11 +11,22 @@ from dataclasses import dataclass
 import torch
 
 from pdd.config import ConfigError, EngineConfig
+from pdd.kv.scales import KV_CACHE_DTYPES
 from pdd.model.config import ModelConfig
 
 _CPU_DEFAULT_BYTES = 512 * 2**20
 # GPU memory left for one step's activations and logits; generous, not measured per model.
 _ACTIVATION_RESERVE = 2 * 2**30
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kv_cache_dtype (validated by EngineConfig) as the pool's torch dtype."""
+    torch_name = KV_CACHE_DTYPES[name]
+    return model_dtype if torch_name is None else getattr(torch, torch_name)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,7 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype   # the cache's elements (FP8 takes half the bytes of bf16: twice the tokens)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
@@ -44,12 +55,7 @@ class KVCacheSpec:
         if cfg.kv_cache_bytes is not None:
             budget = cfg.kv_cache_bytes
         elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            # This process's share of the device, less what its model already
-            # holds, goes to KV: another process on the same GPU (a second
-            # worker) counts against what is free, not against this share.
-            own = torch.cuda.memory_reserved(device)
-            budget = min(int(total * cfg.gpu_memory_utilization) - own, free) - _ACTIVATION_RESERVE
+            budget = gpu_kv_budget(device, cfg.gpu_memory_utilization)
         else:
             budget = _CPU_DEFAULT_BYTES
         num_blocks = budget // self.bytes_per_block
@@ -58,6 +64,17 @@ class KVCacheSpec:
                               f"of {self.bytes_per_block / 2**20:.2f} MiB; raise kv_cache_bytes or "
                               "gpu_memory_utilization (or lower it for the other processes on this GPU)")
         return int(num_blocks)
+
+
+def gpu_kv_budget(device: torch.device, utilization: float, pool_bytes: int = 0) -> int:
+    """Bytes a KV pool may take on a GPU: this process's share of the device
+    (`utilization`), less what its model and activations already hold, and never
+    more than is free: another process on the same GPU (a second worker) counts
+    against what is free, not against this share. `pool_bytes`: a pool already
+    allocated, counted as free (what a fresh start would have)."""
+    free, total = torch.cuda.mem_get_info(device)
+    own = torch.cuda.memory_reserved(device) - pool_bytes
+    return min(int(total * utilization) - own, free + pool_bytes) - _ACTIVATION_RESERVE
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:

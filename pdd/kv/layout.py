@@ -19,6 +19,15 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The pool's element type ("" = dtype); an FP8 cache differs from the model's.
+    kv_cache_dtype: str = ""
+    # Identity of an FP8 cache's scales (pdd.kv.scales.KVScales.identity): equal
+    # bytes mean equal values only under equal scales. "" for a cache without.
+    kv_scales: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_dtype:
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -26,7 +35,9 @@ class KVLayout:
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d)
+        # A descriptor without the KV fields describes a cache in the model's dtype.
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = required - set(d)
         if missing:
             raise ValueError(f"KV layout lacks field(s) {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pdd import ops
+from pdd.kv.scales import KVScales
 from pdd.model.config import ModelConfig, RopeConfig
 from pdd.ops.metadata import AttentionMetadata
 
@@ -83,8 +84,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
-        # Set by the model runner once the pool exists: [2, blocks, block_size, kv_heads, head_dim].
+        # Set by the model runner once the pool exists: [2, blocks, block_size, kv_heads, head_dim],
+        # and for an FP8 pool this layer's (k_scale, v_scale) (pdd.kv.scales).
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scale: tuple[float, float] = (1.0, 1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -95,8 +98,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Rotary and the KV-cache write in one op (one kernel launch per layer on the GPU).
         q, k = ops.rotary_store_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
-                                   self.kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, self.kv_cache, meta, self.scale)
+                                   self.kv_cache, meta.slot_mapping, self.kv_scale)
+        out = ops.paged_attention(q, self.kv_cache, meta, self.scale, self.kv_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -150,6 +153,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The checkpoint's static FP8 KV-cache scales, when it has them (set by
+        # the loader); an FP8 cache without them uses 1.0 (pdd.kv.scales).
+        self.kv_scales: KVScales | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -166,7 +172,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def set_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim], one allocation."""
+    def set_kv_cache(self, kv_cache: torch.Tensor, scales: KVScales | None = None) -> None:
+        """kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim], one allocation;
+        scales: an FP8 cache's (None: 1.0)."""
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = kv_cache[i]
+            layer.self_attn.kv_scale = scales.layer(i) if scales is not None else (1.0, 1.0)

@@ -95,12 +95,14 @@ def backend_for(t: torch.Tensor) -> ModuleType:
     return reference
 
 
-def store_kv(key, value, kv_layer, slot_mapping) -> None:
-    backend_for(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
+def store_kv(key, value, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE) -> None:
+    """kv_scale: (k_scale, v_scale) of an FP8 cache (pdd.kv.scales); unused by others."""
+    backend_for(kv_layer).store_kv(key, value, kv_layer, slot_mapping, kv_scale)
 
 
-def paged_attention(q, kv_layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return backend_for(q).paged_attention(q, kv_layer, meta, scale)
+def paged_attention(q, kv_layer, meta: AttentionMetadata, scale: float,
+                    kv_scale=reference.UNIT_SCALE) -> torch.Tensor:
+    return backend_for(q).paged_attention(q, kv_layer, meta, scale, kv_scale)
 
 
 def gather_blocks(kv_layer, block_ids) -> torch.Tensor:
@@ -131,9 +133,9 @@ def rotary(positions, q, k, cos, sin):
     return backend_for(q).rotary(positions, q, k, cos, sin)
 
 
-def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping):
+def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE):
     """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
-    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping)
+    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale)
 
 
 def argmax(logits) -> torch.Tensor:

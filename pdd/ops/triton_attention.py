@@ -8,7 +8,7 @@ import triton.language as tl
 
 from pdd.ops.metadata import AttentionMetadata
 from pdd.ops.triton_common import (_FLOAT_DTYPES, _LOG2E, _check_index, _check_kv_layer, _dot_mode,
-                                   _num_sms, _on_gpu, _pow2)
+                                   _kv_scales, _num_sms, _on_gpu, _pow2)
 
 # ---------------------------------------------------------------------------
 # paged attention: shared tile step
@@ -24,7 +24,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, st
 
     q: [M, D_PAD] (input dtype); q_pos: [M] absolute positions (CAUSAL only);
     keys at or beyond `hi` are masked when MASKED (else all are in range).
-    Scores are kept in the log2 domain (qk_scale includes log2(e)).
+    Scores are kept in the log2 domain (qk_scale includes log2(e)). An FP8
+    cache's K and V are cast to q's dtype (exact) here; their scales are applied
+    by the callers, K's in qk_scale and V's to the output.
     DOT: 0 = tl.dot on the input dtype (fp32 accumulation), 1 = fp32 inputs in
     full precision (no tf32), 2 = bf16 values upcast to fp32 before tl.dot (the
     Triton interpreter multiplies bf16 operands as raw 16-bit integers).
@@ -90,7 +92,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, st
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                    block_tables, seq_lens, num_splits,
                    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
-                   stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
+                   stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
@@ -128,6 +130,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                                      HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, DOT)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    acc = acc * v_scale
     if not SPLIT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -184,7 +187,7 @@ def _decode_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
+def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: float, v_scale: float) -> None:
     nd = meta.num_decodes
     _, _, bs, kvh, d = kv_layer.shape
     h = q.shape[1]
@@ -203,7 +206,7 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
     _decode_kernel[(nd, kvh, splits)](
         q, kc, vc, out, m_part, l_part, acc_part, meta.block_tables, meta.seq_lens, splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
+        kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
         NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=d_pad, M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
         BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
     if splits > 1:
@@ -261,7 +264,7 @@ def warm_up_merges(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                     block_tables, query_start_loc, seq_lens, num_decodes, num_splits,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
-                    stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
+                    stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SPLIT: tl.constexpr, DOT: tl.constexpr):
@@ -309,6 +312,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                                              hi, qk_scale, stride_cb, stride_cs, offs_d,
                                              HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT)
         out_mask = m_mask[:, None] & d_mask[None, :]
+        acc = acc * v_scale
         if not SPLIT:
             o = acc / l_i[:, None]
             tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -359,7 +363,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)
 
 
-def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
+def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: float, v_scale: float) -> None:
     nd = meta.num_decodes
     num_prefills = meta.num_seqs - nd
     _, _, bs, kvh, d = kv_layer.shape
@@ -379,7 +383,7 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
     _prefill_kernel[(h, m_tiles, num_prefills * splits)](
         q, kc, vc, out, m_part, l_part, acc_part, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         nd, splits, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * _LOG2E,
+        kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
         NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
         SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
     if splits > 1:
@@ -387,10 +391,11 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out) -> None:
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of each query token over its sequence's cached context.
 
-    q: [T, heads, head_dim]; the new tokens' K/V are already in the cache.
+    q: [T, heads, head_dim]; the new tokens' K/V are already in the cache (an
+    FP8 cache's entries stand for entry x kv_scale).
     Returns a contiguous [T, heads, head_dim] tensor of q's dtype.
     """
     _check_kv_layer(kv_layer)
@@ -416,9 +421,10 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
         f"({meta.block_tables.shape[1]} blocks x {bs})")
     assert q.shape[0] >= nd, f"{q.shape[0]} query tokens for {nd} decodes"
 
+    k_scale, v_scale, _ = _kv_scales(kv_layer, kv_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
-        _decode(q, kv_layer, meta, scale, out)
+        _decode(q, kv_layer, meta, scale, out, k_scale, v_scale)
     if nd < b:
-        _prefill(q, kv_layer, meta, scale, out)
+        _prefill(q, kv_layer, meta, scale, out, k_scale, v_scale)
     return out

@@ -4,9 +4,16 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
+
+from pdd.kv.scales import FP8_E4M3_MAX
 
 _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may hold: the float dtypes, or FP8 with per-layer scales (pdd.kv.scales).
+_KV_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -17,7 +24,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def _check_kv_layer(kv: torch.Tensor, name: str = "kv_layer") -> None:
     assert kv.dim() == 5 and kv.shape[0] == 2, (
         f"{name} must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}")
-    assert kv.dtype in _FLOAT_DTYPES, f"{name} dtype {kv.dtype} not supported"
+    assert kv.dtype in _KV_DTYPES, f"{name} dtype {kv.dtype} not supported"
     _, _, bs, kvh, d = kv.shape
     assert kv.stride(4) == 1 and kv.stride(3) == d and kv.stride(2) == kvh * d, (
         f"{name}: each page [block_size, kv_heads, head_dim] must be contiguous, "
@@ -47,6 +54,25 @@ def _check_kv_write(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tens
     _check_index(slot_mapping, "slot_mapping", kv_layer.device)
     assert slot_mapping.shape[0] == key.shape[0], (
         f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def _kv_scales(kv: torch.Tensor, kv_scale: tuple[float, float]) -> tuple[float, float, bool]:
+    """(k_scale, v_scale, is FP8) of a cache: scales apply to an FP8 cache only."""
+    if kv.dtype != torch.float8_e4m3fn:
+        return 1.0, 1.0, False
+    k_scale, v_scale = kv_scale
+    assert k_scale > 0 and v_scale > 0, f"kv_scale {kv_scale} must be > 0"
+    return float(k_scale), float(v_scale), True
+
+
+@triton.jit
+def _to_kv_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """x as a cache of element type `dtype` stores it. FP8: times the reciprocal
+    of its scale, clamped to e4m3's range (saturate, never NaN), then the cast
+    rounds to nearest even. (A function, so that a caller's values keep their type.)"""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -_FP8_MAX), _FP8_MAX)
+    return x.to(dtype)
 
 
 def _pow2(n: int) -> int:

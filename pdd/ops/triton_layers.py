@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import _check_kv_write
+from pdd.ops.triton_common import _check_kv_write, _kv_scales, _to_kv_cache
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -117,12 +117,13 @@ def _rope_heads(x_ptr, stride_h, cos, sin, HEADS: tl.constexpr, HALF: tl.constex
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slot_mapping,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd,
-                   stride_cb, stride_cs, stride_ch,
+                   stride_cb, stride_cs, stride_ch, inv_k_scale, inv_v_scale,
                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr):
     """One token: rotate all its q and k heads in place and, with STORE_KV, write
-    the rotated k and its v into the token's cache slot (store_kv's layout)."""
+    the rotated k and its v into the token's cache slot (store_kv's layout;
+    FP8: quantized with the layer's scales)."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
@@ -141,14 +142,14 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_ca
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
                 + h[:, None] * stride_ch + d[None, :]
             cdt = k_cache.dtype.element_ty
-            tl.store(k_cache + dst, k1.to(cdt), mask=m)
-            tl.store(k_cache + dst + HALF, k2.to(cdt), mask=m)
+            tl.store(k_cache + dst, _to_kv_cache(k1, inv_k_scale, cdt, FP8), mask=m)
+            tl.store(k_cache + dst + HALF, _to_kv_cache(k2, inv_k_scale, cdt, FP8), mask=m)
             # V moves in the same two half tiles, so one mask and one dst serve all four stores.
             src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd
             v1 = tl.load(src, mask=m)
             v2 = tl.load(src + HALF * stride_vd, mask=m)
-            tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=m)
-            tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=m)
+            tl.store(v_cache + dst, _to_kv_cache(v1, inv_v_scale, cdt, FP8), mask=m)
+            tl.store(v_cache + dst + HALF, _to_kv_cache(v2, inv_v_scale, cdt, FP8), mask=m)
 
 
 def _check_rotary(positions, q, k, cos, sin) -> None:
@@ -164,7 +165,8 @@ def _check_rotary(positions, q, k, cos, sin) -> None:
     assert cos.is_contiguous() and sin.is_contiguous(), "cos/sin tables must be contiguous"
 
 
-def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mapping=None) -> None:
+def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mapping=None,
+                   kv_scale=(1.0, 1.0)) -> None:
     t, heads, dim = q.shape
     kvh = k.shape[1]
     if t == 0:
@@ -174,16 +176,18 @@ def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mappin
         kc, vc = kv_layer[0], kv_layer[1]
         kv_strides = (v.stride(0), v.stride(1), v.stride(2), kc.stride(0), kc.stride(1), kc.stride(2))
         bs = kv_layer.shape[2]
+        k_scale, v_scale, fp8 = _kv_scales(kv_layer, kv_scale)
     else:  # unused pointers and strides: any valid tensor will do
         kc = vc = v = slot_mapping = k
         kv_strides, bs = (0,) * 6, 1
+        k_scale, v_scale, fp8 = 1.0, 1.0, False
     pow2 = triton.next_power_of_2
     h_pad, kvh_pad, half_pad = pow2(heads), pow2(kvh), pow2(dim // 2)
     _rotary_kernel[(t,)](
         q, k, v, positions, cos, sin, kc, vc, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, KV_HEADS=kvh, HALF=dim // 2, H_PAD=h_pad, KVH_PAD=kvh_pad, HALF_PAD=half_pad,
-        BLOCK_SIZE=bs, STORE_KV=store, num_warps=4 if h_pad * half_pad >= 1024 else 1)
+        BLOCK_SIZE=bs, STORE_KV=store, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -194,13 +198,15 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
+                    cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                    kv_scale: tuple[float, float] = (1.0, 1.0)):
     """`rotary` of q and k in place, then `store_kv` of the rotated k and v, in one launch.
 
     A cache dtype other than k/v's is converted in the kernel (round to nearest
-    even, as torch does, when compiled; the interpreter truncates fp32 -> bf16).
+    even, as torch does, when compiled; the interpreter truncates fp32 -> bf16);
+    an FP8 cache's values are quantized with kv_scale first.
     """
     _check_rotary(positions, q, k, cos, sin)
     _check_kv_write(k, v, kv_layer, slot_mapping)
-    _launch_rotary(positions, q, k, cos, sin, v, kv_layer, slot_mapping)
+    _launch_rotary(positions, q, k, cos, sin, v, kv_layer, slot_mapping, kv_scale)
     return q, k

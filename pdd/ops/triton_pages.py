@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import _FLOAT_DTYPES, _check_index, _check_kv_layer, _on_gpu, _pow2, _check_kv_write
+from pdd.ops.triton_common import (_KV_DTYPES, _check_index, _check_kv_layer, _check_kv_write, _kv_scales,
+                                   _on_gpu, _pow2, _to_kv_cache)
 
 # ---------------------------------------------------------------------------
 # store_kv
@@ -16,9 +17,9 @@ from pdd.ops.triton_common import _FLOAT_DTYPES, _check_index, _check_kv_layer, 
 @triton.jit
 def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                     stride_cb, stride_cs, stride_ch,
+                     stride_cb, stride_cs, stride_ch, inv_k_scale, inv_v_scale,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
-                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping + tok).to(tl.int64)
     if slot >= 0:  # a negative slot (the reference would raise) writes nothing
@@ -32,29 +33,32 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
                     mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
             + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+        tl.store(k_cache + dst, _to_kv_cache(k, inv_k_scale, k_cache.dtype.element_ty, FP8), mask=mask)
+        tl.store(v_cache + dst, _to_kv_cache(v, inv_v_scale, v_cache.dtype.element_ty, FP8), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write K/V of new tokens ([T, kv_heads, head_dim]) into their slots."""
+             slot_mapping: torch.Tensor, kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Write K/V of new tokens ([T, kv_heads, head_dim]) into their slots (an FP8
+    cache: quantized with kv_scale, see reference.quantize_kv)."""
     _check_kv_write(key, value, kv_layer, slot_mapping)
     _, _, bs, kvh, d = kv_layer.shape
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    # A dtype conversion (never needed by the engine, whose cache has the model's
-    # dtype) is left to torch: the Triton interpreter truncates fp32 -> bf16
-    # where torch and compiled Triton round to nearest even.
-    key = key if key.dtype == kv_layer.dtype else key.to(kv_layer.dtype)
-    value = value if value.dtype == kv_layer.dtype else value.to(kv_layer.dtype)
+    k_scale, v_scale, fp8 = _kv_scales(kv_layer, kv_scale)
+    if not fp8:
+        # A dtype conversion (never needed by the engine, whose cache has the model's
+        # dtype) is left to torch: the Triton interpreter truncates fp32 -> bf16
+        # where torch and compiled Triton round to nearest even.
+        key = key if key.dtype == kv_layer.dtype else key.to(kv_layer.dtype)
+        value = value if value.dtype == kv_layer.dtype else value.to(kv_layer.dtype)
     kc, vc = kv_layer[0], kv_layer[1]
     _store_kv_kernel[(num_tokens,)](
         key, value, kc, vc, slot_mapping,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        KV_HEADS=kvh, HEAD_DIM=d, H_PAD=_pow2(kvh), D_PAD=_pow2(d), BLOCK_SIZE=bs,
+        kc.stride(0), kc.stride(1), kc.stride(2), 1.0 / k_scale, 1.0 / v_scale,
+        KV_HEADS=kvh, HEAD_DIM=d, H_PAD=_pow2(kvh), D_PAD=_pow2(d), BLOCK_SIZE=bs, FP8=fp8,
         num_warps=4 if kvh * d >= 1024 else 1)
 
 
@@ -173,7 +177,7 @@ def scatter_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, pages: torch
     n = block_ids.shape[0]
     assert pages.shape == (2, n, *kv_layer.shape[2:]), (
         f"pages must be [2, {n}, {', '.join(map(str, kv_layer.shape[2:]))}], got {tuple(pages.shape)}")
-    assert pages.dtype in _FLOAT_DTYPES, f"pages dtype {pages.dtype} not supported"
+    assert pages.dtype in _KV_DTYPES, f"pages dtype {pages.dtype} not supported"
     assert pages.device == kv_layer.device, f"pages are on {pages.device}, kv_layer on {kv_layer.device}"
     if pages.dtype != kv_layer.dtype:  # see store_kv
         pages = pages.to(kv_layer.dtype)

@@ -507,7 +507,7 @@ class NixlSender(ControlSender):
 
     def _page_bytes(self) -> int:
         lo = self.layout
-        return lo.block_size * lo.num_kv_heads * lo.head_dim * getattr(torch, lo.dtype).itemsize
+        return lo.block_size * lo.num_kv_heads * lo.head_dim * getattr(torch, lo.kv_cache_dtype).itemsize
 
     def _drop_peer(self, dest: _PeerDest) -> None:
         """Forget the decode worker's agent (it restarted, or went away): the next request opens afresh."""

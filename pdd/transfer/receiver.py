@@ -54,8 +54,8 @@ def pool_mismatch(pool: torch.Tensor, layout: KVLayout, what: str = "KV pool") -
     got = list(pool.shape)
     if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
         return f"{what} has shape {got}, layout wants {['*' if w is None else w for w in want]}"
-    if dtype_name(pool.dtype) != layout.dtype:
-        return f"{what} has dtype {dtype_name(pool.dtype)}, layout wants {layout.dtype}"
+    if dtype_name(pool.dtype) != layout.kv_cache_dtype:
+        return f"{what} has dtype {dtype_name(pool.dtype)}, layout wants {layout.kv_cache_dtype}"
     return None
 
 

@@ -191,7 +191,9 @@ class EngineThread(threading.Thread):
             weights_hash=weights_fingerprint(e.model_dir, e.cfg.load_format),
             dtype=str(e.dtype).removeprefix("torch."), block_size=e.cfg.block_size,
             num_layers=e.model_config.num_layers, num_kv_heads=e.model_config.num_kv_heads,
-            head_dim=e.model_config.head_dim)
+            head_dim=e.model_config.head_dim,
+            kv_cache_dtype=str(e.runner.kv_spec.dtype).removeprefix("torch."),
+            kv_scales=e.runner.kv_scales.identity() if e.runner.kv_scales is not None else "")
         wc = self.cfg.worker
         try:
             security = data_security(self.cfg)

@@ -74,3 +74,14 @@ def test_llama_8b_shape_over_cuda_ipc_matches_colocated(tmp_path):
     env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
            "PDD_ENGINE__KV_CACHE_BYTES": str(8 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
     compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))
+
+
+def test_llama_8b_shape_with_fp8_kv_over_cuda_ipc_matches_colocated(tmp_path):
+    """FP8 pages (half the bytes) cross CUDA IPC and decode as colocated FP8 KV does."""
+    model = servable_copy(REPO / "conf/models/llama-3.1-8b", tmp_path / "llama-3.1-8b")
+    prompts = random_prompts([700, 1500, 33, 4000], seed=9, vocab=128000)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
+           "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3",
+           "PDD_ENGINE__KV_CACHE_BYTES": str(4 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
+    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))

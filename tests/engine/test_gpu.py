@@ -36,3 +36,32 @@ def test_gpu_bf16_runs_and_prefix_cache_hits(model_factory):
     again = gpu.generate([base], greedy(16))[0]
     assert again.num_cached_tokens == 192 and again.token_ids == first.token_ids
     assert_all_blocks_free(gpu)
+
+
+def test_gpu_fp8_kv_captures_graphs_and_matches_the_cpu_engine(model_factory):
+    """An FP8 KV cache on the GPU: decode graphs capture (its per-layer scales
+    are static kernel arguments), and greedy tokens equal the CPU engine's with
+    an FP8 cache (the torch reference). Both round to nearest even and clamp
+    alike, so the caches differ only where float32 K/V computed on the two
+    devices fall on opposite sides of an FP8 rounding boundary: rare, and one
+    step of one element; the tiny model's top-1 margins absorb it."""
+    model_dir = model_factory("llama")
+    prompts = random_prompts([1, 7, 16, 33, 100, 300], seed=2)
+    cpu = LLM(str(model_dir), device="cpu", kv_cache_dtype="fp8_e4m3")
+    expected = [o.token_ids for o in cpu.generate(prompts, greedy(16))]
+    gpu = LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_dtype="fp8_e4m3", chunk_size=64,
+              kv_cache_bytes=256 * 2**20)
+    assert gpu.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert gpu.engine.runner.graphs is not None, "decode CUDA graphs were not captured"
+    assert [o.token_ids for o in gpu.generate(prompts, greedy(16))] == expected
+    assert_all_blocks_free(gpu)
+
+
+def test_gpu_bf16_with_fp8_kv_prefix_cache_hits(model_factory):
+    gpu = LLM(str(model_factory("llama")), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+              kv_cache_bytes=256 * 2**20)
+    base = random_prompts([200], seed=3)[0]
+    first = gpu.generate([base], greedy(16))[0]
+    again = gpu.generate([base], greedy(16))[0]
+    assert again.num_cached_tokens == 192 and again.token_ids == first.token_ids
+    assert_all_blocks_free(gpu)

@@ -28,7 +28,7 @@ def make_pool(layout: KVLayout, seed: int, blocks: int = BLOCKS) -> torch.Tensor
     g = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     x = torch.rand(shape, generator=g) + 1.0
-    return (x * (1 + seed)).to(getattr(torch, layout.dtype))
+    return (x * (1 + seed)).to(getattr(torch, layout.kv_cache_dtype))
 
 
 @dataclass
@@ -81,11 +81,12 @@ def backend(request) -> str:
 
 @pytest.fixture
 def make_pair(backend):
-    """Factory: make_pair(dtype=..., sender_layout=..., timeout_s=...) -> Pair."""
+    """Factory: make_pair(dtype=..., kv_cache_dtype=..., sender_layout=..., timeout_s=...) -> Pair."""
     made: list[Pair] = []
 
-    def make(dtype: str = "float32", sender_layout: KVLayout | None = None, timeout_s: float = 5.0) -> Pair:
-        layout = make_layout(dtype)
+    def make(dtype: str = "float32", sender_layout: KVLayout | None = None, timeout_s: float = 5.0,
+             kv_cache_dtype: str = "") -> Pair:
+        layout = make_layout(dtype, kv_cache_dtype=kv_cache_dtype, kv_scales="unit" if kv_cache_dtype else "")
         slayout = sender_layout or layout
         leases = LeaseTable()
         dst = make_pool(layout, seed=2)

@@ -22,9 +22,10 @@ def _expected(pair: Pair, before: torch.Tensor, src_blocks: list[int], dst_block
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pages_land_exactly_in_leased_blocks(make_pair, dtype):
-    pair = make_pair(dtype=dtype)
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", ""), ("bfloat16", ""), ("bfloat16", "float8_e4m3fn")])
+def test_pages_land_exactly_in_leased_blocks(make_pair, dtype, kv_cache_dtype):
+    """FP8 pages too: one byte an element, as they are (the bytes count says so)."""
+    pair = make_pair(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     before = pair.dst.clone()
     src_blocks, dst_blocks = [1, 4, 5, 10], [7, 2, 9, 0]
     pair.send_all(pair.target("r1", dst_blocks), src_blocks)
@@ -76,9 +77,16 @@ def test_source_may_change_after_send_layer_returns(pair):
     assert torch.equal(pair.dst, expected)
 
 
-@pytest.mark.parametrize("field,value", [("block_size", 8), ("dtype", "bfloat16"), ("weights_hash", "w1")])
-def test_layout_mismatch_is_refused(make_pair, field, value):
-    pair = make_pair(sender_layout=make_layout(**{"dtype": "float32", field: value}))
+FP8_UNIT = dict(kv_cache_dtype="float8_e4m3fn", kv_scales="unit")
+
+
+@pytest.mark.parametrize("receiver_kv, sender, field", [
+    ("", dict(block_size=8), "block_size"), ("", dict(dtype="bfloat16"), "dtype"),
+    ("", dict(weights_hash="w1"), "weights_hash"),
+    ("", FP8_UNIT, "kv_cache_dtype"),                                                   # FP8 pages, float32 pool
+    ("float8_e4m3fn", {**FP8_UNIT, "kv_scales": "b2:0123456789ab"}, "kv_scales")])   # FP8 under other scales
+def test_layout_mismatch_is_refused(make_pair, receiver_kv, sender, field):
+    pair = make_pair(kv_cache_dtype=receiver_kv, sender_layout=make_layout(**{"dtype": "float32", **sender}))
     before = pair.dst.clone()
     pair.send_all(pair.target("r", [1, 2]), [3, 4])
     pair.sender.finish("r")

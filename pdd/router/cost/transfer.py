@@ -28,7 +28,7 @@ class TransferRates:
 
 
 def bytes_per_token(layout: KVLayout | None) -> float:
-    """K and V of every layer of one token."""
+    """K and V of every layer of one token, in the cache's dtype (FP8: half of bf16)."""
     if layout is None:
         return 0.0
-    return 2.0 * layout.num_layers * layout.num_kv_heads * layout.head_dim * _DTYPE_BYTES.get(layout.dtype, 2)
+    return 2.0 * layout.num_layers * layout.num_kv_heads * layout.head_dim * _DTYPE_BYTES.get(layout.kv_cache_dtype, 2)
