@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may put in \"model\", the first the one reported (router.served_model_name; "
+                        "default: --model as given)")
     p.add_argument("--config", default=None)
     p.add_argument("--mode", default="disagg", choices=["disagg", "colocated"],
                    help="disagg: --prefill + --decode workers; colocated: --workers")
@@ -201,10 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log-level: set it on this worker, or on the router and every worker (all); "
                         "default: the router")
     p.add_argument("admin_command", choices=["status", "workers", "requests", "drain", "undrain", "config",
-                                             "security", "breaker", "faults", "trace", "log-level"])
+                                             "security", "breaker", "faults", "trace", "log-level", "cache"])
     p.add_argument("args", nargs="*", help="drain/undrain: WORKER; breaker: [open|close|auto [PREFILL DECODE | all]]; "
                                            "faults: [set NAME=VALUE[,...] [WORKER] | clear [WORKER]]; "
-                                           "trace: REQUEST_ID; log-level: [LEVEL]")
+                                           "trace: REQUEST_ID; log-level: [LEVEL]; cache: flush [WORKER]")
     p.set_defaults(func=cmd_admin)
 
     p = sub.add_parser("keys", help="CURVE keys that authenticate every socket of a cluster")

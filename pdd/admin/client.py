@@ -162,6 +162,14 @@ def _flag_token(args) -> str:
     return tokens[0]
 
 
+def _format_cache_flush(result: dict) -> str:
+    reset = ", ".join(f"{wid} ({n} blocks)" for wid, n in sorted(result["reset"].items())) or "no worker"
+    lines = [f"prefix cache flushed on {reset}"]
+    if result["no_answer"]:
+        lines.append(f"no answer within {result['timeout_s']:g}s from {', '.join(result['no_answer'])}")
+    return "\n".join(lines)
+
+
 def _wire_args(args) -> list:
     """The command's arguments as the admin socket takes them (its flags become arguments)."""
     out = list(args.args)
@@ -176,10 +184,16 @@ def _wire_args(args) -> list:
     return out
 
 
+# Commands that wait on the workers: the router answers within its own deadline
+# (pdd.router.router.RESET_TIMEOUT_S for a cache flush), the client waits a little longer.
+COMMAND_TIMEOUT_S = {"cache": 20.0}
+
+
 def main(args) -> int:
     try:
         addr, token, keys = _connection(args)
-        result = call(addr, token, args.admin_command, *_wire_args(args), security=keys)
+        result = call(addr, token, args.admin_command, *_wire_args(args), security=keys,
+                      timeout_s=COMMAND_TIMEOUT_S.get(args.admin_command, 5.0))
     except AdminError as e:
         print(f"pdd admin: {e}", file=sys.stderr)
         return 1
@@ -187,6 +201,8 @@ def main(args) -> int:
         _print(args, result)
     except BrokenPipeError:   # `pdd admin workers | head`: the reader had what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+    if args.admin_command == "cache" and result["no_answer"]:
+        return 1   # a flush that some worker did not confirm
     return 0
 
 
@@ -210,5 +226,7 @@ def _print(args, result) -> None:
         print("\n\n".join(_format_trace(t) for t in result))
     elif args.admin_command == "log-level":
         print(_format_log_level(result))
+    elif args.admin_command == "cache":
+        print(_format_cache_flush(result))
     else:
         print(json.dumps(result, indent=2))
