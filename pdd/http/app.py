@@ -181,12 +181,12 @@ class OpenAIServer:
         groups: list[list[Choice]] = []   # per prompt, its n choices
         try:
             for p, ids in enumerate(prompts):
-                states = await self.router.submit_choices(ids, req.sampling, rid if len(prompts) == 1 else f"{rid}-{p}",
-                                                          req.n)
+                prompt_rid = rid if len(prompts) == 1 else f"{rid}-{p}"
+                states = await self.router.submit_choices(ids, req.sampling, prompt_rid, req.n)
+                if p == 0:   # the access line reads the first choice (the one that computes the first prompt)
+                    request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
                 groups.append([self._choice(req, ids, given[p], p * req.n + i, state)
                                for i, state in enumerate(states)])
-            # The access line reads the first choice (the one that computes the first prompt).
-            request[request_log.STATE], request[request_log.STREAMED] = groups[0][0].state, req.stream
             if req.stream:
                 return await self._stream(request, req, groups)
             return await self._complete(req, groups)
@@ -346,14 +346,14 @@ class OpenAIServer:
         choice empty, ended by the length limit, the usage the prompts'."""
         total = s.usage(sum(len(ids) for ids in prompts), 0, 0)
         indices = range(len(prompts) * req.n)
-        no_tokens = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs).result() if req.logprobs is not None \
-            else None
+        lp = None
+        if req.logprobs is not None:   # those of no token
+            lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs).result()
         if not req.stream:
-            return json_response(s.response(req, [s.completion_choice(i, "", "length", no_tokens) for i in indices],
-                                            total))
+            return json_response(s.response(req, [s.completion_choice(i, "", "length", lp) for i in indices], total))
         resp = await _open_stream(request)
         so_far = total if req.continuous_usage else None
-        await resp.write(b"".join(s.sse(s.completion_chunk(req, "", "length", no_tokens, so_far, i)) for i in indices))
+        await resp.write(b"".join(s.sse(s.completion_chunk(req, "", "length", lp, so_far, i)) for i in indices))
         if req.include_usage:
             await resp.write(s.sse(s.usage_chunk(req, total)))
         return await _end_stream(resp)

@@ -16,9 +16,10 @@ them in X-Pdd-Ignored-Fields).
 A request with n > 1 has n choices, each a request of its own at the router
 (pdd.router.control.ControlPlane.submit_choices); a completions request may
 give a list of prompts, each with its n choices (prompt i's choice j has
-index i * n + j, as OpenAI); the builders here take the choice's index. Completions with `echo` start each choice's text with the
-prompt, and with `logprobs` its logprobs cover the prompt's tokens first
-(the first one's null, as OpenAI), computed by the engine as prompt logprobs
+index i * n + j, as OpenAI); the builders here take the choice's index.
+Completions with `echo` start each choice's text with its prompt, and with
+`logprobs` its logprobs cover the prompt's tokens first (the first one's null,
+as OpenAI), computed by the engine as prompt logprobs
 (SamplingParams.prompt_logprobs).
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Penalties, n > 1, echo with logprobs and prompt_logprobs over HTTP, on real
-clusters of each layout (colocated, and 1 prefill + 1 decode over tcp): the
-output equals the offline engine's (so the layouts agree), and the prompt's
-logprobs equal Hugging Face transformers' on the same checkpoint."""
+"""Penalties, n > 1 (also over a list of prompts), echo with logprobs and
+prompt_logprobs over HTTP, on real clusters of each layout (colocated, and 1
+prefill + 1 decode over tcp): the output equals the offline engine's (so the
+layouts agree), and the prompt's logprobs equal Hugging Face transformers' on
+the same checkpoint."""
 from __future__ import annotations
 
 import asyncio

@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
 
 import pdd
 from pdd.config import load_cluster_config
 from pdd.http.app import build_app, serve_http
+from pdd.http.schemas import APIError, parse_chat_request
+from pdd.http.utility import parse_tokenize
 from pdd.model.tokenizer import Tokenizer
 from tests.security.conftest import StubRouter
 
@@ -127,3 +130,14 @@ def test_ignored_fields_are_listed_in_a_header(tiny_model):
         await server.cleanup()
 
     run(main())
+
+
+def test_tokenize_gives_the_template_a_chat_requests_tools():
+    """The prompt /tokenize counts is the one a chat completion with these tools is given."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    req, ignored = parse_tokenize(orjson.dumps({"messages": MSGS, "tools": tools}), ["tiny"])
+    chat = parse_chat_request(orjson.dumps({"messages": MSGS, "tools": tools}), ["tiny"])
+    assert req.template_args == chat.template_args and req.template_args["tools"] and ignored == ()
+    with pytest.raises(APIError) as info:
+        parse_tokenize(orjson.dumps({"messages": MSGS, "tools": [{"type": "function"}]}), ["tiny"])
+    assert info.value.param == "tools[0].function"

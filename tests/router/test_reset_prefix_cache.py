@@ -6,10 +6,12 @@ stand-ins on real DEALER sockets, one of which never answers (the fault)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import msgpack
 
+from pdd import logs
 from pdd.admin.client import call
 from pdd.admin.server import AdminServer
 from pdd.config import load_cluster_config
@@ -133,7 +135,7 @@ def test_http_answers_after_every_worker_or_504_naming_the_silent(monkeypatch):
     run(main())
 
 
-def test_admin_cache_flush_takes_the_same_path():
+def test_admin_cache_flush_takes_the_same_path(caplog):
     async def main():
         router, stand_ins = await router_with(("a", 2), ("b", 9))
         admin = AdminServer(router, "tcp://127.0.0.1:0", TOKEN)
@@ -158,4 +160,10 @@ def test_admin_cache_flush_takes_the_same_path():
         await admin.stop()
         await stop(router, stand_ins)
 
-    run(main())
+    with caplog.at_level(logging.DEBUG, logger=logs.AUDIT_LOGGER):
+        run(main())
+    # Audited once answered, as a command that changes something; refusals too.
+    audited = [(r.levelno, r.arguments, r.ok) for r in caplog.records
+               if r.name == logs.AUDIT_LOGGER and r.command == "cache"]
+    assert audited[:3] == [(logging.INFO, ["flush"], True), (logging.INFO, ["flush", "b"], True),
+                           (logging.INFO, ["flush", "zz"], False)], audited
