@@ -8,7 +8,7 @@ import logging
 import orjson
 import pytest
 
-from pdd.http import validate
+from pdd.http import schemas, validate
 from pdd.http.schemas import APIError, Prompt, parse_chat_request, parse_completion_request
 
 MODELS = ["tiny"]
@@ -87,3 +87,12 @@ def test_a_client_inventing_names_grows_neither_the_log_nor_the_set(caplog, monk
     assert len(validate._logged_ignored) == validate.MAX_LOGGED_IGNORED + 1
     many = tuple(f"g{i}" for i in range(100))
     assert validate.say_ignored(many).endswith(f"(+{100 - validate.MAX_LISTED_IGNORED} more)")
+
+
+def test_the_choices_of_a_list_of_prompts_are_bounded():
+    """Each choice is a request at the router: prompts x n is capped (a small body
+    holds many one-token prompts), the refusal naming the numbers."""
+    limit = schemas.MAX_BATCH_CHOICES
+    assert len(parse_completion_request(cmpl(prompt=[[1]] * (limit // 2), n=2), MODELS).prompts) == limit // 2
+    err = refused(cmpl(prompt=[[1]] * (limit // 2 + 1), n=2))
+    assert err.param == "n" and f"at most {limit} choices" in err.message and f"{limit // 2 + 1} prompts" in err.message
