@@ -74,7 +74,7 @@ class Prompt:
 class GenerateRequest:
     kind: str                            # "completion" | "chat"
     model: str
-    # completions: one prompt per choice, the choice's index its place here; chat: []
+    # completions: the prompts, each with its n choices (prompt i's choice j: index i * n + j); chat: []
     prompts: list[Prompt]
     messages: list[dict] | None          # chat: [{"role": str, "content": str}, ...]
     sampling: SamplingParams
@@ -240,7 +240,7 @@ _PROMPT_KINDS = ("a string, a list of strings, a list of token ids (integers) "
 
 def _prompts(f: Fields, vocab_size: int | None) -> list[Prompt]:
     """The prompts, from the four forms OpenAI accepts: a string, a list of
-    token ids, or a list of either (a batch: one choice per prompt)."""
+    token ids, or a list of either (a batch: n choices per prompt)."""
     p = f.obj.get("prompt")
     if p is None:
         raise bad("prompt", "'prompt' is required")
