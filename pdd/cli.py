@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a local cluster (router + workers) in one command")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may put in \"model\", the first the one reported (router.served_model_name; "
+                        "default: --model as given)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML config the cluster starts from (default: built-in defaults)")
     p.add_argument("--mode", default="disagg", choices=["disagg", "colocated"],

@@ -209,8 +209,11 @@ class RouterConfig:
     # Admin socket: localhost by default; every command must carry admin_token.
     admin_addr: str = "tcp://127.0.0.1:7101"
     admin_token: str = ""
-    # Name clients put in "model"; default: the model directory's name.
-    served_model_name: str | None = None
+    # Names clients put in "model" (aliases; the first is the one /v1/models
+    # reports first). Empty: the model as given (engine.model verbatim, as vLLM
+    # serves under its --model argument), so a benchmark client can load the
+    # tokenizer from the name it reads; the built-in model: its directory and "pdd-tiny".
+    served_model_name: tuple[str, ...] = ()
     heartbeat_interval_s: float = 0.5
     heartbeat_misses: int = 3        # missed heartbeats before a worker is dead
     # A worker gone this long without registering again is forgotten: its
@@ -297,6 +300,11 @@ class RouterConfig:
             raise ConfigError(f"router.state_dir: must be an absolute path (or empty), got {self.state_dir!r}")
         if not 0 < self.drain_timeout_s < float("inf"):
             raise ConfigError(f"router.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
+        for i, name in enumerate(self.served_model_name):
+            if not name.strip() or not name.isprintable():
+                raise ConfigError(f"router.served_model_name[{i}]: must be a non-empty printable name, got {name!r}")
+        if len(set(self.served_model_name)) != len(self.served_model_name):
+            raise ConfigError(f"router.served_model_name: names repeat in {list(self.served_model_name)}")
         return self
 
 
@@ -400,6 +408,10 @@ class SecurityConfig:
         return self
 
 
+# The built-in tiny model's short name (besides its directory).
+BUILTIN_MODEL_NAME = "pdd-tiny"
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("text", "json")
 
@@ -493,12 +505,27 @@ class ClusterConfig:
     log: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
 
-    def served_model_name(self, model_dir) -> str:
-        """What clients put in "model": configured, else the checkpoint directory's name."""
+    def served_model_names(self, model_dir) -> tuple[str, ...]:
+        """What clients may put in "model", the reported one first: router.served_model_name,
+        else the model as given (the built-in one: its directory, then "pdd-tiny")."""
         if self.router.served_model_name:
             return self.router.served_model_name
         if self.engine.model is None:
-            return "pdd-tiny"
+            return (str(model_dir), BUILTIN_MODEL_NAME)
+        return (self.engine.model,)
+
+    def model_root(self, model_dir) -> str:
+        """The checkpoint the names serve, as /v1/models' `root` says it (a tokenizer reference)."""
+        return self.engine.model if self.engine.model is not None else str(model_dir)
+
+    def layout_model_id(self, model_dir) -> str:
+        """The model's name in the KV layout descriptor: the first configured served
+        name, else the checkpoint directory's name. Not the path: workers on hosts
+        that keep one checkpoint under different paths still pair."""
+        if self.router.served_model_name:
+            return self.router.served_model_name[0]
+        if self.engine.model is None:
+            return BUILTIN_MODEL_NAME
         return os.path.basename(os.path.normpath(str(model_dir)))
 
 

@@ -224,6 +224,8 @@ def build_cluster(args) -> Cluster:
         overrides["log"]["level"] = args.log_level
     if args.model:
         overrides["engine"]["model"] = args.model
+    if getattr(args, "served_model_name", None):
+        overrides["router"]["served_model_name"] = args.served_model_name
     overrides["router"]["port"] = args.port
     # A P+D layout runs the router in auto: disaggregated while it can be, a local
     # prefill on the decode worker when it cannot (breaker open, no prefill worker).

@@ -82,8 +82,9 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     await router.start()
     admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
     await admin.start(router.ctx)
-    runner = await serve_http(build_app(router, tokenizer, cfg.served_model_name(model_dir), eos_token_ids),
-                              cfg.router.host, cfg.router.port)
+    app = build_app(router, tokenizer, cfg.served_model_names(model_dir), eos_token_ids,
+                    model_root=cfg.model_root(model_dir))
+    runner = await serve_http(app, cfg.router.host, cfg.router.port)
     url = f"http://{cfg.router.host}:{cfg.router.port}"
     log.info("router listening on %s", url)
     _warn_open_http(cfg)

@@ -209,7 +209,7 @@ def test_pdd_serve_is_ready_then_pings_and_a_hung_engine_falls_silent(tmp_path, 
         # The engine's first step blocks; the worker's event loop goes on (heartbeats).
         call_with_config(cfg, "faults", "set", "colocated.hang_after_steps=1", "colocated-0")
         _wait_for(lambda: call_with_config(cfg, "faults")["workers"].get("colocated-0"), 60.0, "the fault set")
-        body = {"model": tiny_model.name, "prompt": "Hello", "max_tokens": 4}
+        body = {"model": str(tiny_model), "prompt": "Hello", "max_tokens": 4}
         request = threading.Thread(target=lambda: answer.append(_post(cfg, body)), daemon=True)
         request.start()
         _wait_for(lambda: _worker(cfg)["hung"], 120.0, "the router declaring colocated-0 hung")

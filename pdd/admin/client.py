@@ -146,7 +146,7 @@ def main(args) -> int:
         addr, token, keys = _connection(args)
 
         def ask(cmd: str, *cmd_args):
-            return call(addr, token, cmd, *cmd_args, security=keys)
+            return call(addr, token, cmd, *cmd_args, security=keys, timeout_s=BY_NAME[cmd].timeout_s)
 
         result = ask(command.name, *wire)
         result = _follow(args, result, ask)
@@ -163,6 +163,8 @@ def main(args) -> int:
             print(f"pdd admin: {e}", file=sys.stderr)
         return EXIT_FAILED
     _out(json.dumps(result, indent=2) if args.json else tables.render(command.name, result, args))
+    if command.name == "cache" and result["no_answer"]:
+        return EXIT_FAILED   # a flush some worker did not confirm
     return EXIT_OK
 
 

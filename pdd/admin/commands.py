@@ -34,6 +34,9 @@ class Command:
     help: str
     arguments: Callable[[argparse.ArgumentParser], None] = _none
     wire: Callable[[argparse.Namespace], list] = _no_args
+    # how long the client waits for the answer: a command that waits on the workers
+    # is answered within the router's own deadline (pdd.router.router.RESET_TIMEOUT_S)
+    timeout_s: float = 5.0
 
 
 def _worker_arg(what: str) -> Callable[[argparse.ArgumentParser], None]:
@@ -112,6 +115,11 @@ def _faults_wire(args: argparse.Namespace) -> list:
     return [args.action, *args.rest] if args.action else []
 
 
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["flush"], help="flush: drop every cached prefix block no request holds")
+    p.add_argument("worker", nargs="?", metavar="WORKER", help="only this worker (default: every worker)")
+
+
 def _request_id_arg(what: str) -> Callable[[argparse.ArgumentParser], None]:
     def add(p: argparse.ArgumentParser) -> None:
         p.add_argument("request_id", metavar="REQUEST_ID",
@@ -138,6 +146,9 @@ COMMANDS: list[Command] = [
             _faults_args, _faults_wire),
     Command("log-level", "show the router's log level, or set it on the router, a worker or all", _log_level_args,
             _log_level_wire),
+    Command("cache", "flush the prefix cache of every worker or of one (as POST /reset_prefix_cache); exit 1 "
+                     "if a worker did not answer", _cache_args,
+            lambda a: [a.action, *([a.worker] if a.worker else [])], timeout_s=20.0),
     Command("config", "the router's config, secrets masked"),
     Command("security", "refused handshakes and tokens on the router, by socket and reason"),
     Command("version", "the pdd version and build of this client, the router and every worker"),

@@ -14,13 +14,16 @@ Every command leaves an audit line on logger `pdd.audit` (pdd.logs): the
 command, its arguments, who sent it (the admin key's name under CURVE, and the
 peer's address) and how it ended — at INFO for a command that changes
 something (drain, undrain, abort, breaker/faults/log-level with arguments), at
-DEBUG for one that only reads (monitors poll `status`).
+DEBUG for one that only reads (monitors poll `status`). A command that waits on
+the workers (cache flush) is answered, and audited, when it is done, while the
+socket serves on.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import logging
 
 import time
@@ -79,8 +82,11 @@ class AdminServer:
             # faults: what is set where; faults set NAME=VALUE[,...] [WORKER] | clear [WORKER]:
             # only with router.allow_fault_injection
             "faults": lambda *args: router.faults(*args),
+            # cache flush [WORKER]: what POST /reset_prefix_cache does, on every worker or one
+            "cache": self._cache,
         }
         self._task: asyncio.Task | None = None
+        self._answering: set[asyncio.Task] = set()   # replies to commands that wait
         self.sock: zmq.asyncio.Socket | None = None
         self._watch: HandshakeWatch | None = None
 
@@ -127,6 +133,11 @@ class AdminServer:
             out["router"] = logs.set_level(level)
         return out
 
+    def _cache(self, action: str | None = None, *worker: str):
+        if action != "flush" or len(worker) > 1:
+            raise ValueError("expected: pdd admin cache flush [WORKER]")
+        return self.router.reset_prefix_cache(*worker)
+
     def register(self, name: str, fn) -> None:
         self.commands[name] = fn
 
@@ -143,9 +154,10 @@ class AdminServer:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._answering) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.sock is not None and not self.sock.closed:
             if self._watch is not None:
                 self._watch.close()
@@ -159,12 +171,26 @@ class AdminServer:
                 frames = await self.sock.recv_multipart(copy=False)
                 if len(frames) < 2:
                     continue
+                route = [f.bytes for f in frames[:-1]]
                 reply = self.handle(frames[-1].bytes, _sender(frames[-1]))
-                await self.sock.send_multipart([f.bytes for f in frames[:-1]] + [self._encode(reply)])
+                if inspect.isawaitable(reply):
+                    task = asyncio.create_task(self._answer_later(route, reply))
+                    self._answering.add(task)
+                    task.add_done_callback(self._answering.discard)
+                    continue
+                await self.sock.send_multipart(route + [self._encode(reply)])
             except asyncio.CancelledError:
                 raise
             except Exception:  # nothing a peer sends may stop the admin socket
                 log.exception("admin: error serving a request")
+
+    async def _answer_later(self, route: list[bytes], reply) -> None:
+        try:
+            await self.sock.send_multipart(route + [self._encode(await reply)])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("admin: error answering a request")
 
     @staticmethod
     def _encode(reply: dict) -> bytes:
@@ -174,8 +200,9 @@ class AdminServer:
             log.exception("admin: reply cannot be encoded")
             return msgpack.packb(_error(f"the result cannot be encoded ({type(e).__name__})"), use_bin_type=True)
 
-    def handle(self, payload: bytes, sender: dict | None = None) -> dict:
-        """One request in, one reply out; never raises. `sender`: who sent it, for the audit line."""
+    def handle(self, payload: bytes, sender: dict | None = None):
+        """One request in, one reply out — or an awaitable of it, for a command
+        that waits; never raises. `sender`: who sent it, for the audit line."""
         try:
             return self._handle(payload, sender or {})
         except Exception:
@@ -211,17 +238,44 @@ class AdminServer:
             reply = _error(f"unknown command {cmd[:64]!r}; commands: {sorted(self.commands)}")
         else:
             reply = self._run(cmd, fn, args)
+        if inspect.isawaitable(reply):
+            return _settled(cmd[:64], args, reply, sender)
         _audit(cmd[:64], args, reply, sender)
         return reply
 
     @staticmethod
-    def _run(cmd: str, fn, args: list) -> dict:
+    def _run(cmd: str, fn, args: list):
         try:
-            return {"ok": True, "result": fn(*args)}
-        except TypeError as e:
-            return _error(f"{cmd}: bad arguments ({e})")
-        except (KeyError, ValueError) as e:
-            return _error(f"{cmd}: {e.args[0] if e.args else e}")
+            result = fn(*args)
+        except (TypeError, KeyError, ValueError) as e:
+            return _failed(cmd, e)
+        if inspect.isawaitable(result):
+            return _awaited(cmd, result)
+        return {"ok": True, "result": result}
+
+
+async def _awaited(cmd: str, result) -> dict:
+    """The reply to a command whose result is awaited; never raises."""
+    try:
+        return {"ok": True, "result": await result}
+    except (TypeError, KeyError, ValueError) as e:
+        return _failed(cmd, e)
+    except Exception:
+        log.exception("admin: error handling %s", cmd[:64])
+        return _error("internal error (logged on the router)")
+
+
+async def _settled(cmd: str, args: list, reply, sender: dict) -> dict:
+    """An awaited reply, audited once it is there."""
+    reply = await reply
+    _audit(cmd, args, reply, sender)
+    return reply
+
+
+def _failed(cmd: str, e: Exception) -> dict:
+    if isinstance(e, TypeError):
+        return _error(f"{cmd}: bad arguments ({e})")
+    return _error(f"{cmd}: {e.args[0] if e.args else e}")
 
 
 def _sender(frame: zmq.Frame) -> dict:

@@ -157,7 +157,16 @@ def breaker(rows: list[dict], args: Namespace | None = None) -> str:
     return table(rows, list(dict.fromkeys(k for r in rows for k in r))) if rows else "no breaker yet (no pair placed)"
 
 
+def cache_flush(result: dict, args: Namespace) -> str:
+    reset = ", ".join(f"{wid} ({n} blocks)" for wid, n in sorted(result["reset"].items())) or "no worker"
+    lines = [f"prefix cache flushed on {reset}"]
+    if result["no_answer"]:
+        lines.append(f"no answer within {result['timeout_s']:g}s from {', '.join(result['no_answer'])}")
+    return "\n".join(lines)
+
+
 FORMATTERS: dict[str, Callable[[object, Namespace], str]] = {
     "status": status, "workers": workers, "requests": requests, "trace": trace, "log-level": log_level,
+    "cache": cache_flush,
     "drain": drain, "undrain": undrain, "abort": abort, "version": version, "breaker": breaker,
 }

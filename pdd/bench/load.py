@@ -40,6 +40,7 @@ def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]
     """A cluster on fresh loopback ports, ready; the caller stops it."""
     from pdd.config import load_cluster_config
     from pdd.launcher import Cluster, free_port
+    from pdd.model.make_model import resolve_model_dir
 
     over = {"router": {"mode": mode, "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
                        "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {}),
@@ -54,5 +55,5 @@ def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]
     except Exception:
         cluster.stop()
         raise
-    cluster.model_name = cfg.served_model_name(model)
+    cluster.model_name = cfg.served_model_names(resolve_model_dir(model))[0]
     return cluster

@@ -10,7 +10,10 @@ refuses what a page can send without a preflight or through DNS rebinding:
 
 - a POST whose body is not declared JSON (`Content-Type: application/json`,
   any parameters): text/plain, form and multipart bodies are what a page may
-  POST to any origin unasked (415);
+  POST to any origin unasked (415). A POST without a body has no type to
+  declare (`curl -X POST .../reset_prefix_cache`, as benchmark clients send
+  it): a page could send that too, and all it can do is flush the prefix
+  cache (the next prompts compute again; no data is read or changed);
 - a `Host` that is none of the server's names (403): an IP address (a page
   served from an address can only name the address it came from), `localhost`,
   `router.host`, or a name in `router.allowed_hosts` ("*": any). A rebinding
@@ -80,7 +83,7 @@ class KeylessChecks:
                 return APIError(403, f"Host {host!r} is not a name of this server; an operator can allow "
                                      "it in router.allowed_hosts (or set security.api_keys)",
                                 code="host_not_allowed")
-        if request.method == "POST" and request.content_type != "application/json":
+        if request.method == "POST" and request.body_exists and request.content_type != "application/json":
             got = request.headers.get("Content-Type")
             return APIError(415, "the request body must be JSON: send 'Content-Type: application/json' "
                                  f"(got {'none' if got is None else repr(got)})", code="unsupported_media_type")

@@ -15,14 +15,20 @@ connections and the connection limit are pdd.http.guard's. Large prompts are
 tokenized in a child process (pdd.http.tokenize), so one 4 MB prompt does not
 stall every stream. Request ids (`X-Request-Id`) and the access line:
 pdd.http.request_log.
+
+A completions request may give a list of prompts: each is submitted with its
+n choices (prompt i's choice j is choice i * n + j, as OpenAI and vLLM number
+them), and the usage sums the prompts. Body fields no parser read are
+accepted, logged once per name and listed in the X-Pdd-Ignored-Fields header
+(pdd.http.validate.say_ignored). vLLM's utility endpoints (tokenize,
+detokenize, version, reset_prefix_cache, the model list) are pdd.http.utility's.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from contextlib import aclosing
-
-from concurrent.futures.process import BrokenProcessPool
 
 import orjson
 from aiohttp import web
@@ -40,6 +46,8 @@ from pdd.http import request_log
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.tools import ToolCallReader, tool_format
+from pdd.http.utility import IGNORED_FIELDS_HEADER, IGNORED_FIELDS_KEY, UtilityEndpoints
+from pdd.http.validate import say_ignored
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
 from pdd.router.router import Overloaded, Router, Unavailable
@@ -59,18 +67,19 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class OpenAIServer:
-    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
                  eos_token_ids: tuple[int, ...] = ()):
+        """served_models: the names a request's "model" may be (the first is the one reported)."""
         self.router = router
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.served_models = (served_models,) if isinstance(served_models, str) else tuple(served_models)
         self.eos_token_ids = eos_token_ids   # the model's (generation_config.json): they end a request
         self.default_max_tokens = router.cfg.router.default_max_tokens
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
 
-    async def _body(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
         if request.content_length is not None and request.content_length > request.client_max_size:
             # It would be refused once that much had come: no reason to wait for it.
@@ -86,31 +95,33 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ endpoints
 
+    def note_ignored(self, request: web.Request, fields: tuple[str, ...]) -> None:
+        """The body fields nothing read: logged (once a name) and listed in the response's header."""
+        header = say_ignored(fields)
+        if header is not None:
+            request[IGNORED_FIELDS_KEY] = header
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        req = s.parse_completion_request(body, [self.model_name], self.default_max_tokens,
+        body = await self.read_body(request)
+        req = s.parse_completion_request(body, self.served_models, self.default_max_tokens,
                                          vocab_size=self.tokenizer.vocab_size)
-        ids = req.prompt_token_ids
-        if ids is None:
-            ids = await self.off_loop.call(len(body), "encode", req.prompt)
-        return await self._generate(request, req, ids)
+        self.note_ignored(request, req.ignored_fields)
+        prompts = []
+        for p in req.prompts:
+            if p.text is None:
+                prompts.append(p.token_ids)
+            else:   # one prompt: the body's size; in a list, each its own
+                size = len(body) if len(req.prompts) == 1 else len(p.text)
+                prompts.append(await self.off_loop.call(size, "encode", p.text))
+        return await self._generate(request, req, prompts)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        req = s.parse_chat_request(body, [self.model_name], vocab_size=self.tokenizer.vocab_size,
+        body = await self.read_body(request)
+        req = s.parse_chat_request(body, self.served_models, vocab_size=self.tokenizer.vocab_size,
                                    tool_fmt=self.tool_format)
-        try:
-            ids = await self.off_loop.call(len(body), "encode_chat", req.messages, **req.template_args)
-        except BrokenProcessPool:
-            raise APIError(503, "the tokenizer process died; retry", type="server_error") from None
-        except Exception as e:  # template errors come from Jinja as any exception type
-            raise APIError(400, f"messages: cannot apply the chat template ({e})", param="messages") from None
-        return await self._generate(request, req, ids)
-
-    async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(self.router.started_at),
-            "owned_by": "pdd", "max_model_len": self.router.max_model_len()}]})
+        self.note_ignored(request, req.ignored_fields)
+        ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
+        return await self._generate(request, req, [ids])
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: 200 whenever the event loop answers, whatever the workers do
@@ -165,28 +176,38 @@ class OpenAIServer:
                                 "tokens; lower max_tokens or shorten the prompt",
                            param="max_tokens", code="context_length_exceeded")
 
-    async def _generate(self, request: web.Request, req: s.GenerateRequest, ids: list[int]):
+    async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
+        """Every prompt's choices (token ids; completions may give several prompts)."""
         if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]
-        self._check_length(req, len(ids))
+            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
+        for ids in prompts:   # every prompt checked before any is submitted
+            self._check_length(req, len(ids))
+        if not request[request_log.FROM_CLIENT]:
+            req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
+        if req.sampling.max_tokens == 0:
+            return await self._prompts_only(request, req, prompts)
         if req.sampling.structured_output is not None:   # compiling a large schema takes a while
             await asyncio.get_running_loop().run_in_executor(
                 None, structured.check, req.sampling.structured_output, req.structured_param)
-        if not request[request_log.FROM_CLIENT]:
-            req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
+        rid = request[request_log.REQUEST_ID]
         span = request[request_log.SPAN] = tracing.incoming(request.headers.get(request_log.TRACEPARENT))
-        states = await self.router.submit_choices(ids, req.sampling, request[request_log.REQUEST_ID], req.n, span)
-        # The access line reads the first choice (the one that computes the prompt).
-        request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
-        choices = [self._choice(req, ids, i, state) for i, state in enumerate(states)]
+        given = [p.text for p in req.prompts] or [None]
+        groups: list[list[Choice]] = []   # per prompt, its n choices
         try:
+            for p, ids in enumerate(prompts):
+                prompt_rid = rid if len(prompts) == 1 else f"{rid}-{p}"
+                states = await self.router.submit_choices(ids, req.sampling, prompt_rid, req.n, span)
+                if p == 0:   # the access line reads the first choice (the one that computes the first prompt)
+                    request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
+                groups.append([self._choice(req, ids, given[p], p * req.n + i, state)
+                               for i, state in enumerate(states)])
             if req.stream:
-                return await self._stream(request, req, choices)
-            return await self._complete(req, choices)
+                return await self._stream(request, req, groups)
+            return await self._complete(req, groups)
         finally:
             # The text may be complete before the worker's last event (a stop string,
             # or a stop token seen first): that is a finish, not an abort.
-            for c in choices:
+            for c in _flat(groups):
                 await self.router.abort(c.state, "stop" if c.text.stopped else "abort")  # no-op once finished
 
     async def _pieces(self, req: s.GenerateRequest, c: Choice, first: Choice):
@@ -231,7 +252,9 @@ class OpenAIServer:
                     return
             yield pieces
 
-    def _choice(self, req: s.GenerateRequest, prompt_ids: list[int], index: int, state) -> Choice:
+    def _choice(self, req: s.GenerateRequest, prompt_ids: list[int], given: str | None, index: int,
+                state) -> Choice:
+        """given: the prompt's text as the request gave it (None: given as token ids, or chat)."""
         sp = req.sampling
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         text = TextStream(self.tokenizer, sp.stop, req.skip_special_tokens, prompt_ids=prompt_ids,
@@ -242,37 +265,43 @@ class OpenAIServer:
             lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
         echo = None
         if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
-            given = req.prompt is not None and req.truncate_prompt_tokens is None
-            echo = req.prompt if given else self.tokenizer.decode(prompt_ids, req.skip_special_tokens)
+            as_given = given is not None and req.truncate_prompt_tokens is None
+            echo = given if as_given else self.tokenizer.decode(prompt_ids, req.skip_special_tokens)
         return Choice(index, state, text, lp, echo)
 
-    def _usage(self, req: s.GenerateRequest, choices: list[Choice]) -> dict:
+    def _usage(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> dict:
         # The tokens the answer is made of: not those a worker sent after a stop string.
-        return choices_usage(choices, len(choices[0].state.prompt_token_ids), req.echo_only)
+        return choices_usage(groups, req.echo_only)
 
-    def _merged(self, req: s.GenerateRequest, choices: list[Choice]):
-        return aclosing(merged([self._pieces(req, c, choices[0]) for c in choices]))
+    def _merged(self, req: s.GenerateRequest, groups: list[list[Choice]]):
+        """(choice index, pieces) of every choice, as they come."""
+        return aclosing(merged([self._pieces(req, c, group[0]) for group in groups for c in group]))
 
-    def _prompt_logprobs(self, req: s.GenerateRequest, choices: list[Choice]) -> list | None:
-        """vLLM's prompt_logprobs field, when asked for (the first choice computed them)."""
-        state = choices[0].state
+    def _prompt_logprobs(self, req: s.GenerateRequest, group: list[Choice]) -> list | None:
+        """vLLM's prompt_logprobs field of one prompt, when asked for (its first choice computed them)."""
+        state = group[0].state
         if req.prompt_logprobs is None or state.prompt_logprobs is None:
             return None
         return s.prompt_logprobs_json(self.tokenizer, state.prompt_token_ids, state.prompt_logprobs,
                                       req.prompt_logprobs)
 
-    async def _complete(self, req: s.GenerateRequest, choices: list[Choice]) -> web.Response:
-        async with self._merged(req, choices) as pieces_of:
+    async def _complete(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> web.Response:
+        choices = _flat(groups)
+        async with self._merged(req, groups) as pieces_of:
             async for i, pieces in pieces_of:
                 for _, _, reason in pieces:
                     choices[i].finish_reason = reason or choices[i].finish_reason
-        prompt_lps = self._prompt_logprobs(req, choices)
+        usage = self._usage(req, groups)
         if req.kind == "chat":
-            body = [self._chat_choice(req, c) for c in choices]
-        else:
-            body = [s.completion_choice(c.index, c.full_text, c.finish_reason,
-                                        c.logprobs.result() if c.logprobs else None, prompt_lps) for c in choices]
-        return json_response(s.response(req, body, self._usage(req, choices), prompt_lps))
+            (group,) = groups
+            body = [self._chat_choice(req, c) for c in group]
+            return json_response(s.response(req, body, usage, self._prompt_logprobs(req, group)))
+        body = []
+        for group in groups:
+            prompt_lps = self._prompt_logprobs(req, group)
+            body += [s.completion_choice(c.index, c.full_text, c.finish_reason,
+                                         c.logprobs.result() if c.logprobs else None, prompt_lps) for c in group]
+        return json_response(s.response(req, body, usage))
 
     @staticmethod
     def _chat_choice(req: s.GenerateRequest, c: Choice) -> dict:
@@ -284,13 +313,13 @@ class OpenAIServer:
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         return s.chat_choice(c.index, content, finish, logprobs, calls)
 
-    async def _stream(self, request: web.Request, req: s.GenerateRequest, choices: list[Choice]):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+    async def _stream(self, request: web.Request, req: s.GenerateRequest, groups: list[list[Choice]]):
+        resp = await _open_stream(request)
         chat = req.kind == "chat"
+        choices = _flat(groups)
 
         def so_far() -> dict | None:   # vLLM's continuous usage: every chunk says the usage so far
-            return self._usage(req, choices) if req.continuous_usage else None
+            return self._usage(req, groups) if req.continuous_usage else None
 
         def chunk(i: int, delta: str, reason, frag=None) -> bytes:
             reader = tool_calls.get(i)
@@ -312,7 +341,7 @@ class OpenAIServer:
             await resp.write(b"".join(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,
                                                          so_far(), c.index)) for c in choices))
         try:
-            async with self._merged(req, choices) as pieces_of:
+            async with self._merged(req, groups) as pieces_of:
                 async for i, pieces in pieces_of:
                     out = b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in pieces
                                     if delta or frag or reason])
@@ -323,10 +352,42 @@ class OpenAIServer:
             await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))
         else:
             if req.include_usage:
-                await resp.write(s.sse(s.usage_chunk(req, self._usage(req, choices))))
-        await resp.write(s.SSE_DONE)
-        await resp.write_eof()
-        return resp
+                await resp.write(s.sse(s.usage_chunk(req, self._usage(req, groups))))
+        return await _end_stream(resp)
+
+    async def _prompts_only(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
+        """max_tokens 0 without echo: nothing to compute, no worker asked; every
+        choice empty, ended by the length limit, the usage the prompts'."""
+        total = s.usage(sum(len(ids) for ids in prompts), 0, 0)
+        indices = range(len(prompts) * req.n)
+        lp = None
+        if req.logprobs is not None:   # those of no token
+            lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs).result()
+        if not req.stream:
+            return json_response(s.response(req, [s.completion_choice(i, "", "length", lp) for i in indices], total))
+        resp = await _open_stream(request)
+        so_far = total if req.continuous_usage else None
+        await resp.write(b"".join(s.sse(s.completion_chunk(req, "", "length", lp, so_far, i)) for i in indices))
+        if req.include_usage:
+            await resp.write(s.sse(s.usage_chunk(req, total)))
+        return await _end_stream(resp)
+
+
+async def _open_stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _end_stream(resp: web.StreamResponse) -> web.StreamResponse:
+    await resp.write(s.SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _flat(groups: list[list[Choice]]) -> list[Choice]:
+    """The choices of every prompt, in index order."""
+    return [c for group in groups for c in group]
 
 
 API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
@@ -354,6 +415,13 @@ async def cors_middleware(request: web.Request, handler):
                                                                 "Authorization, Content-Type"),
             "Access-Control-Max-Age": "600"})
     return await handler(request)
+
+
+async def _ignored_fields_header(request: web.Request, response: web.StreamResponse) -> None:
+    # on_response_prepare: streams too, and whoever builds the response.
+    ignored = request.get(IGNORED_FIELDS_KEY)
+    if ignored is not None:
+        response.headers[IGNORED_FIELDS_HEADER] = ignored
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -425,8 +493,10 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, "internal server error", "server_error")
 
 
-def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
-              eos_token_ids: tuple[int, ...] = ()) -> web.Application:
+def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
+              eos_token_ids: tuple[int, ...] = (), model_root: str | None = None) -> web.Application:
+    """served_models: the names requests may give (the first is the one reported);
+    model_root: the checkpoint they serve, as /v1/models says it (default: the first name)."""
     sec = router.cfg.security
     app = web.Application(middlewares=[request_log.request_log_middleware, cors_middleware, access_middleware,
                                        error_middleware],
@@ -434,7 +504,9 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
     app[CORS_KEY] = frozenset(sec.cors_origins)
     app.on_response_prepare.append(_cors_headers)
     app.on_response_prepare.append(request_log.add_headers)
-    server = OpenAIServer(router, tokenizer, model_name, eos_token_ids)
+    app.on_response_prepare.append(_ignored_fields_header)
+    server = OpenAIServer(router, tokenizer, served_models, eos_token_ids)
+    utility = UtilityEndpoints(server, model_root or server.served_models[0])
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s,
                              router.cfg.router.http_send_timeout_s)
@@ -442,7 +514,11 @@ def build_app(router: Router, tokenizer: Tokenizer, model_name: str,
     app[KEYLESS_KEY] = KeylessChecks(not sec.api_keys, router.cfg.router.host, router.cfg.router.allowed_hosts)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
-    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models", utility.models)
+    app.router.add_post("/tokenize", utility.tokenize)
+    app.router.add_post("/detokenize", utility.detokenize)
+    app.router.add_get("/version", utility.version)
+    app.router.add_post("/reset_prefix_cache", utility.reset_prefix_cache)
     app.router.add_get("/health", server.health)
     app.router.add_get("/ready", server.ready)
     app.router.add_get("/metrics", server.metrics)

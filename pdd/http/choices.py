@@ -1,7 +1,8 @@
-"""The choices of one OpenAI request (n of them), as a handler streams or
-gathers them: each is a request at the router with its own text stream and
-logprobs; their pieces are merged in the order they come, each carrying its
-choice's index. The usage counts the prompt once and every choice's tokens.
+"""The choices of one OpenAI request (n per prompt; a completions request
+may give a list of prompts), as a handler streams or gathers them: each is a
+request at the router with its own text stream and logprobs; their pieces are
+merged in the order they come, each carrying its choice's index. The usage
+counts each prompt once and every choice's tokens.
 """
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ class Choice:
         return (self.echo_text or "") + self.text.text
 
 
-def usage(choices: list[Choice], prompt_tokens: int, echo_only: bool = False) -> dict:
-    """The prompt once (as OpenAI for n > 1); the tokens every choice's answer is
-    made of (none when only the prompt is echoed); as cached, what the choice
-    that found most of the prompt cached found (the later choices reuse the
-    first one's blocks)."""
-    completion = 0 if echo_only else sum(c.text.num_tokens for c in choices)
-    return s.usage(prompt_tokens, completion, max(c.state.num_cached_tokens for c in choices))
+def usage(groups: list[list[Choice]], echo_only: bool = False) -> dict:
+    """groups: each prompt's choices. Each prompt once (as OpenAI for n > 1);
+    the tokens every choice's answer is made of (none when only the prompt is
+    echoed); as cached, per prompt what the choice that found most of it cached
+    found (the later choices reuse the first one's blocks)."""
+    prompt = sum(len(group[0].state.prompt_token_ids) for group in groups)
+    completion = 0 if echo_only else sum(c.text.num_tokens for group in groups for c in group)
+    cached = sum(max(c.state.num_cached_tokens for c in group) for group in groups)
+    return s.usage(prompt, completion, cached)
 
 
 async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

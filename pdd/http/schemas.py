@@ -8,18 +8,23 @@ official `openai` client's types), with vLLM's extra fields where they exist
 `repetition_penalty`, `prompt_logprobs`, `guided_json`, ...). Structured
 outputs and tool calling are read in pdd.http.structured. What we do not
 implement (`best_of` above `n`, beam search, ...) is refused with a 400 naming
-the field, never silently ignored; fields we do not know at all are ignored,
-because OpenAI clients send extras.
+the field, never silently ignored. Fields no parser reads (newer OpenAI fields
+such as `metadata` or `store`, a misspelt name) are accepted, as vLLM does, and
+said: `GenerateRequest.ignored_fields` (the app logs each name once and lists
+them in X-Pdd-Ignored-Fields).
 
 A request with n > 1 has n choices, each a request of its own at the router
-(pdd.router.control.ControlPlane.submit_choices); the builders here take the
-choice's index. Completions with `echo` start each choice's text with the
-prompt, and with `logprobs` its logprobs cover the prompt's tokens first
-(the first one's null, as OpenAI), computed by the engine as prompt logprobs
+(pdd.router.control.ControlPlane.submit_choices); a completions request may
+give a list of prompts, each with its n choices (prompt i's choice j has
+index i * n + j, as OpenAI); the builders here take the choice's index.
+Completions with `echo` start each choice's text with its prompt, and with
+`logprobs` its logprobs cover the prompt's tokens first (the first one's null,
+as OpenAI), computed by the engine as prompt logprobs
 (SamplingParams.prompt_logprobs).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -39,7 +44,7 @@ __all__ = [
     "APIError", "GenerateRequest", "parse_completion_request", "parse_chat_request",
     "usage", "completion_chunk", "chat_chunk", "usage_chunk", "completion_response",
     "chat_response", "completion_choice", "chat_choice", "response", "prompt_logprobs_json",
-    "LogprobsBuilder", "sse", "SSE_DONE",
+    "LogprobsBuilder", "Prompt", "sse", "SSE_DONE", "served_model", "parse_messages", "chat_template_args",
 ]
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -53,14 +58,24 @@ TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
 MAX_LOGPROBS_CHAT = 20
 MAX_CHOICES = 128               # OpenAI's limit on n
+# Choices of one completions request, over its list of prompts (n each): each is
+# a request at the router, and a 4 MiB body holds a million one-token prompts.
+MAX_BATCH_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One completions prompt: its text, or the token ids it was given as."""
+    text: str | None
+    token_ids: list[int] | None
 
 
 @dataclass
 class GenerateRequest:
     kind: str                            # "completion" | "chat"
     model: str
-    prompt: str | None                   # completions with a text prompt
-    prompt_token_ids: list[int] | None   # completions given token ids
+    # completions: the prompts, each with its n choices (prompt i's choice j: index i * n + j); chat: []
+    prompts: list[Prompt]
     messages: list[dict] | None          # chat: [{"role": str, "content": str}, ...]
     sampling: SamplingParams
     stream: bool
@@ -87,7 +102,8 @@ class GenerateRequest:
     # with the prompt's, when logprobs is set).
     echo: bool = False
     # max_tokens 0 with echo (as vLLM): the prompt alone; one token is generated
-    # (the engine needs max_tokens >= 1) and not shown.
+    # (the engine needs max_tokens >= 1) and not shown. max_tokens 0 without
+    # echo leaves sampling.max_tokens 0: nothing is computed.
     echo_only: bool = False
     # vLLM's prompt_logprobs: the response carries, per prompt token, its logprob,
     # rank and the top N (sampling.prompt_logprobs may be larger, for echo).
@@ -98,6 +114,8 @@ class GenerateRequest:
     # The field sampling.structured_output came from: errors of its compilation
     # (pdd.http.structured.check, run by the app off its loop) name it.
     structured_param: str | None = None
+    # Top-level fields of the body no parser read: accepted and ignored (said, never silently).
+    ignored_fields: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- requests
@@ -106,9 +124,12 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
                              vocab_size: int | None = None) -> GenerateRequest:
     """vocab_size (the tokenizer's): token ids at or above it are refused here."""
     f = Fields(load_object(body))
-    model = _model(f, served_models)
-    prompt, prompt_ids = _prompt(f, vocab_size)
+    model = served_model(f, served_models)
+    prompts = _prompts(f, vocab_size)
     n = _choices(f)
+    if len(prompts) * n > MAX_BATCH_CHOICES:
+        raise bad("n", f"a request may ask for at most {MAX_BATCH_CHOICES} choices, got {len(prompts)} prompts "
+                       f"x n {n}; send fewer prompts per request")
     best_of = f.integer("best_of")
     if best_of is not None and best_of != n:
         # vLLM V1 dropped it too: n choices and their logprobs do the same.
@@ -118,9 +139,10 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     echo = f.boolean("echo", False)
     logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS_COMPLETION)
     max_tokens = f.integer("max_tokens", max_tokens_default, lo=0)
-    if max_tokens == 0 and not echo:
-        raise bad("max_tokens", "'max_tokens' must be >= 1 (0 only with 'echo': the prompt alone)")
-    sampling = _sampling(f, max(max_tokens, 1), logprobs, vocab_size)
+    # 0: nothing is generated. With echo the prompt is the answer: one token is
+    # generated (the engine needs max_tokens >= 1) and not shown; without, no
+    # worker is asked: each choice is empty, with its prompt's usage.
+    sampling = _sampling(f, max(max_tokens, 1) if echo else max_tokens, logprobs, vocab_size)
     wanted = _prompt_logprobs(f)
     if echo and logprobs is not None:
         sampling.prompt_logprobs = max(logprobs, wanted or 0)
@@ -129,21 +151,28 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
     _check_prompt_logprobs(wanted, stream)
     if max_tokens == 0 and sampling.min_tokens:
         raise bad("min_tokens", f"'min_tokens' must be 0 with 'max_tokens' 0, got {sampling.min_tokens}")
-    _finish(sampling, unset=False)
-    return GenerateRequest(
-        kind="completion", model=model, prompt=prompt, prompt_token_ids=prompt_ids,
+    if max_tokens == 0 and not echo and wanted is not None:
+        raise bad("prompt_logprobs", "'prompt_logprobs' with 'max_tokens' 0 needs 'echo': true "
+                                     "(without it nothing is computed)")
+    # The engine's checks need a token to generate: the other values are checked all the same.
+    _finish(sampling if sampling.max_tokens else dataclasses.replace(sampling, max_tokens=1), unset=False)
+    req = GenerateRequest(
+        kind="completion", model=model, prompts=prompts,
         messages=None, sampling=sampling, stream=stream, include_usage=include_usage,
         logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()), continuous_usage=continuous, n=n, echo=echo, echo_only=max_tokens == 0,
-        prompt_logprobs=wanted, structured_param=structured_param, **_text_options(f))
+        created=int(time.time()), continuous_usage=continuous, n=n, echo=echo,
+        echo_only=echo and max_tokens == 0, prompt_logprobs=wanted, structured_param=structured_param,
+        **_text_options(f))
+    req.ignored_fields = f.unread()
+    return req
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: int | None = None,
                        tool_fmt: ToolFormat | None = None) -> GenerateRequest:
     """tool_fmt: the format the model writes tool calls in (default: hermes)."""
     f = Fields(load_object(body))
-    model = _model(f, served_models)
-    messages = _messages(f)
+    model = served_model(f, served_models)
+    messages = parse_messages(f)
     if f.boolean("echo", False):
         raise bad("echo", "echo is not supported in chat; set 'echo' to false or leave it out")
     n = _choices(f)
@@ -159,7 +188,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
     wanted = _prompt_logprobs(f)
     sampling.structured_output, structured_param = structured.structured_output(f)
-    template_args, text_options = _template_args(f), _text_options(f)
+    template_args, text_options = chat_template_args(f), _text_options(f)
     fmt = None
     if listed:
         template_args["tools"] = listed
@@ -179,22 +208,22 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)
-    return GenerateRequest(
-        kind="chat", model=model, prompt=None, prompt_token_ids=None, messages=messages,
+    req = GenerateRequest(
+        kind="chat", model=model, prompts=[], messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
         max_tokens_unset=unset, template_args=template_args, continuous_usage=continuous,
         n=n, prompt_logprobs=wanted, tool_format=fmt, structured_param=structured_param, **text_options)
+    req.ignored_fields = f.unread()
+    return req
 
 
-def _model(f: Fields, served: Sequence[str]) -> str:
+def served_model(f: Fields, served: Sequence[str]) -> str:
     model = f.string("model")
     if model is None:
-        # OpenAI requires `model`, but like vLLM we let a server with a single
-        # model default to it: local tools (curl, simple scripts) often omit it.
-        if len(served) == 1:
-            return served[0]
-        raise bad("model", "'model' is required; served models: " + _listing(served))
+        # OpenAI requires `model`, but like vLLM we default to the model served
+        # (every name is an alias of it): local tools (curl, scripts) often omit it.
+        return served[0]
     if model not in served:
         raise APIError(404, f"The model '{model}' does not exist; served models: {_listing(served)}",
                        param="model", code="model_not_found")
@@ -205,32 +234,39 @@ def _listing(served: Sequence[str]) -> str:
     return ", ".join(f"'{m}'" for m in served) or "(none)"
 
 
-_PROMPT_KINDS = ("a string, a list of one string, a list of token ids (integers) "
-                 "or a list of one list of token ids")
+_PROMPT_KINDS = ("a string, a list of strings, a list of token ids (integers) "
+                 "or a list of lists of token ids")
 
 
-def _prompt(f: Fields, vocab_size: int | None) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids), from the four prompt forms OpenAI accepts."""
+def _prompts(f: Fields, vocab_size: int | None) -> list[Prompt]:
+    """The prompts, from the four forms OpenAI accepts: a string, a list of
+    token ids, or a list of either (a batch: n choices per prompt)."""
     p = f.obj.get("prompt")
     if p is None:
         raise bad("prompt", "'prompt' is required")
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise bad("prompt", "batched prompts are not supported; send one request per prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]    # a batch of one is just the prompt
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "'prompt' must not be empty")
-        return p, None
-    if not isinstance(p, list):
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        kind = type(p[0])
+        for i, item in enumerate(p):
+            if not isinstance(item, kind):
+                raise bad("prompt", f"'prompt': a list of prompts holds only strings or only lists of token "
+                                    f"ids; index 0 is {json_type(p[0])}, index {i} is {json_type(item)}")
+        param = "prompt" if len(p) == 1 else "prompt[{}]"
+        return [_prompt(item, param.format(i), vocab_size) for i, item in enumerate(p)]
+    if not isinstance(p, (str, list)):
         raise wrong_type("prompt", _PROMPT_KINDS, p)
+    return [_prompt(p, "prompt", vocab_size)]
+
+
+def _prompt(p: str | list, param: str, vocab_size: int | None) -> Prompt:
     if not p:
-        raise bad("prompt", "'prompt' must not be empty")
+        raise bad(param, f"'{param}' must not be empty")
+    if isinstance(p, str):
+        return Prompt(p, None)
     # Anything else in the list is reported by index, as a bad token id.
-    return None, token_ids("prompt", p, vocab_size)
+    return Prompt(None, token_ids(param, p, vocab_size))
 
 
-def _messages(f: Fields) -> list[dict]:
+def parse_messages(f: Fields) -> list[dict]:
     messages = f.array("messages")
     if messages is None:
         raise bad("messages", "'messages' is required")
@@ -376,7 +412,7 @@ def _text_options(f: Fields) -> dict:
             "truncate_prompt_tokens": truncate}
 
 
-def _template_args(f: Fields) -> dict:
+def chat_template_args(f: Fields) -> dict:
     """How the chat template is applied: Tokenizer.apply_chat_template's keywords."""
     generation = f.boolean("add_generation_prompt", True)
     continue_final = f.boolean("continue_final_message", False)
@@ -441,8 +477,7 @@ def _stream_envelope(req: GenerateRequest, choice: dict, usage: dict | None) -> 
 
 def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
                      logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
-    return _stream_envelope(req, {"index": index, "text": text, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}, usage)
+    return _stream_envelope(req, completion_choice(index, text, finish_reason, logprobs), usage)
 
 
 def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,

@@ -17,6 +17,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from pdd.http.validate import APIError
 from pdd.lifetime import die_with_parent
 from pdd.model.tokenizer import Tokenizer
 
@@ -60,7 +61,27 @@ class OffLoopTokenizer:
             self._pool = None
             raise
 
+    async def encode_chat(self, size: int, messages: list[dict], template_args: dict) -> list[int]:
+        """A conversation's tokens through the chat template; the template's errors are the client's (400)."""
+        try:
+            return await self.call(size, "encode_chat", messages, **template_args)
+        except BrokenProcessPool:
+            raise APIError(503, "the tokenizer process died; retry", type="server_error") from None
+        except Exception as e:  # template errors come from Jinja as any exception type
+            raise _template_error(e) from None
+
+    def chat_text(self, messages: list[dict], template_args: dict) -> str:
+        """The conversation as the chat template writes it (what encode_chat encodes)."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, **template_args)
+        except Exception as e:
+            raise _template_error(e) from None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _template_error(e: Exception) -> APIError:
+    return APIError(400, f"messages: cannot apply the chat template ({e})", param="messages")

@@ -8,10 +8,13 @@ for optional fields they do not set.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -76,14 +79,49 @@ def load_object(body: bytes) -> dict:
     return obj
 
 
+class ReadFields(Mapping):
+    """A JSON object that remembers which of its fields were looked at (get,
+    [], in): what no parser read is what the server ignored."""
+
+    def __init__(self, obj: Mapping[str, Any]):
+        self._obj = obj
+        self._read: set[str] = set()
+
+    def __getitem__(self, name: str) -> Any:
+        self._read.add(name)
+        return self._obj[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self._read.add(name)
+        return self._obj.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        self._read.add(name)
+        return name in self._obj
+
+    def __iter__(self):
+        return iter(self._obj)
+
+    def __len__(self) -> int:
+        return len(self._obj)
+
+    def unread(self) -> tuple[str, ...]:
+        return tuple(name for name in self._obj if name not in self._read)
+
+
 class Fields:
     """Typed getters over a request body (or a nested object of it, whose
     fields are then named `prefix + name` in errors, e.g. "messages[2].role").
-    Each returns `default` when the field is missing or null, else the checked value."""
+    Each returns `default` when the field is missing or null, else the checked
+    value. Every field read, through a getter or `obj`, is marked: `unread()`
+    names the fields of the body nothing looked at."""
 
     def __init__(self, obj: Mapping[str, Any], prefix: str = ""):
-        self.obj = obj
+        self.obj = obj if isinstance(obj, ReadFields) else ReadFields(obj)
         self.prefix = prefix
+
+    def unread(self) -> tuple[str, ...]:
+        return self.obj.unread()
 
     def param(self, name: str) -> str:
         return self.prefix + name
@@ -142,6 +180,35 @@ class Fields:
         if not isinstance(value, list):
             raise wrong_type(self.param(name), "an array", value)
         return value
+
+
+# Ignored field names are logged once per process, up to this many: a client
+# inventing names grows neither the set nor the log without end.
+MAX_LOGGED_IGNORED = 256
+# What a response header lists of them (longer or odd names are only counted).
+MAX_LISTED_IGNORED = 32
+MAX_LISTED_NAME_CHARS = 64
+_logged_ignored: set[str] = set()
+
+
+def say_ignored(names: Sequence[str]) -> str | None:
+    """Fields a request carried that nothing read: each name logged at WARNING
+    the first time; the value of the header that lists them (None: none)."""
+    if not names:
+        return None
+    for name in names:
+        if name in _logged_ignored or len(_logged_ignored) > MAX_LOGGED_IGNORED:
+            continue
+        _logged_ignored.add(name)
+        if len(_logged_ignored) > MAX_LOGGED_IGNORED:
+            log.warning("more request fields pdd does not know were ignored; no more of their names are logged")
+        else:
+            log.warning("request field %r is not one pdd knows: accepted and ignored (listed in the response's "
+                        "X-Pdd-Ignored-Fields header; logged once)", name[:MAX_LISTED_NAME_CHARS])
+    listed = [n for n in names if len(n) <= MAX_LISTED_NAME_CHARS and n.isascii() and n.isprintable()
+              and "," not in n][:MAX_LISTED_IGNORED]
+    more = len(names) - len(listed)
+    return ", ".join(listed + ([f"(+{more} more)"] if more else []))
 
 
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:

@@ -121,6 +121,13 @@ class KVCacheManager:
     def block_ids(self, req) -> list[int]:
         return self.req_blocks.get(req.request_id, [])
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (held ones keep working and
+        stay findable); returns how many were dropped. The hashes published but
+        not yet taken go too: they no longer say what this cache finds."""
+        self._recent_hashes.clear()
+        return self.pool.reset_prefix_cache()
+
     def take_recent_hashes(self) -> list[int]:
         """Hashes published since the last call, oldest first. Call it on the
         thread that runs the engine (the worker's engine thread takes them for

@@ -157,6 +157,15 @@ class RequestFailed(Message):
 
 
 @dataclass
+class PrefixCacheReset(Message):
+    """The answer to ResetPrefixCache: this worker's cache no longer finds any free block."""
+    TYPE: ClassVar[str] = "prefix_cache_reset"
+    worker_id: str
+    reset_id: str
+    dropped_blocks: int = 0
+
+
+@dataclass
 class Goodbye(Message):
     """A worker stopping cleanly (drained); the router forgets it at once."""
     TYPE: ClassVar[str] = "goodbye"
@@ -247,6 +256,14 @@ class SetLogLevel(Message):
     """Set this worker's log level (`pdd admin log-level LEVEL WORKER|all`)."""
     TYPE: ClassVar[str] = "set_log_level"
     level: str
+
+
+@dataclass
+class ResetPrefixCache(Message):
+    """Forget the prefix cache's free blocks (POST /reset_prefix_cache, `pdd admin
+    cache flush`); blocks that requests hold stay as they are. Answered PrefixCacheReset."""
+    TYPE: ClassVar[str] = "reset_prefix_cache"
+    reset_id: str
 
 
 # ---------------------------------------------------------------- disaggregation

@@ -41,6 +41,9 @@ __all__ = ["Overloaded", "Router", "Unavailable"]
 log = logging.getLogger(__name__)
 
 _HASH_INLINE_TOKENS = 16_384  # longer prompts are hashed in a thread
+# How long a prefix-cache reset waits for the workers' answers: an engine
+# applies it between steps, and a busy GPU step takes well under a second.
+RESET_TIMEOUT_S = 15.0
 
 
 class Router:
@@ -66,6 +69,8 @@ class Router:
         self._outbox_ready = asyncio.Event()
         self._timers_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # Prefix-cache resets awaiting answers: reset id -> worker id -> its answer (dropped blocks).
+        self._resets: dict[str, dict[str, asyncio.Future]] = {}
         self.ctx: zmq.asyncio.Context | None = None
         self.chan: RouterChannel | None = None
 
@@ -135,6 +140,41 @@ class Router:
         string matched): no-op once it finished."""
         self.control.abort(state, reason)
 
+    async def reset_prefix_cache(self, worker: str | None = None, timeout_s: float | None = None) -> dict:
+        """Every worker (or `worker`) forgets the cached blocks no request holds.
+        Returns once each has answered or `timeout_s` (RESET_TIMEOUT_S) has passed:
+        {"reset": {worker: blocks dropped}, "no_answer": [workers], "timeout_s": timeout_s}."""
+        timeout_s = RESET_TIMEOUT_S if timeout_s is None else timeout_s
+        workers = self.registry.workers
+        if worker is not None and worker not in workers:
+            raise KeyError(f"no worker {worker!r}; known: {sorted(workers)}")
+        targets = [worker] if worker is not None else sorted(workers)
+        reset_id = uuid.uuid4().hex
+        answers = {wid: asyncio.get_running_loop().create_future() for wid in targets}
+        self._resets[reset_id] = answers
+        for wid in targets:
+            self._post(wid, m.ResetPrefixCache(reset_id))
+        try:
+            if answers:
+                await asyncio.wait(answers.values(), timeout=timeout_s)
+        finally:
+            del self._resets[reset_id]
+        reset = {wid: f.result() for wid, f in answers.items() if f.done()}
+        no_answer = [wid for wid in targets if wid not in reset]
+        log.info("prefix cache reset on %s%s", ", ".join(reset) or "no worker",
+                 f"; no answer from {', '.join(no_answer)}" if no_answer else "")
+        return {"reset": reset, "no_answer": no_answer, "timeout_s": timeout_s}
+
+    def _on_prefix_cache_reset(self, worker_id: str, msg: m.PrefixCacheReset) -> None:
+        answer = self._resets.get(msg.reset_id, {}).get(worker_id)
+        if answer is None or answer.done():
+            log.debug("router: dropped a prefix-cache reset answer from %s (late or not asked)", worker_id)
+            return
+        worker = self.registry.workers.get(worker_id)
+        if worker is not None:
+            worker.cached_hashes.clear()   # placement's picture of its cache: empty now
+        answer.set_result(msg.dropped_blocks)
+
     # ------------------------------------------------------------------ loops
 
     def _post(self, worker_id: str, msg: m.Message) -> None:
@@ -193,6 +233,9 @@ class Router:
             log.info("router: %s from %s, a process replaced as worker %s: told to exit", msg.TYPE, conn,
                      worker_id)
             self._queue(conn, None, m.Replaced())
+            return
+        if isinstance(msg, m.PrefixCacheReset):   # an answer to reset_prefix_cache, not a request's
+            self._on_prefix_cache_reset(worker_id, msg)
             return
         self._speaking = (worker_id, conn)
         try:

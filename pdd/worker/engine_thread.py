@@ -187,7 +187,7 @@ class EngineThread(threading.Thread):
         if warm_up:
             e.warm_up()
         layout = KVLayout(
-            model_id=self.cfg.served_model_name(e.model_dir),
+            model_id=self.cfg.layout_model_id(e.model_dir),
             weights_hash=weights_fingerprint(e.model_dir, e.cfg.load_format),
             dtype=str(e.dtype).removeprefix("torch."), block_size=e.cfg.block_size,
             num_layers=e.model_config.num_layers, num_kv_heads=e.model_config.num_kv_heads,
@@ -282,6 +282,10 @@ class EngineThread(threading.Thread):
             return []
         if isinstance(msg, m.Admit):   # every role can run a request whole
             return admit(self.engine, self.worker_id, self.placements, msg)
+        if isinstance(msg, m.ResetPrefixCache):
+            dropped = self.engine.kv.reset_prefix_cache()
+            log.info("worker %s: prefix cache reset, %d cached block(s) dropped", self.worker_id, dropped)
+            return [m.PrefixCacheReset(self.worker_id, msg.reset_id, dropped)]
         side = self.prefill_side if isinstance(msg, (m.Prefill, m.KVTarget)) else self.decode_side
         if side is None:
             log.warning("worker %s (%s) cannot handle %s", self.worker_id, self.role, msg.TYPE)
@@ -293,7 +297,7 @@ class EngineThread(threading.Thread):
         """A command raised something other than InvalidRequest (a bug, or a
         value no check foresaw): its request fails, the worker serves on."""
         log.error("worker %s: applying %s failed", self.worker_id, msg.TYPE, exc_info=e)
-        if isinstance(msg, m.Abort):
+        if isinstance(msg, (m.Abort, m.ResetPrefixCache)):   # no request to fail (a reset is not acknowledged)
             return []
         p = self.placements.find(msg.request_id, msg.epoch)
         self.placements.release(p.engine_id if p is not None else engine_id(msg.request_id, msg.epoch))

@@ -44,7 +44,7 @@ from pdd.worker.stats import HeartbeatReader
 log = logging.getLogger(__name__)
 
 # Router commands the engine thread applies.
-ENGINE_COMMANDS = (m.Admit, m.Abort, m.Reserve, m.PrefillLocally, m.Prefill, m.KVTarget)
+ENGINE_COMMANDS = (m.Admit, m.Abort, m.Reserve, m.PrefillLocally, m.Prefill, m.KVTarget, m.ResetPrefixCache)
 # How long a stop waits for the engine thread to finish its step; past that
 # the step is taken to hang and the process exits without it.
 ENGINE_STOP_TIMEOUT_S = 10.0

@@ -28,7 +28,7 @@ class UpCluster:
                     "--run-dir", str(run_dir), *args]
         self.start_timeout_s = start_timeout_s
         self.lines: queue.Queue[str] = queue.Queue()
-        self.model_name = model.name
+        self.model_name = str(model)   # served as given, as vLLM serves under its --model
         self.env = env or {}
 
     def start(self) -> "UpCluster":

@@ -1,7 +1,8 @@
-"""Penalties, n > 1, echo with logprobs and prompt_logprobs over HTTP, on real
-clusters of each layout (colocated, and 1 prefill + 1 decode over tcp): the
-output equals the offline engine's (so the layouts agree), and the prompt's
-logprobs equal Hugging Face transformers' on the same checkpoint."""
+"""Penalties, n > 1 (also over a list of prompts), echo with logprobs and
+prompt_logprobs over HTTP, on real clusters of each layout (colocated, and 1
+prefill + 1 decode over tcp): the output equals the offline engine's (so the
+layouts agree), and the prompt's logprobs equal Hugging Face transformers' on
+the same checkpoint."""
 from __future__ import annotations
 
 import asyncio
@@ -133,6 +134,40 @@ def test_n_choices_share_the_prompt_and_sample_with_their_own_seeds(layout, offl
             texts[c["index"]] += c["text"]
     assert texts == {0: expected[0], 1: expected[1]}
     assert chunks[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_a_list_of_prompts_has_n_choices_each_in_openai_order(layout, offline):
+    """Prompt i's choice j is choice i * n + j (as OpenAI and vLLM), sampled with
+    seed + j; usage counts each prompt once. echo and max_tokens 0 per prompt too."""
+    prompts = [PROMPT, "Once upon a time"]
+    sp = dict(max_tokens=6, temperature=0.9, ignore_eos=True)
+    expected = [offline.generate([p], SamplingParams(seed=7 + j, **sp))[0].text for p in prompts for j in range(2)]
+    assert expected[0] != expected[1] and expected[2] != expected[3]
+    body = completions(layout, prompt=prompts, n=2, seed=7, **sp)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == expected
+    num_prompt = sum(len(offline.tokenizer.encode(p)) for p in prompts)
+    assert body["usage"]["prompt_tokens"] == num_prompt and body["usage"]["completion_tokens"] == 4 * 6
+
+    chunks = stream(layout, prompt=prompts, n=2, seed=7, stream_options={"include_usage": True}, **sp)
+    texts, finished = {i: "" for i in range(4)}, []
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finished.append(c["index"])
+    assert [texts[i] for i in range(4)] == expected and sorted(finished) == [0, 1, 2, 3]
+    assert chunks[-1]["usage"]["prompt_tokens"] == num_prompt and chunks[-1]["usage"]["completion_tokens"] == 24
+
+    echoed = completions(layout, prompt=prompts, n=2, echo=True, max_tokens=0)
+    assert [(c["index"], c["text"]) for c in echoed["choices"]] == [(0, PROMPT), (1, PROMPT), (2, prompts[1]),
+                                                                   (3, prompts[1])]
+    assert echoed["usage"]["prompt_tokens"] == num_prompt and echoed["usage"]["completion_tokens"] == 0
+    nothing = completions(layout, prompt=prompts, n=2, max_tokens=0)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in nothing["choices"]] == [
+        (i, "", "length") for i in range(4)]
+    assert nothing["usage"]["prompt_tokens"] == num_prompt and nothing["usage"]["completion_tokens"] == 0
+    layout.wait_idle(timeout_s=30)
 
 
 def test_n_choices_with_echo_and_logprobs(layout, offline):

@@ -173,7 +173,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, "JSON"),
     ("/v1/completions", b"[1, 2]", 400, "object"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),

@@ -10,7 +10,7 @@ from openai._models import construct_type
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pdd.http.schemas import (SSE_DONE, APIError, LogprobsBuilder, chat_chunk, chat_response,
+from pdd.http.schemas import (SSE_DONE, APIError, LogprobsBuilder, Prompt, chat_chunk, chat_response,
                               completion_chunk, completion_response, parse_chat_request,
                               parse_completion_request, sse, usage, usage_chunk)
 from pdd.model.tokenizer import Tokenizer
@@ -69,9 +69,9 @@ def test_unknown_model_is_404_listing_served_models():
     assert err.code == "model_not_found"
 
 
-def test_model_required_unless_exactly_one_served():
+def test_model_defaults_to_the_reported_name():
     body = orjson.dumps({"prompt": "x"})
-    assert_refused(parse_completion_request, body, "model", "required", "'tiny'")
+    assert parse_completion_request(body, MODELS).model == "tiny"   # the names are aliases of one model
     assert parse_completion_request(body, ["solo"]).model == "solo"
     assert parse_chat_request(orjson.dumps({"messages": MSGS}), ["solo"]).model == "solo"
     assert_refused(parse_completion_request, cmpl(model=3), "model", "'model' must be a string, got integer")
@@ -87,14 +87,12 @@ def test_model_required_unless_exactly_one_served():
 ])
 def test_prompt_forms(prompt, text, ids):
     req = parse_cmpl(prompt=prompt)
-    assert (req.prompt, req.prompt_token_ids) == (text, ids)
+    assert req.prompts == [Prompt(text, ids)]
     assert req.messages is None and req.kind == "completion"
 
 
 @pytest.mark.parametrize("prompt, words", [
     ("", ["empty"]), ([], ["empty"]), ([""], ["empty"]), ([[]], ["empty"]),
-    (["a", "b"], ["batched prompts are not supported; send one request per prompt"]),
-    ([[1], [2]], ["batched"]),
     ([1, -2], ["non-negative", "-2", "index 1"]),
     ([1, True], ["boolean", "index 1"]),
     ([1, 2.5], ["number", "index 1"]),
@@ -116,7 +114,7 @@ def test_messages_are_normalised():
             {"role": "assistant", "content": ""},
             {"role": "tool", "content": "42", "tool_call_id": "t"}]
     req = parse_chat(messages=msgs)
-    assert req.kind == "chat" and req.prompt is None and req.prompt_token_ids is None
+    assert req.kind == "chat" and req.prompts == []
     # Text parts joined by newlines, as vLLM does; name and tool_call_id go to the template.
     assert req.messages == [{"role": "system", "content": "Be brief.", "name": "x"},
                             {"role": "developer", "content": "d"},
@@ -206,8 +204,7 @@ def test_null_means_default_and_unknown_fields_are_ignored():
 # ---------------------------------------------------------------- ranges and unsupported
 
 @pytest.mark.parametrize("field, value, words", [
-    ("max_tokens", 0, [">= 1"]),
-    ("max_tokens", -5, [">= ", "got -5"]),   # completions take 0 with echo
+    ("max_tokens", -5, [">= ", "got -5"]),   # completions take 0
     ("temperature", 2.5, ["between 0 and 2"]),
     ("temperature", -0.1, ["between 0 and 2"]),
     ("top_p", 0, ["> 0", "<= 1"]),
@@ -251,13 +248,24 @@ def test_bad_values(endpoint, field, value, words):
     assert_refused(parse, make(**fields), field, *words)
 
 
+def test_max_tokens_0_is_a_completion_of_the_prompt_alone():
+    """Completions take max_tokens 0 (nothing generated; evaluation clients send
+    it with echo), every other value still checked; chat needs a token."""
+    assert parse_cmpl(max_tokens=0).sampling.max_tokens == 0
+    assert_refused(parse_completion_request, cmpl(max_tokens=-5), "max_tokens", ">= 0")
+    assert_refused(parse_completion_request, cmpl(max_tokens=0, min_tokens=1), "min_tokens", "max_tokens")
+    assert_refused(parse_completion_request, cmpl(max_tokens=0, top_k=-2), "top_k")
+    for value in (0, -5):
+        assert_refused(parse_chat_request, chat(max_tokens=value), "max_tokens", ">= 1")
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"logprobs": 6}, "logprobs", ["between 0 and 5"]),
     ({"logprobs": -1}, "logprobs", ["between 0 and 5"]),
     ({"best_of": 3}, "best_of", ["not supported", "equal to n (1)"]),
     ({"best_of": 2, "n": 3}, "best_of", ["not supported", "equal to n (3)"]),
-    ({"max_tokens": 0}, "max_tokens", [">= 1", "only with 'echo'"]),
     ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", ["must be 0"]),
+    ({"max_tokens": 0, "prompt_logprobs": 1}, "prompt_logprobs", ["needs 'echo'"]),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", ["not available with 'stream'"]),
     ({"suffix": "end"}, "suffix", ["not supported"]),
 ])

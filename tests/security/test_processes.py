@@ -244,7 +244,7 @@ def test_forged_workers_get_nothing_in_and_nothing_out(router, keys, stranger_ke
                     break
                 await asyncio.sleep(0.05)
             async with s.post(router.url + "/v1/completions",
-                              json={"model": tiny_model.name, "prompt": [11, 12, 13], "max_tokens": 3}) as r:
+                              json={"model": str(tiny_model), "prompt": [11, 12, 13], "max_tokens": 3}) as r:
                 assert r.status == 200, await r.text()
                 answer = await r.json()
             workers = [w["worker_id"] for w in await asyncio.to_thread(router.admin, "workers")]
