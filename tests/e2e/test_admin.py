@@ -72,7 +72,7 @@ def refused(c: Cluster, *args: str, code: int = 1) -> str:
 
 
 def complete(c: Cluster, prompt: str, request_id: str | None = None) -> http_util.Reply:
-    body = {"model": c.cfg.served_model_name(c.cfg.engine.model), "prompt": prompt, "max_tokens": 3}
+    body = {"model": c.cfg.served_model_names(c.cfg.engine.model)[0], "prompt": prompt, "max_tokens": 3}
     return http_util.post(c.url + "/v1/completions", body, headers={"X-Request-Id": request_id} if request_id else {})
 
 
@@ -89,7 +89,7 @@ class Stream:
     """A streamed completion read in a thread: its SSE data lines, until [DONE]."""
 
     def __init__(self, c: Cluster, request_id: str, max_tokens: int = 3000):
-        body = {"model": c.cfg.served_model_name(c.cfg.engine.model), "prompt": "a long answer, please",
+        body = {"model": c.cfg.served_model_names(c.cfg.engine.model)[0], "prompt": "a long answer, please",
                 "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         self.req = urllib.request.Request(c.url + "/v1/completions", data=json.dumps(body).encode(),
                                           headers={"Content-Type": "application/json", "X-Request-Id": request_id})
