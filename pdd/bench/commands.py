@@ -90,8 +90,8 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b = sub.add_parser("transfer", help="KV page transfer of one request per backend (nixl, cuda_ipc, tcp, local), "
                                         "layer by layer as the data plane sends it")
     b.add_argument("--backends", "--backend", default="auto",
-                   help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process: the copy "
-                        "ceiling); auto: every one that runs here")
+                   help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process, no socket: "
+                        "on a GPU the copy ceiling); auto: every one that runs here")
     b.add_argument("--tokens", default="16384", help="comma list: tokens of the request")
     b.add_argument("--sizes", default=None, help="comma list: MiB of pages per request, instead of --tokens")
     b.add_argument("--shape", default="8b", choices=["8b", "tiny"],
