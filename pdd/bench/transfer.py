@@ -167,6 +167,8 @@ class _Rig:
             self.done.wait(0.05)
             self.done.clear()
             res = self.sender.poll()
+        if self.src.is_cuda:   # the local backend's copies are queued, not done, when it reports
+            torch.cuda.synchronize(self.src.device)
         elapsed = time.perf_counter() - t0
         if not res[0].ok:
             raise RuntimeError(f"{self.backend} transfer failed: {res[0].error}")
