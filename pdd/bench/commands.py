@@ -62,7 +62,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     add_kv_cache_dtype_arg(b)
     b.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="each worker's KV cache budget (default: engine.kv_cache_bytes / gpu_memory_utilization)")
-    b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc"],
+    b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc", "nixl"],
                    help="the KV data plane between the workers")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("disagg"))
@@ -92,21 +92,33 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("chaos"))
 
-    b = sub.add_parser("transfer", help="KV transfer (tcp or nixl backend) throughput vs plain ZeroMQ on loopback")
-    b.add_argument("--backend", default="tcp", choices=["tcp", "nixl"],
-                   help="nixl: one-sided NIXL/UCX writes (needs pdd[nixl]; UCX_* from the environment)")
+    b = sub.add_parser("transfer", help="KV page transfer of one request per backend (nixl, cuda_ipc, tcp, local), "
+                                        "layer by layer as the data plane sends it")
+    b.add_argument("--backends", "--backend", default="auto",
+                   help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process, no socket: "
+                        "on a GPU the copy ceiling); auto: every one that runs here")
+    b.add_argument("--tokens", default="16384", help="comma list: tokens of the request")
+    b.add_argument("--sizes", default=None, help="comma list: MiB of pages per request, instead of --tokens")
+    b.add_argument("--shape", default="8b", choices=["8b", "tiny"],
+                   help="KV shape: 8b = Llama-3.1-8B (32 layers x 8 KV heads x 128, bf16); tiny = the built-in "
+                        "model (4 x 2 x 32, float32 as on a CPU worker)")
+    b.add_argument("--layers", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--dtype", default=None, help="instead of the shape's")
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--device", default="cpu", help="where the source pool lives: cpu, cuda, cuda:N")
+    b.add_argument("--peer-device", default=None, help="where the decode pool lives (default: --device)")
+    b.add_argument("--ucx-tls", default=None,
+                   help="UCX_TLS for both ends of nixl (e.g. tcp: UCX over the same loopback as the tcp backend; "
+                        "default: the environment's, else UCX's choice)")
     b.add_argument("--contiguous", action="store_true",
                    help="consecutive block ids (one nixl descriptor per k|v per layer) instead of scattered ones")
-    b.add_argument("--sizes", default="1,4,16,64,256", help="MiB of pages per request")
-    b.add_argument("--layers", type=int, default=32, help="layers of the KV layout")
-    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    b.add_argument("--kv-heads", type=int, default=4, help="KV heads per layer")
-    b.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    b.add_argument("--dtype", default="bfloat16", help="KV dtype")
-    b.add_argument("--device", default="cpu", help="where both pools live (cuda: pinned staging path)")
     b.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
-    b.add_argument("--receiver-process", action="store_true",
-                   help="run the data socket in its own process, as deployed (the zmq ceilings stay in-process)")
+    b.add_argument("--receiver-thread", action="store_true",
+                   help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")
+    b.add_argument("--zmq-ceilings", action="store_true",
+                   help="also time plain ZeroMQ on the same loopback (tcp rows): one buffer, and N acked messages")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("transfer"))
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from pdd.bench.transfer import _layout, _pool, _RemoteDecode
+from pdd.bench.decode_side import RemoteDecode, make_pool
+from pdd.bench.transfer import _layout
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.cuda_ipc import CudaIpcSender
 
@@ -45,8 +46,8 @@ def main(args) -> int:
     blocks = -(-args.tokens // layout.block_size)
     total = 2 * blocks + 1
     peer = args.peer_device or ("cuda:1" if torch.cuda.device_count() > 1 else args.device)
-    src = _pool(layout, total, args.device, 1)
-    decode = _RemoteDecode(layout, total, peer)
+    src = make_pool(layout, total, args.device, 1)
+    decode = RemoteDecode(layout, total, peer)
     sender = CudaIpcSender(layout, timeout_s=120, device=args.device, layer_group=args.layer_group)
     g = torch.Generator().manual_seed(0)
     src_ids = torch.randperm(total, generator=g)[:blocks].tolist()
@@ -141,7 +142,7 @@ def prefill_overlap(args) -> dict:
     layout = KVLayout("bench", "bench", "bfloat16", engine.cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
     blocks = -(-tokens // engine.cfg.block_size)
     peer = args.peer_device or ("cuda:1" if torch.cuda.device_count() > 1 else args.device)
-    decode = _RemoteDecode(layout, blocks + 1, peer)
+    decode = RemoteDecode(layout, blocks + 1, peer)
     sender = CudaIpcSender(layout, timeout_s=120, device=args.device, layer_group=args.layer_group,
                            copy_ctas=args.overlap_ctas or None)
     g = torch.Generator().manual_seed(1)

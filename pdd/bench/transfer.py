@@ -1,27 +1,45 @@
-"""KV transfer throughput: the tcp (or nixl) backend against plain ZeroMQ on the same loopback.
+"""KV page transfer of one request, backend by backend, as the data plane sends it.
 
-One request per measurement, its pages sent as the engine sends them: one
-send_layer() per layer (default 32 layers; the KV shape of Llama-3-8B at TP=2,
-4 KV heads x 128 x block 16 in bf16, so one block of all layers is 1 MiB).
-Time runs from the first send_layer() to the result reporting the last ack;
-the ceiling is one DEALER->ROUTER send of a buffer of the same size with one
-ack, receiver in a thread of the same process, as for the data socket. A
-second ceiling sends the same bytes as N messages, each acked, the pattern
-the tcp backend uses: one huge zmq message makes the receiver allocate (and
-page-fault) the whole buffer, which per-layer messages avoid.
+    pdd bench transfer [--backends nixl,cuda_ipc,tcp,local] [--tokens 16384,...] [--shape 8b|tiny]
+                       [--device cpu|cuda[:N]] [--peer-device cuda:M] [--ucx-tls TLS] [--contiguous]
+                       [--repeats 5] [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
 
-With --backend nixl the pages go as one-sided NIXL writes through UCX
-(whatever transport UCX_TLS leaves it), and each size reports how many
-descriptors one request named: scattered blocks (the default) cost two per
-block per layer, --contiguous ones two per layer.
+One request of N tokens (default 16,384, in the Llama-3.1-8B KV shape: 32 layers x 8 KV heads x
+128, bf16, blocks of 16 tokens: 128 KiB a token, 2 GiB the request) goes out as a prefill worker
+sends it: prepare(), one send_layer() per layer over scattered source and destination blocks,
+step_done(), finish(). Time runs from the first send_layer() until the sender reports the
+request accepted by the decode side (tcp: its last ack; cuda_ipc and nixl: the commit, answered
+once every write landed and was checked; local: at once, its copies are synchronous). prepare()
+goes just before, as it goes while a prompt computes: its round trip (the begin of a one-sided
+writer) overlaps the first gathers. The decode side (pool, lease table, data socket; with nixl
+its pool registered with a NIXL agent) is a process of its own, as a decode worker;
+--receiver-thread puts it in a thread of this process. Pages are checked after the timed runs.
 
-    pdd bench transfer [--backend tcp|nixl] [--contiguous] [--sizes 1,4,16,64,256] [--repeats 5]
-                       [--device cpu|cuda] [--receiver-process] [--json FILE]
+    tcp       pages gathered into (pinned) host memory, ZeroMQ over loopback, scattered there
+    nixl      one-sided NIXL/UCX writes from registered staging memory. UCX picks the transport
+              (shared memory or TCP within a host, cuda_ipc between GPUs, RDMA across hosts);
+              --ucx-tls sets UCX_TLS for both ends (tcp: UCX's own TCP on the same loopback as
+              the tcp backend). A write names two descriptors (k, v) per run of consecutive
+              destination blocks per layer: scattered blocks two per block per layer,
+              --contiguous two per layer.
+    cuda_ipc  (GPU) the decode process's pool opened through CUDA IPC, the pages copied into it
+              by a kernel once per step (the worker's default, ipc_layers_per_copy = 0)
+    local     both ends in this process, the same lease-checked page writer without a socket:
+              a gather and a scatter, the device's copy ceiling
+
+--device cuda: the source pool on that GPU and the decode pool on --peer-device (default: the
+same GPU, from a second process, as one-GPU `pdd up` runs them): pages then stay in one HBM, so
+the figures are the software path and the GPU's copy rate, not a link's.
+
+--sizes (MiB per request instead of --tokens) with --zmq-ceilings: the loopback sweep of the tcp
+backend against plain ZeroMQ. "zmq 1 buffer": one DEALER->ROUTER message of the same bytes and
+one ack, receiver in a thread; "zmq xN": the same bytes as N acked messages (the tcp backend's
+pattern: one huge message makes the receiver allocate and page-fault the whole buffer).
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -30,123 +48,137 @@ from pathlib import Path
 import torch
 import zmq
 
+from pdd.bench.decode_side import LocalDecode, RemoteDecode, make_pool
 from pdd.kv.layout import KVLayout
 from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
-from pdd.transfer.leases import LeaseTable
-from pdd.transfer.receiver import DataSocket
 
 MiB = 2**20
+BACKENDS = ("nixl", "cuda_ipc", "tcp", "local")
+
+
+def _shape(name: str) -> tuple[int, int, int, str]:
+    """(layers, KV heads, head dim, dtype) of a named KV shape."""
+    if name == "tiny":   # the built-in model, in float32 as a CPU worker runs it
+        from pdd.model.make_model import PRESETS
+        p = PRESETS["tiny"]
+        return p["num_hidden_layers"], p["num_key_value_heads"], p["head_dim"], "float32"
+    if name == "8b":     # conf/models/llama-3.1-8b
+        return 32, 8, 128, "bfloat16"
+    raise ValueError(f"--shape {name!r}: want 8b or tiny")
 
 
 def _layout(args) -> KVLayout:
-    return KVLayout(model_id="bench", weights_hash="bench", dtype=args.dtype, block_size=args.block_size,
-                    num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+    """The KV layout of --shape, each of --layers/--kv-heads/--head-dim/--dtype given overriding it."""
+    layers, heads, dim, dtype = _shape(getattr(args, "shape", None) or "8b")
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return KVLayout(model_id="bench", weights_hash="bench", dtype=pick(args.dtype, dtype),
+                    block_size=args.block_size, num_layers=pick(args.layers, layers),
+                    num_kv_heads=pick(args.kv_heads, heads), head_dim=pick(args.head_dim, dim))
 
 
-def _pool(layout: KVLayout, blocks: int, device: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_layers, 2, blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return (torch.rand(shape, generator=g) + 1).to(getattr(torch, layout.kv_cache_dtype)).to(device)
+def _device(name: str) -> str:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: want cpu or cuda[:N]") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no GPU here")
+        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+    if dev.type != "cpu":
+        raise ValueError(f"--device {name}: want cpu or cuda[:N]")
+    return "cpu"
 
 
-class _LocalDecode:
-    """The decode side in a thread of this process (the layout the brief's ceiling uses)."""
+def backends_for(text: str, device: str) -> list[str]:
+    """The comma list of backends to measure ("auto": every one that runs on `device`)."""
+    from pdd.transfer.nixl_agent import unavailable
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str, nixl: bool = False):
-        self.dst = _pool(layout, blocks, device, 2)
-        self.leases = LeaseTable()
-        self.receiver = DataSocket(self.dst, layout, self.leases, nixl=nixl)
-        self.receiver.start()
-        self.address = self.receiver.address
-
-    def grant(self, rid: str, dst_ids: list[int]) -> str:
-        return self.leases.grant(rid, dst_ids, 600)
-
-    def intact(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> bool:
-        return torch.equal(self.dst[:, :, dst_ids], src[:, :, src_ids])
-
-    def close(self) -> None:
-        self.receiver.close()
-
-
-def _decode_process(conn, layout: dict, blocks: int, device: str, nixl: bool = False) -> None:
-    side = _LocalDecode(KVLayout.from_dict(layout), blocks, device, nixl)
-    src = _pool(KVLayout.from_dict(layout), blocks, device, 1)  # same seed as the sender's pool
-    conn.send(side.address)
-    while True:
-        cmd, *rest = conn.recv()
-        if cmd == "grant":
-            conn.send(side.grant(*rest))
-        elif cmd == "intact":
-            conn.send(side.intact(src, *rest))
-        else:
-            side.close()
-            return
+    if text == "auto":
+        return [b for b in BACKENDS
+                if not (b == "nixl" and unavailable()) and not (b == "cuda_ipc" and device == "cpu")]
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--backends {text!r}: want a comma list of distinct backends ({', '.join(BACKENDS)})")
+    for b in names:
+        if b not in BACKENDS:
+            raise ValueError(f"--backends: unknown backend {b!r} (choices: {', '.join(BACKENDS)}, or auto)")
+        if b == "cuda_ipc" and device == "cpu":
+            raise ValueError("--backends cuda_ipc needs --device cuda")
+        if b == "nixl" and (why := unavailable()):
+            raise ValueError(f"--backends nixl: {why}")
+    return names
 
 
-class _RemoteDecode:
-    """The decode side in its own process, as deployed: no GIL shared with the sender."""
-
-    def __init__(self, layout: KVLayout, blocks: int, device: str, nixl: bool = False):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_process, args=(child, layout.to_dict(), blocks, device, nixl))
-        self.proc.start()
-        self.address = self.conn.recv()
-
-    def grant(self, rid: str, dst_ids: list[int]) -> str:
-        self.conn.send(("grant", rid, dst_ids))
-        return self.conn.recv()
-
-    def intact(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> bool:
-        self.conn.send(("intact", src_ids, dst_ids))
-        return self.conn.recv()
-
-    def close(self) -> None:
-        self.conn.send(("close",))
-        self.proc.join(30)
+def _counts(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r}: want a comma list of positive numbers")
+    return values
 
 
 class _Rig:
-    """A source pool and sender, a decode side, reused across measurements."""
+    """One backend's sender and decode side, reused across request sizes."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str, receiver_process: bool = False,
-                 backend: str = "tcp"):
-        self.src = _pool(layout, blocks, device, 1)
-        self.backend = backend
-        self.decode = (_RemoteDecode if receiver_process else _LocalDecode)(layout, blocks, device, backend == "nixl")
-        self.sender = make_sender(backend, layout, timeout_s=120)
+    def __init__(self, backend: str, layout: KVLayout, src: torch.Tensor, peer_device: str,
+                 receiver_thread: bool):
+        self.backend, self.src = backend, src
+        blocks = src.shape[2]
+        # A CUDA IPC handle cannot be opened in the process that exported it.
+        in_process = backend == "local" or (receiver_thread and backend != "cuda_ipc")
+        self.decode = (LocalDecode if in_process else RemoteDecode)(layout, blocks, peer_device, backend)
+        self.receiver = "this process" if in_process else "own process"
+        try:
+            kw = {"device": src.device} if backend == "cuda_ipc" else {}
+            self.sender = make_sender(backend, layout, timeout_s=120, **kw)
+        except BaseException:
+            self.decode.close()
+            raise
         self.done = threading.Event()
         self.sender.set_wakeup(self.done.set)
         self.n = 0
 
     def transfer(self, src_ids: list[int], dst_ids: list[int]) -> tuple[float, float, int, int]:
-        """(seconds to last ack, seconds spent in send_layer, bytes, descriptors)."""
+        """(seconds until accepted, seconds spent in send_layer, bytes, descriptors) of one request."""
         self.n += 1
         rid = f"bench-{self.n}"
         target = TransferTarget(rid, self.decode.grant(rid, dst_ids), "d", self.decode.address, tuple(dst_ids),
                                 backend=self.backend)
         idx = list(range(len(dst_ids)))
         self.done.clear()
+        if self.src.is_cuda:
+            torch.cuda.synchronize(self.src.device)
+        self.sender.prepare(target)
         t0 = time.perf_counter()
         for layer in range(self.src.shape[0]):
             self.sender.send_layer(target, layer, self.src[layer], src_ids, idx)
+        self.sender.step_done()
         t_engine = time.perf_counter() - t0
         self.sender.finish(rid)
         res = self.sender.poll()
         while not res:
-            self.done.wait(60)
+            self.done.wait(0.05)
             self.done.clear()
             res = self.sender.poll()
+        if self.src.is_cuda:   # the local backend's copies are queued, not done, when it reports
+            torch.cuda.synchronize(self.src.device)
         elapsed = time.perf_counter() - t0
         if not res[0].ok:
-            raise RuntimeError(f"transfer failed: {res[0].error}")
+            raise RuntimeError(f"{self.backend} transfer failed: {res[0].error}")
         return elapsed, t_engine, res[0].bytes, res[0].descriptors
 
     def close(self) -> None:
-        self.sender.close()
-        self.decode.close()
+        try:
+            self.sender.close()
+        finally:
+            self.decode.close()
 
 
 def zmq_ceiling(nbytes: int, repeats: int, messages: int = 1, security=None) -> list[float]:
@@ -193,57 +225,100 @@ def zmq_ceiling(nbytes: int, repeats: int, messages: int = 1, security=None) -> 
     return times[1:]
 
 
-def _check(rig: _Rig, src_ids: list[int], dst_ids: list[int]) -> None:
-    if not rig.decode.intact(rig.src, src_ids, dst_ids):
-        raise RuntimeError("pages did not arrive intact")
-
-
-def measure(rig: _Rig, blocks: int, repeats: int, total_blocks: int, contiguous: bool = False) -> dict:
-    g = torch.Generator().manual_seed(blocks)
+def _block_ids(blocks: int, total: int, contiguous: bool) -> tuple[list[int], list[int]]:
     if contiguous:
-        src_ids = dst_ids = list(range(blocks))
-    else:   # scattered blocks, as a long-running pool hands them out
-        src_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
-        dst_ids = torch.randperm(total_blocks, generator=g)[:blocks].tolist()
-    rig.transfer(src_ids, dst_ids)  # warm-up
-    _check(rig, src_ids, dst_ids)
+        return list(range(blocks)), list(range(blocks))
+    g = torch.Generator().manual_seed(blocks)   # scattered, as a long-running pool hands them out
+    return torch.randperm(total, generator=g)[:blocks].tolist(), torch.randperm(total, generator=g)[:blocks].tolist()
+
+
+def measure(rig: _Rig, blocks: int, repeats: int, contiguous: bool = False, ceilings: bool = False) -> dict:
+    """One request of `blocks` blocks, `repeats` times after a warm-up; the pages checked after."""
+    src_ids, dst_ids = _block_ids(blocks, rig.src.shape[2], contiguous)
+    rig.decode.clear()
+    rig.transfer(src_ids, dst_ids)  # warm-up: opens the pool, connects, allocates staging
     runs = [rig.transfer(src_ids, dst_ids) for _ in range(repeats)]
-    nbytes = runs[0][2]
-    msgs = rig.src.shape[0]
-    ceiling, chunked = zmq_ceiling(nbytes, repeats), zmq_ceiling(nbytes, repeats, msgs)
-    t, t_zmq, t_chunked = (statistics.median(x) for x in ([r[0] for r in runs], ceiling, chunked))
-    return {"bytes": nbytes, "blocks": blocks, "messages": msgs, "descriptors": runs[0][3], "seconds": t,
-            "gb_s": nbytes / t / 1e9, "send_layer_ms": 1e3 * statistics.median(r[1] for r in runs),
-            "zmq_seconds": t_zmq, "zmq_gb_s": nbytes / t_zmq / 1e9, "fraction_of_zmq": t_zmq / t,
-            "zmq_chunked_seconds": t_chunked, "zmq_chunked_gb_s": nbytes / t_chunked / 1e9,
-            "all_seconds": [r[0] for r in runs], "all_zmq_seconds": ceiling, "all_zmq_chunked_seconds": chunked}
+    if not rig.decode.intact(rig.src, src_ids, dst_ids):
+        raise RuntimeError(f"{rig.backend}: pages did not arrive intact")
+    lay = rig.src
+    nbytes = lay.shape[0] * 2 * blocks * lay[0, 0, 0].numel() * lay.element_size()
+    t = statistics.median(r[0] for r in runs)
+    out = {"backend": rig.backend, "receiver": rig.receiver, "blocks": blocks, "bytes": nbytes,
+           "bytes_reported": runs[0][2], "descriptors": runs[0][3], "messages": lay.shape[0], "seconds": t,
+           "gb_s": nbytes / t / 1e9, "send_layer_ms": 1e3 * statistics.median(r[1] for r in runs),
+           "all_seconds": [r[0] for r in runs]}
+    if ceilings:
+        one, chunked = zmq_ceiling(nbytes, repeats), zmq_ceiling(nbytes, repeats, lay.shape[0])
+        t_one, t_chunked = statistics.median(one), statistics.median(chunked)
+        out.update(zmq_seconds=t_one, zmq_gb_s=nbytes / t_one / 1e9, fraction_of_zmq=t_one / t,
+                   zmq_chunked_seconds=t_chunked, zmq_chunked_gb_s=nbytes / t_chunked / 1e9,
+                   all_zmq_seconds=one, all_zmq_chunked_seconds=chunked)
+    return out
+
+
+def _bytes_per_token(layout: KVLayout) -> int:
+    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * getattr(torch, layout.kv_cache_dtype).itemsize
+
+
+def _request_blocks(args, layout: KVLayout) -> list[tuple[int, int]]:
+    """(tokens, blocks) of each request size asked for: --sizes in MiB, else --tokens."""
+    if args.sizes:
+        per_block = layout.block_size * _bytes_per_token(layout)
+        blocks = [max(1, round(s * MiB / per_block)) for s in _counts(args.sizes, "--sizes")]
+        return [(b * layout.block_size, b) for b in blocks]
+    return [(int(t), -(-int(t) // layout.block_size)) for t in _counts(args.tokens, "--tokens")]
 
 
 def main(args) -> int:
+    device = _device(args.device)
+    peer = _device(args.peer_device) if args.peer_device else device
+    if (peer == "cpu") != (device == "cpu"):
+        raise ValueError(f"--device {device} and --peer-device {peer}: both ends on the CPU or both on GPUs")
+    if args.repeats < 1:
+        raise ValueError("--repeats: want at least 1")
+    backends = backends_for(args.backends, device)
     layout = _layout(args)
-    sizes = [float(s) for s in args.sizes.split(",")]
-    per_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * \
-        getattr(torch, layout.kv_cache_dtype).itemsize * layout.num_layers
-    want = {s: max(1, round(s * MiB / per_block)) for s in sizes}
-    total_blocks = max(want.values()) + 1
-    rig = _Rig(layout, total_blocks, args.device, args.receiver_process, args.backend)
-    results = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "layout": layout.to_dict(),
-               "backend": args.backend, "contiguous": args.contiguous,
-               "receiver": "process" if args.receiver_process else "thread",
-               "threads": torch.get_num_threads(), "repeats": args.repeats, "sizes": {}}
-    try:
-        for s in sizes:
-            results["sizes"][str(s)] = measure(rig, want[s], args.repeats, total_blocks, args.contiguous)
-    finally:
-        rig.close()
-    print(f"{'MiB':>6} {'msgs':>5} {'descs':>6} {'pdd ms':>8} {'pdd GB/s':>9} {'zmq ms':>8} {'zmq GB/s':>9} "
-          f"{'pdd/zmq':>8} {'zmq xN GB/s':>12} {'send_layer ms':>14}")
-    for r in results["sizes"].values():
-        print(f"{r['bytes'] / MiB:>6.0f} {r['messages']:>5} {r['descriptors']:>6} {1e3 * r['seconds']:>8.2f} "
-              f"{r['gb_s']:>9.2f} {1e3 * r['zmq_seconds']:>8.2f} {r['zmq_gb_s']:>9.2f} {r['fraction_of_zmq']:>8.0%} "
-              f"{r['zmq_chunked_gb_s']:>12.2f} {r['send_layer_ms']:>14.2f}")
-    print("pdd: send_layer per layer -> last ack (gather, send, check, scatter, ack); zmq: one buffer, one ack; "
-          "zmq xN: the same bytes in N=msgs messages, each acked; send_layer ms: engine-thread time.")
+    sizes = _request_blocks(args, layout)
+    if args.ucx_tls:   # before any NIXL agent starts, here or in the decode process (which inherits it)
+        os.environ["UCX_TLS"] = args.ucx_tls
+    total_blocks = max(b for _, b in sizes) + 1
+    src = make_pool(layout, total_blocks, device, 1)
+    results = {"date": time.strftime("%Y-%m-%d"), "device": device, "peer_device": peer,
+               "layout": layout.to_dict(), "shape": args.shape, "ucx_tls": os.environ.get("UCX_TLS", ""),
+               "contiguous": args.contiguous, "threads": torch.get_num_threads(), "repeats": args.repeats,
+               "runs": []}
+    for backend in backends:
+        rig = _Rig(backend, layout, src, peer, args.receiver_thread)
+        try:
+            for tokens, blocks in sizes:
+                r = measure(rig, blocks, args.repeats, args.contiguous, args.zmq_ceilings and backend == "tcp")
+                results["runs"].append({"tokens": tokens, **r})
+        finally:
+            rig.close()
+    print(_report(results, layout))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _report(results: dict, layout: KVLayout) -> str:
+    per_token = _bytes_per_token(layout)
+    ceilings = any("zmq_gb_s" in r for r in results["runs"])
+    lines = [f"KV layout {layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}, "
+             f"{layout.kv_cache_dtype}, block {layout.block_size}: {per_token / 1024:g} KiB a token; "
+             f"{results['device']} -> {results['peer_device']}; UCX_TLS={results['ucx_tls'] or '(UCX default)'}; "
+             f"{'contiguous' if results['contiguous'] else 'scattered'} blocks; median of {results['repeats']}",
+             f"{'backend':<9} {'decode side':<13} {'tokens':>7} {'MiB':>7} {'descs':>6} {'ms/request':>11} "
+             f"{'GB/s':>7} {'send_layer ms':>14}"
+             + (f" {'zmq 1 buf GB/s':>15} {'zmq xN GB/s':>12}" if ceilings else "")]
+    for r in results["runs"]:
+        descs = r["descriptors"] if r["backend"] == "nixl" else "-"
+        line = (f"{r['backend']:<9} {r['receiver']:<13} {r['tokens']:>7} {r['bytes'] / MiB:>7.1f} {descs:>6} "
+                f"{1e3 * r['seconds']:>11.2f} {r['gb_s']:>7.2f} {r['send_layer_ms']:>14.2f}")
+        if "zmq_gb_s" in r:
+            line += f" {r['zmq_gb_s']:>15.2f} {r['zmq_chunked_gb_s']:>12.2f}"
+        lines.append(line)
+    lines.append("ms/request: first send_layer -> the decode side accepted the request (tcp: last ack; nixl, "
+                 "cuda_ipc: commit; local: synchronous); send_layer ms: engine-thread time; "
+                 "descs: NIXL descriptors one request named.")
+    return "\n".join(lines)
