@@ -106,7 +106,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
     b.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
     b.add_argument("--dtype", default=None, help="instead of the shape's")
-    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     b.add_argument("--device", default="cpu", help="where the source pool lives: cpu, cuda, cuda:N")
     b.add_argument("--peer-device", default=None, help="where the decode pool lives (default: --device)")
     b.add_argument("--ucx-tls", default=None,
