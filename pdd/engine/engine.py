@@ -221,6 +221,8 @@ class LLMEngine:
         ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
         mc = self.model_config
         ops.warm_up_attention(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.max_model_len, self.device)
+        attn = self.runner.model.model.layers[0].self_attn
+        ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
         if (self.model_dir / "tokenizer.json").is_file():
             try:
                 self.grammars   # the vocabulary, built now rather than on the first structured request

@@ -89,6 +89,16 @@ def warm_up_attention(num_heads: int, kv_heads: int, head_dim: int, dtype: torch
     return backend.warm_up_merges(num_heads, kv_heads, head_dim, dtype, max_seq_len, device)
 
 
+def warm_up_split_prefill(num_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
+                          kv_scale=reference.UNIT_SCALE) -> int:
+    """Compile the prefill kernel's split-keys variant (a short chunk deep in
+    its prompt), whatever max_model_len lets the warm-up steps reach; 0 off the GPU."""
+    backend = _load_triton() if kv_layer.device.type == "cuda" else None
+    if backend is None:
+        return 0
+    return backend.warm_up_split_prefill(num_heads, kv_layer, dtype, max_seq_len, kv_scale)
+
+
 def backend_for(t: torch.Tensor) -> ModuleType:
     if t.is_cuda:
         return _load_triton() or reference

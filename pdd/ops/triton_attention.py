@@ -256,6 +256,34 @@ def warm_up_merges(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     return len(pads)
 
 
+def warm_up_split_prefill(q_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
+                          kv_scale: tuple[float, float] = (1.0, 1.0)) -> int:
+    """Compile the split prefill kernel: a short chunk deep in its prompt (a
+    prefix-cache hit, a chunk beside decodes) splits its keys, and a worker's
+    warm-up steps reach that only when its budget plus a tail fits in
+    max_model_len. One chunk of 17 queries over the deepest context that still
+    splits, read from the null block of this worker's own pool (its strides and
+    dtype are what service sees; nothing is written to it). Returns 1 if it
+    compiled the split variant, 0 if no context this worker takes splits."""
+    _, _, bs, _, d = kv_layer.shape
+    device = kv_layer.device
+    block_n = _prefill_config(d, dtype, device.type != "cpu")["BLOCK_N"]
+    seq_len = min(max_seq_len, 128 * block_n)
+    queries = 17
+    if _prefill_num_splits(q_heads, seq_len, block_n, device) < 2 or seq_len <= queries:
+        return 0
+    width = -(-triton.cdiv(seq_len, bs) // 16) * 16     # the runner's block tables: 16-column multiples
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(queries, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, queries], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        block_tables=torch.zeros((1, width), dtype=torch.int32, device=device),
+        num_decodes=0, max_query_len=queries, max_seq_len=seq_len)
+    q = torch.zeros((queries, q_heads, d), dtype=dtype, device=device)
+    paged_attention(q, kv_layer, meta, d ** -0.5, kv_scale)
+    return 1
+
+
 # ---------------------------------------------------------------------------
 # prefill: varlen causal flash attention over the paged context
 # ---------------------------------------------------------------------------

@@ -560,3 +560,21 @@ def test_dispatcher_uses_triton_on_cuda(monkeypatch):
     assert calls == [1]
     assert rel_err(out, reference.paged_attention(q, kv, meta, 0.2)) < 1e-2
     assert ops.backend_for(q.cpu()) is reference
+
+
+def test_split_prefill_warm_up_compiles_the_variant_a_deep_chunk_needs(monkeypatch):
+    """A short chunk deep in its prompt splits its keys; the warm-up compiles
+    that variant directly, whatever its steps reach (max_model_len below the
+    step budget leaves no deep tail step there)."""
+    launches = _Launches(ta._prefill_kernel)
+    monkeypatch.setattr(ta, "_prefill_kernel", launches)
+    q, kv, meta = make_batch([(17, 16 * 47)], block_size=16, kv_heads=1, heads=2, head_dim=32, dtype=torch.float32)
+    ta.paged_attention(q, kv, meta, 0.1)
+    assert launches.calls[-1][1]["SPLIT"]
+    service = launches.variants()
+    launches.calls.clear()
+    assert ta.warm_up_split_prefill(2, kv, torch.float32, 8192) == 1
+    assert [kw["SPLIT"] for _, kw in launches.calls] == [True]
+    assert launches.variants() == service
+    launches.calls.clear()
+    assert ta.warm_up_split_prefill(2, kv, torch.float32, 64) == 0 and not launches.calls   # nothing that short splits
