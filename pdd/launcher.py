@@ -150,7 +150,7 @@ class Cluster:
         """The run directory made or checked, and locked for this process
         (RunDirBusy, RunDirRefused); the keys it holds checked."""
         self.lock_fd = claim_run_dir(self.run_dir, f"pdd up pid {os.getpid()} ({self.url})")
-        self.cfg = self._with_secrets(self.cfg)
+        self.cfg = self._with_defaults(self.cfg)
 
     def start(self) -> None:
         """The children, each stopped (SIGTERM) by the kernel if the thread
@@ -164,13 +164,16 @@ class Cluster:
         for role, wid, _ in self.workers:
             self._spawn(wid, ["--role", role, "--worker-id", wid], envs[wid])
 
-    def _with_secrets(self, cfg: ClusterConfig) -> ClusterConfig:
-        """`cfg` with what the config leaves out: a fresh key set, a random admin token."""
+    def _with_defaults(self, cfg: ClusterConfig) -> ClusterConfig:
+        """`cfg` with what the config leaves out: a fresh key set, a random admin
+        token, the run dir as the router's state dir."""
         sec, router = cfg.security, cfg.router
         if not sec.keys_dir and not sec.insecure:
             sec = dataclasses.replace(sec, keys_dir=str(run_dir_keys(self.run_dir)))
         if not router.admin_token:
             router = dataclasses.replace(router, admin_token=secrets.token_hex(16))
+        if not router.state_dir:   # drains outlive a router the cluster restarts
+            router = dataclasses.replace(router, state_dir=str(self.run_dir.resolve()))
         return dataclasses.replace(cfg, security=sec, router=router)
 
     def dead_child(self) -> Child | None:

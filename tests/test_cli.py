@@ -89,6 +89,21 @@ def test_workers_sharing_a_gpu_split_its_memory_target():
     assert all("PDD_ENGINE__GPU_MEMORY_UTILIZATION" not in e for e in worker_envs(fixed, workers).values())
 
 
+def test_pdd_up_keeps_the_routers_state_in_its_run_dir(tmp_path):
+    """Drains outlive a router `pdd up` restarts: its state dir is the run dir
+    unless the config names one."""
+    import dataclasses
+
+    from pdd.config import load_cluster_config
+    from pdd.launcher import Cluster
+
+    cfg = load_cluster_config()
+    cluster = Cluster(cfg, [], tmp_path / "run")
+    assert cluster._with_defaults(cfg).router.state_dir == str((tmp_path / "run").resolve())
+    named = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, state_dir="/var/lib/elsewhere"))
+    assert cluster._with_defaults(named).router.state_dir == "/var/lib/elsewhere"
+
+
 def test_an_engine_on_the_cpu_takes_its_thread_count():
     import torch
 
