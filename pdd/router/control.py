@@ -56,7 +56,6 @@ phase owned by that worker, changed only in `_own`.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -74,6 +73,7 @@ from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, 
                                   transfer_backend)
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
+from pdd.router.timers import Timers
 from pdd.router.traces import TraceStore, matches
 from pdd.tracing import requests as spans
 from pdd.tracing.context import SpanContext
@@ -114,8 +114,7 @@ class ControlPlane:
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
-        self._timers: list[tuple[float, int, str]] = []   # (deadline, timer seq, request id)
-        self._timer_seq = 0
+        self._timers = Timers()
         self.num_queued = 0          # requests in flight without a token yet (admission control)
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
         self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
@@ -459,19 +458,17 @@ class ControlPlane:
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next_deadline()
 
     def postpone_timers(self, seconds: float) -> None:
         """Every phase and request deadline, and every departed worker's time to
         be forgotten, `seconds` later (the router stalled)."""
-        self._timers = [(deadline + seconds, seq, rid) for deadline, seq, rid in self._timers]
-        heapq.heapify(self._timers)
+        self._timers.postpone(seconds)
         self.membership.postpone(seconds)
 
     def fire_timers(self) -> None:
         now = self.clock()
-        while self._timers and self._timers[0][0] <= now:
-            _, seq, rid = heapq.heappop(self._timers)
+        for seq, rid in self._timers.due(now):
             state = self.requests.get(rid)
             if state is not None and state.deadline_seq == seq:
                 self.metrics.rejected.labels("deadline").inc()
@@ -664,10 +661,9 @@ class ControlPlane:
         state.mark(what, note, at=self.clock())
 
     def _add_timer(self, deadline: float, request_id: str) -> int:
-        self._timer_seq += 1
-        heapq.heappush(self._timers, (deadline, self._timer_seq, request_id))
+        seq = self._timers.add(deadline, request_id)
         self.on_timer_change()
-        return self._timer_seq
+        return seq
 
     def _current(self, peer: str, request_id: str, epoch: int, phase: str | None, owner: str
                  ) -> RequestState | None:
