@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdd.config import RouterConfig
 from pdd.metrics import RouterMetrics
@@ -25,25 +26,20 @@ from pdd.router.registry import WorkerRegistry
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Membership:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, estimator: Estimator,
-                 breakers: Breakers, policy: Policy, send: Callable[[str, m.Message], None],
-                 clock: Callable[[], float], step_timeout_s: float,
-                 orphaned: Callable[[str, str], None], hung: Callable[[str, float], None]):
-        """`orphaned(worker_id, why)`: the process registered as worker_id is gone;
-        `hung(worker_id, running_s)`: its engine step has run past step_timeout_s."""
-        self.cfg = cfg
-        self.registry = registry
-        self.metrics = metrics
-        self.estimator = estimator
-        self.breakers = breakers
-        self.policy = policy
-        self.send = send
-        self.clock = clock
-        self.step_timeout_s = step_timeout_s
-        self.orphaned = orphaned
-        self.hung = hung
-        self.departed: dict[str, float] = {}     # unregistered worker id -> when it left
+    cfg: RouterConfig
+    registry: WorkerRegistry
+    metrics: RouterMetrics
+    estimator: Estimator
+    breakers: Breakers
+    policy: Policy                               # its balances_roles: whether rebalance() does anything
+    send: Callable[[str, m.Message], None]
+    clock: Callable[[], float]
+    step_timeout_s: float
+    orphaned: Callable[[str, str], None]         # (worker id, why): the process registered under it is gone
+    hung: Callable[[str, float], None]           # (worker id, seconds): its engine step has run past step_timeout_s
+    departed: dict[str, float] = field(default_factory=dict)   # unregistered worker id -> when it left
 
     def on_register(self, peer: str, msg: m.Register) -> None:
         replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
