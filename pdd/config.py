@@ -617,20 +617,14 @@ def _coerce(value, hint, key: str):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif hint in (int, float):
+        # A float key takes an integer (TOML's `timeout = 30`); an int key takes no float.
+        numbers = (int, float) if hint is float else int
+        if isinstance(value, numbers) and not isinstance(value, bool):
+            return hint(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return hint(value)
             except ValueError:
                 pass
     elif hint is str:

@@ -30,7 +30,6 @@ import logging
 from collections.abc import Sequence
 from contextlib import aclosing
 
-import orjson
 from aiohttp import web
 
 from pdd import security, tracing
@@ -43,6 +42,7 @@ from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http import request_log
+from pdd.http.responses import error_response, json_response
 from pdd.http.schemas import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.tools import ToolCallReader, tool_format
@@ -56,15 +56,6 @@ log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 GUARDS_KEY = web.AppKey("guards", Guards)
-
-def json_response(obj, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> web.Response:
-    return json_response(APIError(status, message, type=type_, param=param, code=code).body(), status)
-
 
 class OpenAIServer:
     def __init__(self, router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],

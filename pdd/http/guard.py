@@ -36,6 +36,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from pdd import security
 from pdd.http.request_log import SERVER_NAME
+from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class ShapedErrors(RequestHandler):
             detail = (message or "").split("\n", 1)[0].strip().rstrip(":")   # its first line names the fault
             error = APIError(status, f"malformed HTTP request: {detail or 'cannot parse it'}",
                              code="malformed_request")
-        resp = web.Response(status=status, body=orjson.dumps(error.body()), content_type="application/json")
+        resp = json_response(error.body(), status)
         resp.headers["Server"] = SERVER_NAME
         resp.force_close()
         return resp

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import orjson
 from aiohttp import web
 
 import pdd
 from pdd.http import structured
+from pdd.http.responses import json_response
 from pdd.http.schemas import chat_template_args, parse_messages, served_model
 from pdd.http.validate import APIError, Fields, bad, load_object, token_ids
 
@@ -74,10 +74,6 @@ def parse_detokenize(body: bytes, served: Sequence[str], vocab_size: int) -> tup
     return token_ids("tokens", tokens, vocab_size), f.unread()
 
 
-def _json(obj) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), content_type="application/json")
-
-
 class UtilityEndpoints:
     def __init__(self, server: OpenAIServer, model_root: str):
         self.server = server
@@ -87,12 +83,12 @@ class UtilityEndpoints:
 
     async def models(self, request: web.Request) -> web.Response:
         created, max_len = int(self.router.started_at), self.router.max_model_len()
-        return _json({"object": "list", "data": [
+        return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pdd", "root": self.model_root,
              "parent": None, "max_model_len": max_len} for name in self.server.served_models]})
 
     async def version(self, request: web.Request) -> web.Response:
-        return _json({"version": pdd.__version__})
+        return json_response({"version": pdd.__version__})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self.server.read_body(request)
@@ -107,7 +103,7 @@ class UtilityEndpoints:
             text = off_loop.chat_text(req.messages, req.template_args)
             ids = await off_loop.call(len(body), "encode", text, add_special_tokens=True)
         strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
-        return _json({"count": len(ids), "max_model_len": self.router.max_model_len(), "tokens": ids,
+        return json_response({"count": len(ids), "max_model_len": self.router.max_model_len(), "tokens": ids,
                       "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -116,7 +112,7 @@ class UtilityEndpoints:
         self.server.note_ignored(request, ignored)
         # Special tokens stay: /tokenize then /detokenize gives the text back as it was.
         text = await self.server.off_loop.call(len(body), "decode", ids, skip_special_tokens=False)
-        return _json({"prompt": text})
+        return json_response({"prompt": text})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """200 once every worker has answered; 504 naming those that did not in time."""
@@ -132,4 +128,4 @@ class UtilityEndpoints:
             raise APIError(504, f"prefix cache reset: no answer within {result['timeout_s']:g}s from "
                                 f"{', '.join(result['no_answer'])} (reset: {done})",
                            type="server_error", code="reset_incomplete")
-        return _json(result)
+        return json_response(result)

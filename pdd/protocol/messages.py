@@ -283,9 +283,7 @@ class Reserve(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lease_ttl_s: float
-    # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
-    # the router: the worker need not hash the prompt again.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # as Admit's
     traceparent: str = ""     # as Admit's
 
 
@@ -314,9 +312,7 @@ class Prefill(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     transfer_backend: str = "tcp"
-    # The chained hashes of its full blocks (pdd.kv.hashing), computed once by
-    # the router: the worker need not hash the prompt again.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # as Admit's
     traceparent: str = ""     # as Admit's
 
 

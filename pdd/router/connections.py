@@ -14,7 +14,7 @@ bus boundary:
 - any other connection that speaks under the id is not the worker: it is
   answered Replaced (it exits) and is not let back in under that id, not even
   by registering (no fight over the id), until the router forgets the id
-  (pdd.router.control.ControlPlane.forget_departed);
+  (pdd.router.membership.Membership.forget_departed);
 - a connection whose id has no registered process may speak (it is told to
   register, or that its requests are nobody's).
 

@@ -38,6 +38,10 @@ Any phase: its decode worker lost -> placed again with prompt + tokens so far
 (same seed: it continues exactly); a retriable RequestFailed -> placed again;
 otherwise -> failed.
 
+Which workers are registered, and when one is lost or hung, is
+pdd.router.membership's; what that does to the requests it held is here
+(`_orphaned`, `_hung`).
+
 n > 1 (submit_choices): n requests share the prompt. The first is placed as
 any; the others stay queued, on no worker, until a TokenBatch of the first
 comes from its decode worker — which then holds the prompt's full blocks in
@@ -52,7 +56,6 @@ phase owned by that worker, changed only in `_own`.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -65,10 +68,12 @@ from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import STATE_VALUE, Breakers
 from pdd.router.estimator import Estimator
+from pdd.router.membership import Membership
 from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
                                   transfer_backend)
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
+from pdd.router.timers import Timers
 from pdd.router.traces import TraceStore, matches
 from pdd.tracing import requests as spans
 from pdd.tracing.context import SpanContext
@@ -105,17 +110,18 @@ class ControlPlane:
         self.send = send
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
-        self.departed: dict[str, float] = {}     # unregistered worker id -> when it left
         self.traces = traces if traces is not None else TraceStore()   # timelines of finished requests
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
-        self._timers: list[tuple[float, int, str]] = []   # (deadline, timer seq, request id)
-        self._timer_seq = 0
+        self._timers = Timers()
         self.num_queued = 0          # requests in flight without a token yet (admission control)
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
+        self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
+                                     step_timeout_s, orphaned=self._orphaned, hung=self._hung)
+        members = self.membership
         self._handlers = {
-            m.Register: self.on_register, m.Heartbeat: self.on_heartbeat, m.Goodbye: self.on_goodbye,
+            m.Register: members.on_register, m.Heartbeat: members.on_heartbeat, m.Goodbye: members.on_goodbye,
             m.TokenBatch: self.on_tokens, m.RequestFailed: self.on_request_failed,
             m.Reserved: self.on_reserved, m.FirstToken: self.on_first_token,
             m.PrefillDone: self.on_prefill_done, m.PrefillFailed: self.on_prefill_failed,
@@ -225,12 +231,6 @@ class ControlPlane:
                               **kw)
         return place(request, view, self.policy)
 
-    def _rebalance(self) -> None:
-        """Adaptive: which workers lean to prefill follows every change of the
-        workers and their load (readers such as `pdd admin status` only look)."""
-        if self.policy.balances_roles:
-            self.estimator.rebalance(self.registry.workers.values(), self.clock())
-
     def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         layout = self.registry.layout
         return block_hashes(prompt_token_ids, layout.block_size) if layout else []
@@ -298,68 +298,6 @@ class ControlPlane:
             return
         with request_context(rid):   # what it logs carries the request's id
             handler(peer, msg)
-
-    def on_register(self, peer: str, msg: m.Register) -> None:
-        replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
-        if replaced is not None:
-            self.registry.remove(peer)
-        again = peer in self.registry.workers   # the same process again (its Registers queued up while we were busy)
-        error = self.registry.register(msg)
-        if error:
-            log.error("refused worker %s: %s", peer, error)
-            if replaced is not None:
-                self._depart(peer)
-        else:
-            self.departed.pop(peer, None)
-            (log.debug if again else log.info)("worker %s registered (%s on %s, %d blocks)", peer, msg.role,
-                                               msg.device, msg.num_blocks)
-        self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
-                                        heartbeat_interval_s=self.cfg.heartbeat_interval_s,
-                                        liveness_s=self.registry.timeout_s))
-        self._rebalance()
-        if replaced is not None:
-            # Its requests may move to the new process itself: it registered first.
-            self._orphaned(peer, "it restarted (a new process registered under its id)")
-
-    def on_heartbeat(self, peer: str, msg: m.Heartbeat) -> None:
-        worker = self.registry.workers.get(peer)
-        steps_before = worker.load.steps_completed if worker is not None and worker.load else None
-        if not self.registry.heartbeat(msg):
-            self.send(peer, m.ReRegister())
-            return
-        self.send(peer, m.HeartbeatAck())
-        self.metrics.observe_heartbeat(msg)
-        self.estimator.observe(msg)
-        self._rebalance()
-        if msg.step_running_s > self.step_timeout_s:
-            self._hung(worker, msg.step_running_s)
-        elif worker.hung and steps_before is not None and msg.steps_completed > steps_before:
-            worker.hung = False
-            log.warning("worker %s steps again (%d steps done); it takes new requests", peer,
-                        msg.steps_completed)
-
-    def _hung(self, worker, running_s: float) -> None:
-        """An engine step that never ends, while the worker's loop still answers:
-        its requests move as for a lost worker; it keeps its registration (and
-        gets them back as Aborts once it wakes) but no new work."""
-        if worker.hung:
-            return
-        worker.hung = True
-        held = [s for s in self.requests.values() if worker.worker_id in s.owners]
-        log.error("worker %s is hung: its engine step has run %.1fs (worker.step_timeout_s = %g); "
-                  "%d request(s) move", worker.worker_id, running_s, self.step_timeout_s, len(held))
-        for state in held:
-            if state.decode_worker == worker.worker_id:
-                self.metrics.migrations.inc()
-                self._place_again(state, None, f"worker {worker.worker_id} is hung",
-                                  exclude=frozenset([worker.worker_id]))
-            elif state.phase == PREFILLING:
-                self._prefill_locally(state, "prefill_worker_hung")
-            else:
-                self._own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
-
-    def on_goodbye(self, peer: str, msg: m.Goodbye) -> None:
-        self.worker_lost(peer, "said goodbye")
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         self.registry.touch(peer)
@@ -481,38 +419,7 @@ class ControlPlane:
         self.breakers.record(peer, state.decode_worker, False, self.clock())
         self._prefill_locally(state, "transfer_failed")
 
-    # ------------------------------------------------------------------ workers lost
-
-    def expire_workers(self) -> None:
-        for wid in self.registry.expired():
-            self.worker_lost(wid, "missed heartbeats")
-
-    def worker_lost(self, worker_id: str, why: str) -> None:
-        if self.registry.remove(worker_id) is not None:
-            self._depart(worker_id)
-            self._orphaned(worker_id, why)
-
-    def _depart(self, worker_id: str) -> None:
-        """Unregistered: what the router keeps of it (breakers, estimates, metric
-        series) waits router.forget_after_s for it to come back under its id."""
-        self.departed[worker_id] = self.clock()
-        self.estimator.left(worker_id)
-
-    def forget_departed(self) -> list[str]:
-        """Workers gone for router.forget_after_s without registering again lose
-        what the router kept of them, so that the dead ones of a long life (each
-        restart under a default id, role-host-pid, is a new worker) do not pile
-        up. Returns their ids."""
-        cutoff = self.clock() - self.cfg.forget_after_s
-        gone = [wid for wid, at in self.departed.items() if at <= cutoff]
-        for wid in gone:
-            del self.departed[wid]
-            pairs = self.breakers.forget(wid)
-            self.metrics.forget_worker(wid, pairs)
-            self.estimator.forget(wid)
-            log.info("worker %s forgotten: gone for %gs (router.forget_after_s); %d breaker(s), its estimates "
-                     "and metric series dropped", wid, self.cfg.forget_after_s, len(pairs))
-        return gone
+    # ------------------------------------------------------------------ workers lost or hung
 
     def _orphaned(self, worker_id: str, why: str) -> None:
         """The process registered as `worker_id` is gone (a new one may hold the
@@ -533,22 +440,35 @@ class ControlPlane:
                 self._prefill_locally(state, "prefill_worker_lost")
             # reserving: the prompt was not sent yet; a prefill worker is picked at Reserved
 
+    def _hung(self, worker_id: str, running_s: float) -> None:
+        """An engine step that never ends, while the worker's loop still answers:
+        its requests move as for a lost worker."""
+        held = [s for s in self.requests.values() if worker_id in s.owners]
+        log.error("worker %s is hung: its engine step has run %.1fs (worker.step_timeout_s = %g); "
+                  "%d request(s) move", worker_id, running_s, self.step_timeout_s, len(held))
+        for state in held:
+            if state.decode_worker == worker_id:
+                self.metrics.migrations.inc()
+                self._place_again(state, None, f"worker {worker_id} is hung", exclude=frozenset([worker_id]))
+            elif state.phase == PREFILLING:
+                self._prefill_locally(state, "prefill_worker_hung")
+            else:
+                self._own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
+
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next_deadline()
 
     def postpone_timers(self, seconds: float) -> None:
         """Every phase and request deadline, and every departed worker's time to
         be forgotten, `seconds` later (the router stalled)."""
-        self._timers = [(deadline + seconds, seq, rid) for deadline, seq, rid in self._timers]
-        heapq.heapify(self._timers)
-        self.departed = {wid: at + seconds for wid, at in self.departed.items()}
+        self._timers.postpone(seconds)
+        self.membership.postpone(seconds)
 
     def fire_timers(self) -> None:
         now = self.clock()
-        while self._timers and self._timers[0][0] <= now:
-            _, seq, rid = heapq.heappop(self._timers)
+        for seq, rid in self._timers.due(now):
             state = self.requests.get(rid)
             if state is not None and state.deadline_seq == seq:
                 self.metrics.rejected.labels("deadline").inc()
@@ -741,10 +661,9 @@ class ControlPlane:
         state.mark(what, note, at=self.clock())
 
     def _add_timer(self, deadline: float, request_id: str) -> int:
-        self._timer_seq += 1
-        heapq.heappush(self._timers, (deadline, self._timer_seq, request_id))
+        seq = self._timers.add(deadline, request_id)
         self.on_timer_change()
-        return self._timer_seq
+        return seq
 
     def _current(self, peer: str, request_id: str, epoch: int, phase: str | None, owner: str
                  ) -> RequestState | None:

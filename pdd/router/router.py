@@ -206,7 +206,7 @@ class Router:
                     continue
                 if (not delivered and worker_id in self.registry.workers
                         and self.connections.of(worker_id) == conn):
-                    self.control.worker_lost(worker_id, f"unreachable (sending {msg.TYPE})")
+                    self.control.membership.worker_lost(worker_id, f"unreachable (sending {msg.TYPE})")
 
     async def _flush(self, timeout_s: float = 2.0) -> None:
         """Let the send loop deliver what is queued (bounded: a stuck peer must not stop a shutdown)."""
@@ -273,8 +273,8 @@ class Router:
                 self.control.fire_timers()
                 if time.monotonic() >= next_liveness:
                     next_liveness = time.monotonic() + interval
-                    self.control.expire_workers()
-                    for worker_id in self.control.forget_departed():
+                    self.control.membership.expire_workers()
+                    for worker_id in self.control.membership.forget_departed():
                         self.connections.forget(worker_id)
                     self.control.show_breakers()
             except Exception:
@@ -333,7 +333,7 @@ class Router:
         find their breakers and estimates again."""
         now, after = time.monotonic(), self.cfg.router.forget_after_s
         return [{"worker_id": wid, "gone_s": round(now - at, 1), "forget_in_s": round(max(0.0, at + after - now), 1)}
-                for wid, at in sorted(self.control.departed.items())]
+                for wid, at in sorted(self.control.membership.departed.items())]
 
     @property
     def overloaded(self) -> bool:

@@ -53,7 +53,7 @@ import zmq
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
-from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, Tombstones, dst_blocks_for,
+from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, Tombstones,
                                  handshake_refused, index_tensor)
 from pdd.transfer.wire import encode_write_notif, layout_digest
 
@@ -124,6 +124,7 @@ class _PeerDest(Dest):
 
 
 class NixlSender(ControlSender):
+    backend = "nixl"
     thread_name = "kv-nixl-sender"
     dest_class = _PeerDest
 
@@ -151,10 +152,7 @@ class NixlSender(ControlSender):
 
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> None:
-        self._check_open()
-        if not target.dst_addr.startswith("tcp://"):
-            raise ValueError(f"nixl sender cannot reach {target.dst_addr!r}")
-        dst = dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
+        dst = self._dst_blocks_over_tcp(target, src_layer, src_block_ids, block_indices)
         if not dst:
             return
         arena = self._arena_for(src_layer)
@@ -188,12 +186,6 @@ class NixlSender(ControlSender):
             self.agent.register(arena.buf)
             self.arena = arena
         return self.arena
-
-    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
-        self._mail.put(("finish", request_id, blocks_skipped, handoff))
-
-    def abort(self, request_id: str) -> None:
-        self._mail.put(("abort", request_id))
 
     def close(self) -> None:
         if self._mail.closed:

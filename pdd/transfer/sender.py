@@ -31,7 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pdd import ops
 from pdd.kv.layout import KVLayout
-from pdd.transfer.base import KVSender, TransferResult, TransferTarget
+from pdd.transfer.base import Handoff, KVSender, TransferResult, TransferTarget
 from pdd.transfer.receiver import pool_mismatch
 from pdd.transfer.wire import WireError, decode_reply, encode_control
 
@@ -340,6 +340,7 @@ class IoSender(SenderBase):
     Subclasses set their state up before calling this __init__ (it starts the
     thread) and implement the hooks at the end of the class."""
 
+    backend = "kv"               # the backend's name, in errors
     thread_name = "kv-sender"
     monitor_events = 0           # connection events a Dest's monitor reports to _on_monitor
     dest_class = Dest
@@ -367,6 +368,21 @@ class IoSender(SenderBase):
     def _put(self, cmd: tuple) -> None:
         if not self._mail.put(cmd):
             raise RuntimeError("sender is closed")
+
+    def _dst_blocks_over_tcp(self, target: TransferTarget, src_layer: torch.Tensor,
+                             src_block_ids: list[int], block_indices: list[int]) -> list[int]:
+        """send_layer's checks for a backend that reaches its peer over tcp://:
+        the sender is open, the address is one it can dial, and the blocks map."""
+        self._check_open()
+        if not target.dst_addr.startswith("tcp://"):
+            raise ValueError(f"{self.backend} sender cannot reach {target.dst_addr!r}")
+        return dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
+
+    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
+        self._mail.put(("finish", request_id, blocks_skipped, handoff))
+
+    def abort(self, request_id: str) -> None:
+        self._mail.put(("abort", request_id))
 
     def close(self) -> None:
         if not self._mail.put(("close",)):

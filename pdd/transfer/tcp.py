@@ -30,7 +30,7 @@ from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones,
-                                 dst_blocks_for, handshake_refused, stage_pages, warm_up_staging)
+                                 handshake_refused, stage_pages, warm_up_staging)
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class _Req:
 
 
 class TcpSender(IoSender):
+    backend = "tcp"
     thread_name = "kv-tcp-sender"
     decode_answer = staticmethod(decode_ack)
 
@@ -90,22 +91,13 @@ class TcpSender(IoSender):
 
     def send_layer(self, target: TransferTarget, layer: int, src_layer: torch.Tensor,
                    src_block_ids: list[int], block_indices: list[int]) -> None:
-        self._check_open()
-        if not target.dst_addr.startswith("tcp://"):
-            raise ValueError(f"tcp sender cannot reach {target.dst_addr!r}")
-        dst = dst_blocks_for(self.layout, target, src_layer, src_block_ids, block_indices)
+        dst = self._dst_blocks_over_tcp(target, src_layer, src_block_ids, block_indices)
         if dst:
             staged = stage_pages(src_layer, src_block_ids, to_host=True)
             self._put(("send", target, layer, dst, staged, time.perf_counter()))
 
     def warm_up(self, kv_cache: torch.Tensor) -> None:
         warm_up_staging(kv_cache, to_host=True)
-
-    def finish(self, request_id: str, blocks_skipped: int = 0, handoff: Handoff | None = None) -> None:
-        self._mail.put(("finish", request_id, blocks_skipped, handoff))
-
-    def abort(self, request_id: str) -> None:
-        self._mail.put(("abort", request_id))
 
     # -- I/O thread ----------------------------------------------------------
 

@@ -110,7 +110,7 @@ class SimCluster:
 
     def kill(self, worker_id: str) -> None:
         del self.workers[worker_id]
-        self.control.worker_lost(worker_id, "killed by the test")
+        self.control.membership.worker_lost(worker_id, "killed by the test")
 
     def restart(self, worker_id: str) -> SimWorker:
         """A new process under the same id, registering before the old one expired."""

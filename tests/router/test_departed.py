@@ -64,13 +64,13 @@ def test_a_departed_worker_is_forgotten_after_the_grace_period_and_one_back_in_t
     c.kill("d1")
     c.kill("d0")
     c.advance(GRACE_S / 2)
-    assert c.control.forget_departed() == []
+    assert c.control.membership.forget_departed() == []
     c.add_worker("d0", "decode")          # a new process under d0's id, within the grace period
     c.advance(GRACE_S / 2)
-    assert c.control.forget_departed() == ["d1"]
+    assert c.control.membership.forget_departed() == ["d1"]
     assert kept(c, "d1") == {"breakers": [], "estimate": False, "series": set()}
     assert kept(c, "d0") == d0_before
-    assert c.control.departed == {} and ("*", "*") in c.control.breakers.breakers
+    assert c.control.membership.departed == {} and ("*", "*") in c.control.breakers.breakers
     c.check()
 
 
@@ -81,7 +81,7 @@ def test_a_router_stall_does_not_count_against_a_departed_worker():
     c.kill("d1")
     c.advance(GRACE_S + 5)
     c.control.postpone_timers(GRACE_S)   # the router's timer loop found it woke that late
-    assert c.control.forget_departed() == []
+    assert c.control.membership.forget_departed() == []
     c.add_worker("d1", "decode")
     assert kept(c, "d1")["breakers"] == [("p0", "d1")]
 

@@ -13,17 +13,19 @@ from tests.router.sim import SimCluster
 
 @pytest.fixture
 def control_log():
-    """pdd.router.control's lines, as JSON objects, at DEBUG."""
+    """The lines of pdd.router.control and pdd.router.membership, as JSON objects, at DEBUG."""
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logs.JsonFormatter())
-    logger = logging.getLogger("pdd.router.control")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
+    loggers = [logging.getLogger(name) for name in ("pdd.router.control", "pdd.router.membership")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     yield lambda: [json.loads(line) for line in out.getvalue().splitlines()]
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    for logger, level in zip(loggers, levels):
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_a_registration_repeated_by_the_same_process_is_logged_once_at_info(control_log):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from pdd.config import RouterConfig
 from pdd.router.placement.adaptive import AdaptivePolicy
 from pdd.router.placement.base import (COLOCATED, DISAGG, LOCAL_PREFILL, SERVING_ROLES, ClusterView, PairAllowed,
-                                       Plan, PlaceRequest, Policy, last_resort, load_of, pick_worker,
+                                       Plan, PlaceRequest, Policy, load_of, on_serving_worker, pick_worker,
                                        prefills_for_others, transfer_backend, transfer_choice, transfer_pairs)
 from pdd.router.placement.static import AutoPolicy, ColocatedPolicy, DisaggPolicy
 from pdd.router.placement.threshold import ThresholdPolicy
@@ -62,8 +62,6 @@ def place(request: PlaceRequest, view: ClusterView, policy: Policy) -> Plan | No
         return Plan(shared.worker_id, kind=LOCAL_PREFILL if shared.role == "decode" else COLOCATED,
                     reason="shared_prompt")
     if request.colocated_only or request.prompt_logits:
-        worker = pick_worker(view.serving, request.block_hashes)
-        if worker is None:
-            return last_resort(view, request)
-        return Plan(worker.worker_id, reason="placed_again" if request.colocated_only else "prompt_logprobs")
+        reason = "placed_again" if request.colocated_only else "prompt_logprobs"
+        return on_serving_worker(view, request, lambda worker: Plan(worker.worker_id, reason=reason))
     return policy.place(request, view)

@@ -204,3 +204,11 @@ def last_resort(view: ClusterView, request: PlaceRequest) -> Plan | None:
     and can decode (a request moved off a dead decode worker continues there)."""
     worker = pick_worker(view.prefills, request.block_hashes)
     return Plan(worker.worker_id, reason="no_decode_worker") if worker is not None else None
+
+
+def on_serving_worker(view: ClusterView, request: PlaceRequest,
+                      plan_on: Callable[[WorkerInfo], Plan]) -> Plan | None:
+    """`plan_on` the decode-capable worker pick_worker prefers for `request`;
+    with none left, last_resort's plan."""
+    worker = pick_worker(view.serving, request.block_hashes)
+    return plan_on(worker) if worker is not None else last_resort(view, request)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from pdd.router.placement.base import (DISAGG, LOCAL_PREFILL, NO_BACKEND, NO_PREFILL_WORKER, ClusterView, Plan,
-                                       PlaceRequest, Policy, last_resort, pick_worker)
+                                       PlaceRequest, Policy, on_serving_worker, pick_worker)
 from pdd.router.registry import WorkerInfo
 
 
@@ -19,22 +19,18 @@ class AutoPolicy(Policy):
     name = "auto"
 
     def place(self, request: PlaceRequest, view: ClusterView) -> Plan | None:
-        worker = pick_worker(view.serving, request.block_hashes)
-        if worker is None:
-            return last_resort(view, request)
-        if worker.role == "colocated":
-            return Plan(worker.worker_id, reason="colocated_worker")
-        return prefill_for(worker, view, request)
+        def plan_on(worker: WorkerInfo) -> Plan:
+            if worker.role == "colocated":
+                return Plan(worker.worker_id, reason="colocated_worker")
+            return prefill_for(worker, view, request)
+        return on_serving_worker(view, request, plan_on)
 
 
 class ColocatedPolicy(Policy):
     name = "colocated"
 
     def place(self, request: PlaceRequest, view: ClusterView) -> Plan | None:
-        worker = pick_worker(view.serving, request.block_hashes)
-        if worker is None:
-            return last_resort(view, request)
-        return Plan(worker.worker_id, reason="mode")
+        return on_serving_worker(view, request, lambda worker: Plan(worker.worker_id, reason="mode"))
 
 
 class DisaggPolicy(Policy):

@@ -1,0 +1,129 @@
+"""Which workers belong to the cluster: registration, heartbeats, hang
+detection, loss, and what the router keeps of a worker that left until it is
+forgotten.
+
+A worker is lost when it says goodbye, misses its heartbeats, cannot be
+reached, or another process registers under its id. What that means for the
+requests it held is the request state machine's (pdd.router.control): this
+module tells it through `orphaned` (the worker is gone) and `hung` (its engine
+step never ends; it stays registered). Like ControlPlane, every method is one
+event that runs to completion without awaiting.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdd.config import RouterConfig
+from pdd.metrics import RouterMetrics
+from pdd.protocol import messages as m
+from pdd.router.breaker import Breakers
+from pdd.router.estimator import Estimator
+from pdd.router.placement import Policy
+from pdd.router.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Membership:
+    cfg: RouterConfig
+    registry: WorkerRegistry
+    metrics: RouterMetrics
+    estimator: Estimator
+    breakers: Breakers
+    policy: Policy                               # its balances_roles: whether rebalance() does anything
+    send: Callable[[str, m.Message], None]
+    clock: Callable[[], float]
+    step_timeout_s: float
+    orphaned: Callable[[str, str], None]         # (worker id, why): the process registered under it is gone
+    hung: Callable[[str, float], None]           # (worker id, seconds): its engine step has run past step_timeout_s
+    departed: dict[str, float] = field(default_factory=dict)   # unregistered worker id -> when it left
+
+    def on_register(self, peer: str, msg: m.Register) -> None:
+        replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
+        if replaced is not None:
+            self.registry.remove(peer)
+        again = peer in self.registry.workers   # the same process again (its Registers queued up while we were busy)
+        error = self.registry.register(msg)
+        if error:
+            log.error("refused worker %s: %s", peer, error)
+            if replaced is not None:
+                self._depart(peer)
+        else:
+            self.departed.pop(peer, None)
+            (log.debug if again else log.info)("worker %s registered (%s on %s, %d blocks)", peer, msg.role,
+                                               msg.device, msg.num_blocks)
+        self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
+                                        heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+                                        liveness_s=self.registry.timeout_s))
+        self.rebalance()
+        if replaced is not None:
+            # Its requests may move to the new process itself: it registered first.
+            self.orphaned(peer, "it restarted (a new process registered under its id)")
+
+    def on_heartbeat(self, peer: str, msg: m.Heartbeat) -> None:
+        worker = self.registry.workers.get(peer)
+        steps_before = worker.load.steps_completed if worker is not None and worker.load else None
+        if not self.registry.heartbeat(msg):
+            self.send(peer, m.ReRegister())
+            return
+        self.send(peer, m.HeartbeatAck())
+        self.metrics.observe_heartbeat(msg)
+        self.estimator.observe(msg)
+        self.rebalance()
+        if msg.step_running_s > self.step_timeout_s:
+            # Its loop still answers: it keeps its registration (and gets its
+            # requests back as Aborts once it wakes) but no new work.
+            if not worker.hung:
+                worker.hung = True
+                self.hung(peer, msg.step_running_s)
+        elif worker.hung and steps_before is not None and msg.steps_completed > steps_before:
+            worker.hung = False
+            log.warning("worker %s steps again (%d steps done); it takes new requests", peer,
+                        msg.steps_completed)
+
+    def on_goodbye(self, peer: str, msg: m.Goodbye) -> None:
+        self.worker_lost(peer, "said goodbye")
+
+    def rebalance(self) -> None:
+        """Adaptive: which workers lean to prefill follows every change of the
+        workers and their load (readers such as `pdd admin status` only look)."""
+        if self.policy.balances_roles:
+            self.estimator.rebalance(self.registry.workers.values(), self.clock())
+
+    def expire_workers(self) -> None:
+        for wid in self.registry.expired():
+            self.worker_lost(wid, "missed heartbeats")
+
+    def worker_lost(self, worker_id: str, why: str) -> None:
+        if self.registry.remove(worker_id) is not None:
+            self._depart(worker_id)
+            self.orphaned(worker_id, why)
+
+    def _depart(self, worker_id: str) -> None:
+        """Unregistered: what the router keeps of it (breakers, estimates, metric
+        series) waits router.forget_after_s for it to come back under its id."""
+        self.departed[worker_id] = self.clock()
+        self.estimator.left(worker_id)
+
+    def forget_departed(self) -> list[str]:
+        """Workers gone for router.forget_after_s without registering again lose
+        what the router kept of them, so that the dead ones of a long life (each
+        restart under a default id, role-host-pid, is a new worker) do not pile
+        up. Returns their ids."""
+        cutoff = self.clock() - self.cfg.forget_after_s
+        gone = [wid for wid, at in self.departed.items() if at <= cutoff]
+        for wid in gone:
+            del self.departed[wid]
+            pairs = self.breakers.forget(wid)
+            self.metrics.forget_worker(wid, pairs)
+            self.estimator.forget(wid)
+            log.info("worker %s forgotten: gone for %gs (router.forget_after_s); %d breaker(s), its estimates "
+                     "and metric series dropped", wid, self.cfg.forget_after_s, len(pairs))
+        return gone
+
+    def postpone(self, seconds: float) -> None:
+        """Every departed worker's time to be forgotten, `seconds` later (the router stalled)."""
+        self.departed = {wid: at + seconds for wid, at in self.departed.items()}
