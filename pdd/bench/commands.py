@@ -112,8 +112,12 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--ucx-tls", default=None,
                    help="UCX_TLS for both ends of nixl (e.g. tcp: UCX over the same loopback as the tcp backend; "
                         "default: the environment's, else UCX's choice)")
-    b.add_argument("--contiguous", action="store_true",
-                   help="consecutive block ids (one nixl descriptor per k|v per layer) instead of scattered ones")
+    b.add_argument("--blocks", default="scattered", choices=["scattered", "contiguous", "descending", "shuffled"],
+                   help="destination blocks: scattered (no two neighbours in the pool, as after a long churn), "
+                        "contiguous (ascending ids), descending or shuffled (one range of the pool, in the "
+                        "order a pool that served requests hands it out)")
+    b.add_argument("--contiguous", action="store_const", const="contiguous", dest="blocks",
+                   help="the same as --blocks contiguous")
     b.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
     b.add_argument("--receiver-thread", action="store_true",
                    help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")

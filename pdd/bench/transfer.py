@@ -1,13 +1,12 @@
 """KV page transfer of one request, backend by backend, as the data plane sends it.
 
     pdd bench transfer [--backends nixl,cuda_ipc,tcp,local] [--tokens 16384,...] [--shape 8b|tiny]
-                       [--device cpu|cuda[:N]] [--peer-device cuda:M] [--ucx-tls TLS] [--contiguous]
-                       [--repeats 5] [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
+                       [--device cpu|cuda[:N]] [--peer-device cuda:M] [--ucx-tls TLS]
+                       [--blocks scattered|contiguous|descending|shuffled] [--repeats 5] [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
 
 One request of N tokens (default 16,384, in the Llama-3.1-8B KV shape: 32 layers x 8 KV heads x
 128, bf16, blocks of 16 tokens: 128 KiB a token, 2 GiB the request) goes out as a prefill worker
-sends it: prepare(), one send_layer() per layer over scattered source and destination blocks,
-step_done(), finish(). Time runs from the first send_layer() until the sender reports the
+sends it: prepare(), one send_layer() per layer over the request's blocks, step_done(), finish(). Time runs from the first send_layer() until the sender reports the
 request accepted by the decode side (tcp: its last ack; cuda_ipc and nixl: the commit, answered
 once every write landed and was checked; local: at once, its copies are synchronous). prepare()
 goes just before, as it goes while a prompt computes: its round trip (the begin of a one-sided
@@ -19,9 +18,9 @@ its pool registered with a NIXL agent) is a process of its own, as a decode work
     nixl      one-sided NIXL/UCX writes from registered staging memory. UCX picks the transport
               (shared memory or TCP within a host, cuda_ipc between GPUs, RDMA across hosts);
               --ucx-tls sets UCX_TLS for both ends (tcp: UCX's own TCP on the same loopback as
-              the tcp backend). A write names two descriptors (k, v) per run of consecutive
-              destination blocks per layer: scattered blocks two per block per layer,
-              --contiguous two per layer.
+              the tcp backend). A write names two descriptors (k, v) per run of destination
+              blocks that are neighbours in the pool, per layer, in whatever order the request
+              holds them: --blocks scattered two per block per layer, the others two per layer.
     cuda_ipc  (GPU) the decode process's pool opened through CUDA IPC, the pages copied into it
               by a kernel once per step (the worker's default, ipc_layers_per_copy = 0)
     local     both ends in this process, the same lease-checked page writer without a socket:
@@ -30,6 +29,17 @@ its pool registered with a NIXL agent) is a process of its own, as a decode work
 --device cuda: the source pool on that GPU and the decode pool on --peer-device (default: the
 same GPU, from a second process, as one-GPU `pdd up` runs them): pages then stay in one HBM, so
 the figures are the software path and the GPU's copy rate, not a link's.
+
+--blocks: where the pages go in the decode pool (the source blocks are scattered but for
+contiguous; their order costs nothing, the gather copies every page).
+    scattered   (default) no two blocks neighbours in the pool: every other block of a pool twice
+                the request's size, shuffled. A pool that served long outputs hands out about
+                this: decode steps take one block at a time for each running request, so their
+                blocks interleave, and they come back and go out again least recently freed first
+    contiguous  ascending consecutive ids (a fresh pool)
+    descending  one range of the pool, highest id first (a pool reusing a request's blocks: it
+                frees them tail-first and hands out the least recently freed first)
+    shuffled    one range of the pool in random order
 
 --sizes (MiB per request instead of --tokens) with --zmq-ceilings: the loopback sweep of the tcp
 backend against plain ZeroMQ. "zmq 1 buffer": one DEALER->ROUTER message of the same bytes and
@@ -128,9 +138,9 @@ class _Rig:
     """One backend's sender and decode side, reused across request sizes."""
 
     def __init__(self, backend: str, layout: KVLayout, src: torch.Tensor, peer_device: str,
-                 receiver_thread: bool):
+                 receiver_thread: bool, blocks: int):
+        """blocks: of the decode pool."""
         self.backend, self.src = backend, src
-        blocks = src.shape[2]
         # A CUDA IPC handle cannot be opened in the process that exported it.
         in_process = backend == "local" or (receiver_thread and backend != "cuda_ipc")
         self.decode = (LocalDecode if in_process else RemoteDecode)(layout, blocks, peer_device, backend)
@@ -225,16 +235,29 @@ def zmq_ceiling(nbytes: int, repeats: int, messages: int = 1, security=None) -> 
     return times[1:]
 
 
-def _block_ids(blocks: int, total: int, contiguous: bool) -> tuple[list[int], list[int]]:
-    if contiguous:
+def dst_pool_blocks(blocks: int, order: str) -> int:
+    """Blocks of a decode pool that holds a request of `blocks` blocks laid out as `order`."""
+    return 2 * blocks + 1 if order == "scattered" else blocks + 1
+
+
+def block_ids(blocks: int, src_total: int, order: str) -> tuple[list[int], list[int]]:
+    """(source, destination) block ids of one request of `blocks` blocks (--blocks)."""
+    if order == "contiguous":
         return list(range(blocks)), list(range(blocks))
-    g = torch.Generator().manual_seed(blocks)   # scattered, as a long-running pool hands them out
-    return torch.randperm(total, generator=g)[:blocks].tolist(), torch.randperm(total, generator=g)[:blocks].tolist()
+    g = torch.Generator().manual_seed(blocks)
+    src = torch.randperm(src_total, generator=g)[:blocks].tolist()
+    if order == "descending":
+        return src, list(range(blocks - 1, -1, -1))
+    if order == "shuffled":
+        return src, torch.randperm(blocks, generator=g).tolist()
+    if order == "scattered":
+        return src, [2 * i for i in torch.randperm(blocks, generator=g).tolist()]
+    raise ValueError(f"--blocks {order!r}: want scattered, contiguous, descending or shuffled")
 
 
-def measure(rig: _Rig, blocks: int, repeats: int, contiguous: bool = False, ceilings: bool = False) -> dict:
+def measure(rig: _Rig, blocks: int, repeats: int, order: str = "scattered", ceilings: bool = False) -> dict:
     """One request of `blocks` blocks, `repeats` times after a warm-up; the pages checked after."""
-    src_ids, dst_ids = _block_ids(blocks, rig.src.shape[2], contiguous)
+    src_ids, dst_ids = block_ids(blocks, rig.src.shape[2], order)
     rig.decode.clear()
     rig.transfer(src_ids, dst_ids)  # warm-up: opens the pool, connects, allocates staging
     runs = [rig.transfer(src_ids, dst_ids) for _ in range(repeats)]
@@ -281,17 +304,19 @@ def main(args) -> int:
     sizes = _request_blocks(args, layout)
     if args.ucx_tls:   # before any NIXL agent starts, here or in the decode process (which inherits it)
         os.environ["UCX_TLS"] = args.ucx_tls
-    total_blocks = max(b for _, b in sizes) + 1
-    src = make_pool(layout, total_blocks, device, 1)
+    order = getattr(args, "blocks", None) or "scattered"
+    block_ids(1, 2, order)   # an unknown order is refused before any pool is made
+    most = max(b for _, b in sizes)
+    src = make_pool(layout, most + 1, device, 1)
     results = {"date": time.strftime("%Y-%m-%d"), "device": device, "peer_device": peer,
                "layout": layout.to_dict(), "shape": args.shape, "ucx_tls": os.environ.get("UCX_TLS", ""),
-               "contiguous": args.contiguous, "threads": torch.get_num_threads(), "repeats": args.repeats,
+               "blocks": order, "threads": torch.get_num_threads(), "repeats": args.repeats,
                "runs": []}
     for backend in backends:
-        rig = _Rig(backend, layout, src, peer, args.receiver_thread)
+        rig = _Rig(backend, layout, src, peer, args.receiver_thread, dst_pool_blocks(most, order))
         try:
             for tokens, blocks in sizes:
-                r = measure(rig, blocks, args.repeats, args.contiguous, args.zmq_ceilings and backend == "tcp")
+                r = measure(rig, blocks, args.repeats, order, args.zmq_ceilings and backend == "tcp")
                 results["runs"].append({"tokens": tokens, **r})
         finally:
             rig.close()
@@ -307,7 +332,7 @@ def _report(results: dict, layout: KVLayout) -> str:
     lines = [f"KV layout {layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}, "
              f"{layout.kv_cache_dtype}, block {layout.block_size}: {per_token / 1024:g} KiB a token; "
              f"{results['device']} -> {results['peer_device']}; UCX_TLS={results['ucx_tls'] or '(UCX default)'}; "
-             f"{'contiguous' if results['contiguous'] else 'scattered'} blocks; median of {results['repeats']}",
+             f"{results['blocks']} blocks; median of {results['repeats']}",
              f"{'backend':<9} {'decode side':<13} {'tokens':>7} {'MiB':>7} {'descs':>6} {'ms/request':>11} "
              f"{'GB/s':>7} {'send_layer ms':>14}"
              + (f" {'zmq 1 buf GB/s':>15} {'zmq xN GB/s':>12}" if ceilings else "")]

@@ -6,9 +6,11 @@ send_layer() gathers a layer's pages into registered staging memory on the
 pool's device (pdd.transfer.nixl_agent.StagingArena), ordered after the
 layer's writes: the engine may reuse its blocks once the step ends, whatever
 the network does, and the pages of one write are contiguous at the source.
+The gather stages pages in destination block order (in_destination_order).
 The I/O thread (pdd.transfer.sender.ControlSender) posts the write once the
 gather is done, naming one descriptor per k|v per run of consecutive
-destination blocks, and polls NIXL until it completed.
+destination blocks (so one per k|v for blocks contiguous in the decode pool,
+in whatever order the request holds them), and polls NIXL until it completed.
 
 Around the writes, control messages on the decode worker's data socket, as
 for cuda_ipc (pdd.transfer.writers):
@@ -123,6 +125,19 @@ class _PeerDest(Dest):
         self.failed_at = 0.0
 
 
+def in_destination_order(dst: list[int], src: list[int]) -> tuple[list[int], list[int]]:
+    """The (destination, source) block pairs sorted by destination block.
+
+    A pool that served requests hands blocks out in no useful order (it frees a
+    request's blocks tail-first and reuses the least recently freed first), so
+    neighbours in the pool rarely come as consecutive ascending ids. Staged in
+    destination order, blocks forming a range of the pool are one run however
+    the request holds them: one descriptor per k and v. The gather copies every
+    page anyway; its order costs nothing."""
+    order = sorted(range(len(dst)), key=dst.__getitem__)
+    return [dst[i] for i in order], [src[i] for i in order]
+
+
 class NixlSender(ControlSender):
     backend = "nixl"
     thread_name = "kv-nixl-sender"
@@ -155,6 +170,7 @@ class NixlSender(ControlSender):
         dst = self._dst_blocks_over_tcp(target, src_layer, src_block_ids, block_indices)
         if not dst:
             return
+        dst, src_block_ids = in_destination_order(dst, src_block_ids)
         arena = self._arena_for(src_layer)
         page = src_layer[0, 0].numel() * src_layer.element_size()
         per_piece = max(1, arena.nbytes // 2 // (2 * page))

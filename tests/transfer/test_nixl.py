@@ -112,6 +112,30 @@ def test_pages_move_between_two_processes_equal_to_the_source(peer, make_nixl_se
     assert peer("close", scattered.lease_id) == peer("close", chunked.lease_id) == "free"   # committed: nothing held
 
 
+@pytest.mark.parametrize("dst, src_blocks, runs_per_layer", [
+    ([7, 6, 5, 4], [0, 1, 2, 3], 1),             # a pool's reuse order: freed tail-first, taken oldest first
+    ([5, 8, 4, 7, 6], [10, 2, 9, 0, 1], 1),      # a range of the pool, shuffled
+    ([10, 2, 3, 8, 1], [4, 5, 6, 7, 9], 3),      # {1, 2, 3}, {8}, {10}: apart in the pool, whatever the order
+])
+def test_blocks_contiguous_in_the_pool_are_one_run_in_any_order(peer, make_nixl_sender, dst, src_blocks,
+                                                                runs_per_layer):
+    sender = make_nixl_sender(peer.layout)
+    src = make_pool(peer.layout, seed=13)
+    before = peer("pool")
+    rid = "o" + "-".join(map(str, dst))
+    t = target(peer, rid, dst)
+    sender.prepare(t)
+    send(sender, t, src, src_blocks)
+    sender.finish(rid)
+    r = wait_result(sender, rid)
+    assert r.ok, r.error
+    assert r.descriptors == LAYERS * runs_per_layer * 2   # k and v of each run, per layer
+    expected = before.clone()
+    expected[:, :, dst] = src[:, :, src_blocks]
+    assert torch.equal(peer("pool"), expected)
+    assert peer("close", t.lease_id) == "free"
+
+
 def test_revoked_lease_is_refused_before_any_write(peer, make_nixl_sender):
     sender = make_nixl_sender(peer.layout)
     before = peer("pool")
