@@ -9,16 +9,14 @@ one-token TokenBatch messages as fast as it can (messages/s at the router), and
 request/reply round trips (Admit -> TokenBatch, median and p99 latency);
 --rounds alternate plaintext and CURVE, and the median round is reported (on
 a shared machine one round says little).
-Data plane: `pdd bench transfer` (pdd.bench.transfer) as is, once in plaintext
-and once with its sender and receiver given the keys of a throw-away cluster;
-plus the raw ZeroMQ ceiling of the same bytes as 32 acked messages, plaintext
-and CURVE (what the cipher alone costs on this machine).
+Data plane: the raw ZeroMQ ceiling of the tcp backend's bytes as 32 acked
+messages, plaintext and with a throw-away cluster's data-plane keys (what the
+cipher alone costs on this machine).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import statistics
 import tempfile
@@ -81,30 +79,17 @@ async def _bus(cfg, messages: int, pings: int) -> dict:
 
 
 def _transfer(cfg, sizes: str, repeats: int) -> dict:
-    """`pdd bench transfer`, its sockets given `cfg`'s data-plane keys."""
+    """The cipher's cost on the data plane's bytes: raw ZeroMQ, each size as 32
+    acked messages (the tcp backend's pattern), with `cfg`'s data-plane keys or
+    none. (`pdd bench transfer` itself runs without keys.)"""
     from pdd.bench import transfer
-    from pdd.transfer.base import TransferTarget
-    from pdd.transfer.receiver import DataSocket
-    from pdd.transfer.tcp import TcpSender
 
     sec = data_security(cfg)
-    saved = transfer.TcpSender, transfer.DataSocket, transfer.TransferTarget
-    if sec is not None:
-        transfer.TcpSender = functools.partial(TcpSender, security=sec)
-        transfer.DataSocket = functools.partial(DataSocket, security=sec)
-        transfer.TransferTarget = functools.partial(TransferTarget, dst_public_key=sec.public_key)
-    out = Path(tempfile.mkdtemp()) / "transfer.json"
-    args = argparse.Namespace(sizes=sizes, layers=32, block_size=16, kv_heads=4, head_dim=128, dtype="bfloat16",
-                              device="cpu", repeats=repeats, receiver_process=False, json=str(out))
-    try:
-        transfer.main(args)
-    finally:
-        transfer.TcpSender, transfer.DataSocket, transfer.TransferTarget = saved
-    out = {size: {k: r[k] for k in ("bytes", "seconds", "gb_s")}
-           for size, r in json.loads(out.read_text())["sizes"].items()}
-    for r in out.values():
-        r["zmq_x32_gb_s"] = r["bytes"] / statistics.median(
-            transfer.zmq_ceiling(r["bytes"], repeats, 32, sec)) / 1e9
+    out = {}
+    for size in sizes.split(","):
+        nbytes = int(float(size) * 2**20)
+        seconds = statistics.median(transfer.zmq_ceiling(nbytes, repeats, 32, sec))
+        out[size] = {"bytes": nbytes, "seconds": seconds, "gb_s": nbytes / seconds / 1e9}
     return out
 
 
@@ -130,11 +115,10 @@ def main() -> int:
     for name, r in results["bus"].items():
         print(f"{name:<12} {r['messages_per_s']:>10.0f} {r['cpu_us_per_message']:>11.1f} {r['rtt_p50_us']:>11.0f} "
               f"{r['rtt_p99_us']:>11.0f}")
-    print(f"{'tcp pages':<12} {'MiB':>6} {'ms':>9} {'GB/s':>7} {'zmq x32 GB/s':>13}")
+    print(f"{'zmq x32':<12} {'MiB':>6} {'ms':>9} {'GB/s':>7}")
     for name, sizes in results["transfer"].items():
         for r in sizes.values():
-            print(f"{name:<12} {r['bytes'] / 2**20:>6.0f} {1e3 * r['seconds']:>9.2f} {r['gb_s']:>7.2f} "
-                  f"{r['zmq_x32_gb_s']:>13.2f}")
+            print(f"{name:<12} {r['bytes'] / 2**20:>6.0f} {1e3 * r['seconds']:>9.2f} {r['gb_s']:>7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
