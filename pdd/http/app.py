@@ -21,7 +21,8 @@ n choices (prompt i's choice j is choice i * n + j, as OpenAI and vLLM number
 them), and the usage sums the prompts. Body fields no parser read are
 accepted, logged once per name and listed in the X-Pdd-Ignored-Fields header
 (pdd.http.validate.say_ignored). vLLM's utility endpoints (tokenize,
-detokenize, version, reset_prefix_cache, the model list) are pdd.http.utility's.
+detokenize, tokenizer_info, version, reset_prefix_cache, the model list) are
+pdd.http.utility's.
 """
 from __future__ import annotations
 
@@ -508,6 +509,7 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app.router.add_get("/v1/models", utility.models)
     app.router.add_post("/tokenize", utility.tokenize)
     app.router.add_post("/detokenize", utility.detokenize)
+    app.router.add_get("/tokenizer_info", utility.tokenizer_info)
     app.router.add_get("/version", utility.version)
     app.router.add_post("/reset_prefix_cache", utility.reset_prefix_cache)
     app.router.add_get("/health", server.health)

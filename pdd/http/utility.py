@@ -4,6 +4,7 @@ evaluation clients (vllm bench serve, aiperf, guidellm, lm-eval) call.
     GET  /v1/models           every served name: {"id", "root", "parent", "max_model_len", ...}
     POST /tokenize            {"prompt"} | {"messages", ...} -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize          {"tokens"} -> {"prompt"}
+    GET  /tokenizer_info      the tokenizer's configuration (tokenizer_config.json), its class and chat template
     GET  /version             {"version"}
     POST /reset_prefix_cache  every worker forgets the cached blocks no request holds
 
@@ -11,6 +12,10 @@ A client that reads `root` (or the first `id`) finds the checkpoint the
 tokenizer loads from. The tokenizer is the router's, used as generation uses
 it (large bodies in its child process, chat through the same template), so
 the counts /tokenize gives are the counts a request's usage reports.
+/tokenizer_info (which vLLM serves only when asked to) is what lm-eval's
+local-completions looks for before it loads a tokenizer itself: with it and
+/tokenize, lm-eval scores through pdd's own tokenizer and needs no
+transformers.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from pdd.http.validate import APIError, Fields, bad, load_object, token_ids
 
 if TYPE_CHECKING:
     from pdd.http.app import OpenAIServer
+    from pdd.model.tokenizer import Tokenizer
 
 # Where a handler leaves the body fields it ignored, for the response's header.
 IGNORED_FIELDS_KEY = web.RequestKey("ignored_fields", str)
@@ -74,6 +80,26 @@ def parse_detokenize(body: bytes, served: Sequence[str], vocab_size: int) -> tup
     return token_ids("tokens", tokens, vocab_size), f.unread()
 
 
+def tokenizer_info(tokenizer: Tokenizer) -> dict:
+    """As vLLM gives it: tokenizer_config.json's settings without its file
+    paths, each added token as its text, the class and the template served."""
+    def plain(value):
+        if isinstance(value, dict):
+            if isinstance(value.get("content"), str):   # an AddedToken, serialised
+                return value["content"]
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    info = {k: plain(v) for k, v in tokenizer.config.items() if k not in ("vocab_file", "merges_file")}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")   # what tokenizer.json alone loads as
+    info.pop("chat_template", None)
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
 class UtilityEndpoints:
     def __init__(self, server: OpenAIServer, model_root: str):
         self.server = server
@@ -86,6 +112,9 @@ class UtilityEndpoints:
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pdd", "root": self.model_root,
              "parent": None, "max_model_len": max_len} for name in self.server.served_models]})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return json_response(tokenizer_info(self.tokenizer))
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": pdd.__version__})

@@ -88,6 +88,30 @@ def test_tokenize_gives_the_tokens_generation_uses(tiny_model):
     run(main())
 
 
+def test_tokenizer_info_is_what_lm_eval_scores_through(tiny_model):
+    """lm-eval's local-completions uses the server's tokenizer when GET
+    /tokenizer_info answers with an eos_token and /tokenize with tokens: its
+    EOS id is the first token of the EOS text, its chat template the one served."""
+    tok = Tokenizer(tiny_model)
+
+    async def main():
+        server, url = await serve(tiny_model)
+        async with aiohttp.ClientSession() as s:
+            status, info, _ = await call(s, "GET", url + "/tokenizer_info")
+            assert status == 200
+            assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+            assert info["chat_template"] == tok.chat_template
+            assert info["tokenizer_class"] and info["model_max_length"] == tok.config["model_max_length"]
+            # Added tokens as their text, as vLLM writes transformers' AddedToken objects.
+            assert info["added_tokens_decoder"][str(tok.token_to_id(tok.eos_token))] == tok.eos_token
+            _, eos, _ = await call(s, "POST", url + "/tokenize", {"prompt": info["eos_token"],
+                                                                  "add_special_tokens": False})
+            assert eos["tokens"] == [tok.token_to_id(tok.eos_token)]
+        await server.cleanup()
+
+    run(main())
+
+
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model", ["gpt-9", "'/models/tiny', 'tiny'"]),
     ("/tokenize", {}, 400, "prompt", ["'prompt' (a string) or 'messages' is required"]),
