@@ -20,12 +20,15 @@ from pdd.model.make_model import make_model  # noqa: E402  (after the thread cou
 
 TESTS = Path(__file__).resolve().parent
 
-# Modules that start `pdd serve` / `pdd up` processes outside tests/e2e/.
-PROCESS_MODULES = frozenset({"security/test_processes.py"})
+# Modules that start pdd processes outside tests/e2e/: `pdd serve` / `pdd up`,
+# the `pdd` command itself, a data plane's peer in a process of its own.
+PROCESS_MODULES = frozenset({"security/test_processes.py", "test_cli.py", "transfer/test_nixl.py",
+                             "bench/test_transfer_bench.py"})
 
 MARKERS = {
     "e2e": "starts real pdd processes (`pdd up` clusters, `pdd serve`); slow",
     "hf": "compares against Hugging Face transformers; slow",
+    "kernels": "runs the Triton kernels (under the interpreter on a CPU); slow",
     "slow": "left out of the fast lane (`scripts/test --fast`)",
 }
 
@@ -38,7 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def lanes_of(item: pytest.Item) -> set[str]:
     """The lane markers a test gets from where it lives and what its module uses:
     e2e for everything under tests/e2e/, PROCESS_MODULES and any module using the
-    `pdd up` cluster (UpCluster); hf for modules named test_hf_*.py."""
+    `pdd up` cluster (UpCluster); hf for modules named test_hf_*.py; kernels for
+    everything under tests/ops/."""
     try:
         where = item.path.resolve().relative_to(TESTS).as_posix()
     except ValueError:
@@ -48,6 +52,8 @@ def lanes_of(item: pytest.Item) -> set[str]:
         lanes.add("e2e")
     if item.path.name.startswith("test_hf_"):
         lanes.add("hf")
+    if where.startswith("ops/"):
+        lanes.add("kernels")
     return lanes
 
 
@@ -56,8 +62,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for name in lanes_of(item) - {m.name for m in item.iter_markers()}:
             item.add_marker(name)
-        # e2e and hf imply slow, whether found here or written on the test.
-        if (item.get_closest_marker("e2e") or item.get_closest_marker("hf")) and not item.get_closest_marker("slow"):
+        # e2e, hf and kernels imply slow, whether found here or written on the test.
+        if any(item.get_closest_marker(m) for m in ("e2e", "hf", "kernels")) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
 
 
