@@ -61,7 +61,7 @@ class TwoHostCluster:
     """Router + prefill on host a, decode on host b; `backend` is worker.transfer_backend."""
 
     def __init__(self, hosts: TwoHosts, run_dir: Path, model: Path, backend: str):
-        self.hosts, self.run_dir, self.model_name = hosts, run_dir, model.name
+        self.hosts, self.run_dir, self.model_name = hosts, run_dir, str(model)
         self.token = secrets.token_hex(16)
         keys = run_dir / "keys"
         subprocess.run([sys.executable, "-m", "pdd.cli", "keys", "generate", str(keys)], check=True,
