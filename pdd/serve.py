@@ -82,7 +82,8 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     await router.start()
     admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
     await admin.start(router.ctx)
-    app = build_app(router, tokenizer, cfg.served_model_names(model_dir), eos_token_ids,
+    router.served_names = cfg.served_model_names(model_dir)
+    app = build_app(router, tokenizer, router.served_names, eos_token_ids,
                     model_root=cfg.model_root(model_dir))
     runner = await serve_http(app, cfg.router.host, cfg.router.port)
     url = f"http://{cfg.router.host}:{cfg.router.port}"

@@ -89,7 +89,8 @@ def placement(p: dict) -> str:
 
 
 def status(r: dict, args: Namespace | None = None) -> str:
-    lines = [f"model {r['model']}  ready={r['ready']}  accepting={r['accepting']}  "
+    served = ", ".join(r.get("served_model_names") or []) or r["model"]
+    lines = [f"model {served}  ready={r['ready']}  accepting={r['accepting']}  "
              f"in flight={r['requests_in_flight']}  uptime={r['uptime_s']}s", workers(r["workers"])]
     if "placement" in r:
         lines.append(placement(r["placement"]))

@@ -49,6 +49,7 @@ RESET_TIMEOUT_S = 15.0
 class Router:
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
+        self.served_names: tuple[str, ...] = ()   # what clients put in "model" (set by the HTTP side)
         rc = cfg.router
         self.registry = WorkerRegistry(rc.heartbeat_interval_s, rc.heartbeat_misses)
         self.metrics = RouterMetrics(self.registry)
@@ -285,6 +286,7 @@ class Router:
     def status(self) -> dict:
         return {
             "model": self.registry.layout.model_id if self.registry.layout else None,
+            "served_model_names": list(self.served_names),
             "mode": self.cfg.router.mode,
             "accepting": self.accepting, "ready": self.ready,
             "uptime_s": round(time.time() - self.started_at, 1),

@@ -176,6 +176,10 @@ def test_tables_for_people(cluster):
     r = subprocess.run([sys.executable, "-m", "pdd.cli", "admin", "--config", str(cluster.config_path), "drain",
                         "nobody"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith("pdd admin: drain: no worker 'nobody'")
+    r = subprocess.run([sys.executable, "-m", "pdd.cli", "admin", "--config", str(cluster.config_path), "status"],
+                       capture_output=True, text=True, timeout=300)
+    served = cluster.cfg.served_model_names(cluster.cfg.engine.model)
+    assert r.returncode == 0 and r.stdout.startswith(f"model {', '.join(served)}  ready="), r.stdout
 
 
 def test_abort_ends_a_long_stream_and_frees_its_blocks(cluster):
