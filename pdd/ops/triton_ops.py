@@ -35,13 +35,13 @@ Kernels:
 from __future__ import annotations
 
 from pdd.ops import triton_layers as _layers
-from pdd.ops.triton_attention import paged_attention, warm_up_merges
+from pdd.ops.triton_attention import paged_attention, warm_up_merges, warm_up_split_prefill
 from pdd.ops.triton_pages import copy_blocks, gather_blocks, scatter_blocks, store_kv
 from pdd.ops.triton_sampling import argmax, warm_up_argmax
 
 __all__ = ["store_kv", "paged_attention", "gather_blocks", "scatter_blocks", "copy_blocks",
            "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_store_kv", "argmax",
-           "warm_up_argmax", "warm_up_merges"]
+           "warm_up_argmax", "warm_up_merges", "warm_up_split_prefill"]
 
 # The decoder's per-token ops (fused norm, rotary, SiLU-mul) live in triton_layers.
 rms_norm = _layers.rms_norm
