@@ -84,6 +84,19 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, k_cache, v_cache, bt_row, head_off, st
     return acc, m_new, l_i
 
 
+@triton.jit
+def _q_for_cache(q, k_cache):
+    """q as the dot's operand type for this cache. FP8 pages convert to fp16 in one
+    instruction a pair, to bf16 only by a long sequence (which made decode attention
+    over an FP8 cache bound by that arithmetic, slower than over bf16), so a bf16 q
+    goes to fp16 instead: exact below 65504 (saturated beyond), and the softmax
+    probabilities, cast to V's type, lose nothing in [0, 1]."""
+    if k_cache.dtype.element_ty == tl.float8e4nv:
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
 # ---------------------------------------------------------------------------
 # decode: split-KV (flash-decoding), GQA group per program
 # ---------------------------------------------------------------------------
@@ -114,6 +127,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = _q_for_cache(q, k_cache)
 
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
@@ -323,6 +337,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
         tok = (q_start + m_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = _q_for_cache(q, k_cache)
         q_pos = first + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -22,10 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 REPO = Path(__file__).resolve().parents[2]
 
 
+LAYOUTS = {"disagg": ["--mode", "disagg", "--prefill", "1", "--decode", "1"],
+           "colocated": ["--mode", "colocated", "--workers", "1"],
+           "adaptive": ["--mode", "colocated", "--workers", "2", "--adaptive"]}
+
+
 def up(tmp: Path, model: Path, mode: str, env: dict) -> UpCluster:
-    args = ["--mode", "disagg", "--prefill", "1", "--decode", "1"] if mode == "disagg" else \
-        ["--mode", "colocated", "--workers", "1"]
-    return UpCluster(tmp / mode, model, *args, env=env, start_timeout_s=600).start()
+    return UpCluster(tmp / mode, model, *LAYOUTS[mode], env=env, start_timeout_s=600).start()
 
 
 def run_in_order(cluster, prompts, params) -> list[tuple[str, str]]:
@@ -40,9 +43,10 @@ def run_in_order(cluster, prompts, params) -> list[tuple[str, str]]:
     return asyncio.run(main())
 
 
-def compare(tmp: Path, model: Path, env: dict, workload) -> None:
+def compare(tmp: Path, model: Path, env: dict, workload, layouts=("disagg", "colocated")) -> None:
+    """Each layout's outputs equal the last one's (colocated)."""
     results = {}
-    for mode in ("disagg", "colocated"):
+    for mode in layouts:
         c = up(tmp, model, mode, {**env, "PDD_WORKER__TRANSFER_BACKEND": "cuda_ipc"})
         try:
             results[mode] = workload(c)
@@ -54,8 +58,9 @@ def compare(tmp: Path, model: Path, env: dict, workload) -> None:
                 assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
         finally:
             assert c.stop() == 0, c.logs()
-    for i, (got, want) in enumerate(zip(results["disagg"], results["colocated"])):
-        assert got == want, (i, got, want)
+    for mode in layouts[:-1]:
+        for i, (got, want) in enumerate(zip(results[mode], results[layouts[-1]])):
+            assert got == want, (mode, i, got, want)
 
 
 def test_tiny_model_over_cuda_ipc_matches_colocated(tmp_path, tiny_model):
@@ -85,3 +90,17 @@ def test_llama_8b_shape_with_fp8_kv_over_cuda_ipc_matches_colocated(tmp_path):
            "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3",
            "PDD_ENGINE__KV_CACHE_BYTES": str(4 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
     compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))
+
+
+def test_llama_8b_fp8_checkpoint_with_fp8_kv_serves_alike_in_every_layout(tmp_path):
+    """FP8 weights (128x128 block scales, FP8 GEMMs) and an FP8 KV cache through
+    `pdd up`: 1 prefill + 1 decode over cuda_ipc, two adaptive colocated workers
+    (one prefilling for the other), one colocated worker, token for token."""
+    model = servable_copy(REPO / "conf/models/llama-3.1-8b-fp8-block", tmp_path / "llama-3.1-8b-fp8-block")
+    prompts = random_prompts([700, 1500, 33, 4000], seed=10, vocab=128000)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
+           "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3",
+           "PDD_ENGINE__KV_CACHE_BYTES": str(4 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
+    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params),
+            layouts=("disagg", "adaptive", "colocated"))

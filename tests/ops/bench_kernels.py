@@ -1,6 +1,6 @@
 """Timings of the Triton KV-cache kernels on one GPU (not a test; needs CUDA).
 
-    python3 tests/ops/bench_kernels.py [--sweep | --chunks]
+    python3 tests/ops/bench_kernels.py [--sweep | --chunks | --fp8]
 
 Llama-3-8B attention shape (32 q heads, 8 kv heads, head_dim 128, bf16, block
 16). Decode: achieved HBM GB/s = K+V bytes read / median time. Prefill: TFLOP/s
@@ -84,6 +84,34 @@ def decode(sweep: bool):
                         print(f"   sweep BLOCK_N={bn} stages={st} warps={nw}: failed {type(e).__name__}: {e}"[:300])
                     finally:
                         ta._decode_config = orig
+
+
+def decode_fp8():
+    """An FP8 cache against bf16 at the same shapes, and the tile configs: the FP8
+    pages are half the bytes, so the kernel should take about half the time."""
+    print("== decode, FP8 (e4m3) vs bf16 cache (32/8 heads, d 128): K+V bytes read / time")
+    configs = ((64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8), (128, 4, 8), (256, 2, 8), (256, 3, 8))
+    scale = D ** -0.5
+    for b, ctx in ((1, 8192), (32, 1024), (32, 8192), (128, 8192)):
+        q, kv, meta = batch([1] * b, [ctx] * b)
+        kv8 = kv.clamp(-448, 448).to(torch.float8_e4m3fn)
+        ref = tk.paged_attention(q, kv8.to(DT), meta, scale)
+        for name, cache, size in (("bf16", kv, 2), ("fp8", kv8, 1)):
+            ms = bench(lambda: tk.paged_attention(q, cache, meta, scale, (1.0, 1.0)))
+            gbs = b * ctx * KVH * D * 2 * size / ms / 1e6
+            print(f"decode b={b:4d} ctx={ctx:5d} {name}: {ms * 1e3:8.1f} us {gbs:7.0f} GB/s", flush=True)
+        orig = ta._decode_config
+        for bn, st, nw in configs:
+            ta._decode_config = lambda d, dt, gpu, bn=bn, st=st, nw=nw: dict(BLOCK_N=bn, num_warps=nw, num_stages=st)
+            try:
+                err = rel(tk.paged_attention(q, kv8, meta, scale, (1.0, 1.0)), ref)
+                ms = bench(lambda: tk.paged_attention(q, kv8, meta, scale, (1.0, 1.0)))
+                print(f"   fp8 BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
+                      f"{b * ctx * KVH * D * 2 / ms / 1e6:7.0f} GB/s (diff {err:.1e})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   fp8 BLOCK_N={bn} stages={st} warps={nw}: failed {type(e).__name__}: {e}"[:300])
+            finally:
+                ta._decode_config = orig
 
 
 def prefill(sweep: bool):
@@ -173,6 +201,9 @@ def copies():
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    if "--fp8" in sys.argv:
+        decode_fp8()
+        sys.exit(0)
     if "--chunks" in sys.argv:
         chunk_beside_decodes()
         sys.exit(0)
