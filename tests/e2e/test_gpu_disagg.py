@@ -81,26 +81,24 @@ def test_llama_8b_shape_over_cuda_ipc_matches_colocated(tmp_path):
     compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))
 
 
-def test_llama_8b_shape_with_fp8_kv_over_cuda_ipc_matches_colocated(tmp_path):
-    """FP8 pages (half the bytes) cross CUDA IPC and decode as colocated FP8 KV does."""
-    model = servable_copy(REPO / "conf/models/llama-3.1-8b", tmp_path / "llama-3.1-8b")
-    prompts = random_prompts([700, 1500, 33, 4000], seed=9, vocab=128000)
+def compare_8b(tmp: Path, checkpoint: str, seed: int, layouts=("disagg", "colocated")) -> None:
+    """The 8B shape (dummy weights) with an FP8 KV cache, one request at a time."""
+    model = servable_copy(REPO / "conf/models" / checkpoint, tmp / checkpoint)
+    prompts = random_prompts([700, 1500, 33, 4000], seed=seed, vocab=128000)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
     env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
            "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3",
            "PDD_ENGINE__KV_CACHE_BYTES": str(4 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
-    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))
+    compare(tmp, model, env, lambda c: run_in_order(c, prompts, params), layouts)
+
+
+def test_llama_8b_shape_with_fp8_kv_over_cuda_ipc_matches_colocated(tmp_path):
+    """FP8 pages (half the bytes) cross CUDA IPC and decode as colocated FP8 KV does."""
+    compare_8b(tmp_path, "llama-3.1-8b", seed=9)
 
 
 def test_llama_8b_fp8_checkpoint_with_fp8_kv_serves_alike_in_every_layout(tmp_path):
     """FP8 weights (128x128 block scales, FP8 GEMMs) and an FP8 KV cache through
     `pdd up`: 1 prefill + 1 decode over cuda_ipc, two adaptive colocated workers
     (one prefilling for the other), one colocated worker, token for token."""
-    model = servable_copy(REPO / "conf/models/llama-3.1-8b-fp8-block", tmp_path / "llama-3.1-8b-fp8-block")
-    prompts = random_prompts([700, 1500, 33, 4000], seed=10, vocab=128000)
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
-           "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3",
-           "PDD_ENGINE__KV_CACHE_BYTES": str(4 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
-    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params),
-            layouts=("disagg", "adaptive", "colocated"))
+    compare_8b(tmp_path, "llama-3.1-8b-fp8-block", seed=10, layouts=("disagg", "adaptive", "colocated"))

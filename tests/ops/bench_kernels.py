@@ -70,27 +70,38 @@ def decode(sweep: bool):
             print(f"decode b={b:4d} ctx={ctx:5d} splits={splits:2d}: {ms * 1e3:8.1f} us "
                   f"{gbs:7.0f} GB/s ({gbs / HBM_PEAK:.0%} of {HBM_PEAK:.0f})", flush=True)
             if sweep and ctx == 8192 and b in (1, 128):
-                base = tk.paged_attention(q, kv, meta, scale)
-                orig = ta._decode_config
-                for bn, st, nw in ((32, 3, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (128, 3, 8)):
-                    ta._decode_config = lambda d, dt, gpu, bn=bn, st=st, nw=nw: dict(BLOCK_N=bn, num_warps=nw,
-                                                                                      num_stages=st)
-                    try:
-                        err = rel(tk.paged_attention(q, kv, meta, scale), base)
-                        ms2 = bench(lambda: tk.paged_attention(q, kv, meta, scale))
-                        print(f"   sweep BLOCK_N={bn} stages={st} warps={nw}: {ms2 * 1e3:8.1f} us "
-                              f"{b * ctx * KVH * D * 4 / ms2 / 1e6:7.0f} GB/s (diff {err:.1e})", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"   sweep BLOCK_N={bn} stages={st} warps={nw}: failed {type(e).__name__}: {e}"[:300])
-                    finally:
-                        ta._decode_config = orig
+                nbytes = b * ctx * KVH * D * 4
+                sweep_configs("_decode_config", decode_configs((32, 3, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (128, 3, 8)),
+                              lambda: tk.paged_attention(q, kv, meta, scale), tk.paged_attention(q, kv, meta, scale),
+                              lambda ms: f"{ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s")
+
+
+def sweep_configs(config_fn: str, configs: list[dict], run, ref, figure) -> None:
+    """Time run() with each tile config in place of what `ta.<config_fn>` picks;
+    figure(ms) says what the time means (GB/s, TFLOP/s); error against ref."""
+    orig = getattr(ta, config_fn)
+    for cfg in configs:
+        setattr(ta, config_fn, lambda d, dt, gpu, cfg=cfg: dict(cfg))
+        name = " ".join(f"{k}={v}" for k, v in cfg.items())
+        try:
+            err = rel(run(), ref)
+            print(f"   {name}: {figure(bench(run))} (diff {err:.1e})", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"   {name}: failed {type(e).__name__}: {e}"[:300])
+        finally:
+            setattr(ta, config_fn, orig)
+
+
+def decode_configs(*triples) -> list[dict]:
+    return [dict(BLOCK_N=bn, num_stages=st, num_warps=nw) for bn, st, nw in triples]
 
 
 def decode_fp8():
     """An FP8 cache against bf16 at the same shapes, and the tile configs: the FP8
     pages are half the bytes, so the kernel should take about half the time."""
     print("== decode, FP8 (e4m3) vs bf16 cache (32/8 heads, d 128): K+V bytes read / time")
-    configs = ((64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8), (128, 4, 8), (256, 2, 8), (256, 3, 8))
+    configs = decode_configs((64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8), (128, 4, 8), (256, 2, 8),
+                             (256, 3, 8))
     scale = D ** -0.5
     for b, ctx in ((1, 8192), (32, 1024), (32, 8192), (128, 8192)):
         q, kv, meta = batch([1] * b, [ctx] * b)
@@ -100,18 +111,9 @@ def decode_fp8():
             ms = bench(lambda: tk.paged_attention(q, cache, meta, scale, (1.0, 1.0)))
             gbs = b * ctx * KVH * D * 2 * size / ms / 1e6
             print(f"decode b={b:4d} ctx={ctx:5d} {name}: {ms * 1e3:8.1f} us {gbs:7.0f} GB/s", flush=True)
-        orig = ta._decode_config
-        for bn, st, nw in configs:
-            ta._decode_config = lambda d, dt, gpu, bn=bn, st=st, nw=nw: dict(BLOCK_N=bn, num_warps=nw, num_stages=st)
-            try:
-                err = rel(tk.paged_attention(q, kv8, meta, scale, (1.0, 1.0)), ref)
-                ms = bench(lambda: tk.paged_attention(q, kv8, meta, scale, (1.0, 1.0)))
-                print(f"   fp8 BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
-                      f"{b * ctx * KVH * D * 2 / ms / 1e6:7.0f} GB/s (diff {err:.1e})", flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"   fp8 BLOCK_N={bn} stages={st} warps={nw}: failed {type(e).__name__}: {e}"[:300])
-            finally:
-                ta._decode_config = orig
+        nbytes = b * ctx * KVH * D * 2
+        sweep_configs("_decode_config", configs, lambda: tk.paged_attention(q, kv8, meta, scale, (1.0, 1.0)), ref,
+                      lambda ms: f"{ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s")
 
 
 def prefill(sweep: bool):
@@ -136,21 +138,12 @@ def prefill(sweep: bool):
             except Exception as e:  # noqa: BLE001
                 print(f"   torch sdpa failed: {e}"[:200])
         if sweep and n == 16384:
-            base = tk.paged_attention(q, kv, meta, scale)
-            orig = ta._prefill_config
-            for bm, bn, nw, st in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
-                                   (128, 32, 4, 4), (128, 128, 8, 2)):
-                ta._prefill_config = lambda d, dt, gpu, bm=bm, bn=bn, nw=nw, st=st: dict(
-                    BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
-                try:
-                    err = rel(tk.paged_attention(q, kv, meta, scale), base)
-                    ms2 = bench(lambda: tk.paged_attention(q, kv, meta, scale))
-                    print(f"   sweep BLOCK_M={bm} BLOCK_N={bn} warps={nw} stages={st}: {ms2 * 1e3:9.1f} us "
-                          f"{flops / ms2 / 1e9:6.0f} TFLOP/s (diff {err:.1e})", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"   sweep {bm}/{bn}/{nw}/{st}: failed {type(e).__name__}: {e}"[:300])
-                finally:
-                    ta._prefill_config = orig
+            configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
+                       for bm, bn, nw, st in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                                              (128, 32, 4, 4), (128, 128, 8, 2))]
+            sweep_configs("_prefill_config", configs, lambda: tk.paged_attention(q, kv, meta, scale),
+                          tk.paged_attention(q, kv, meta, scale),
+                          lambda ms: f"{ms * 1e3:9.1f} us {flops / ms / 1e9:6.0f} TFLOP/s")
 
 
 def chunk_beside_decodes():
