@@ -107,29 +107,39 @@ def _take_ticket(tickets, group, num_splits):
 
 @triton.jit
 def _merge_partials(out_ptrs, first_row, row_mask, num_active, m_part, l_part, acc_part, offs_d,
-                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, D_PAD: tl.constexpr):
     """Output rows [ROWS, D_PAD] from split-KV partials: row r's split s is
     partial row first_row[r] + s of m and l ([rows, heads, splits]) and acc
-    ([..., HEAD_DIM]); splits [0, num_active) hold keys. Loaded past L1 (.cg):
-    other programs of this launch wrote them."""
-    mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ([..., HEAD_DIM]); splits [0, num_active) hold keys. SPLITS of them at a
+    time, loaded together ([ROWS, SPLITS, D_PAD]): one program waits on memory
+    once per SPLITS splits, not once per split. Loaded past L1 (.cg): other
+    programs of this launch wrote them."""
+    d_mask = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, SPLITS)
     m_run = tl.full([ROWS], float("-inf"), tl.float32)
     l_run = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    for s in range(0, num_active):
-        row = first_row + s
-        m_s = tl.load(m_part + row, mask=row_mask, other=0.0, cache_modifier=".cg")
-        l_s = tl.load(l_part + row, mask=row_mask, other=1.0, cache_modifier=".cg")
-        acc_s = tl.load(acc_part + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], mask=mask,
-                        other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, m_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet on either side: both weigh 0
+    for s0 in range(0, num_active, SPLITS):
+        rows = first_row[:, None] + (s0 + offs_s)[None, :]                    # [ROWS, SPLITS]
+        mask = row_mask[:, None] & (s0 + offs_s < num_active)[None, :]
+        m_s = tl.load(m_part + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(l_part + rows, mask=mask, other=0.0, cache_modifier=".cg")
+        if D_PAD == HEAD_DIM:   # a mask constant along d: vector loads
+            acc_mask = mask[:, :, None]
+        else:
+            acc_mask = mask[:, :, None] & d_mask[None, None, :]
+        acc_s = tl.load(acc_part + rows[:, :, None].to(tl.int64) * HEAD_DIM + offs_d[None, None, :],
+                        mask=acc_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m_s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: everything weighs 0
         alpha = tl.exp2(m_run - m_ref)
-        beta = tl.exp2(m_s - m_ref)
-        l_run = l_run * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        w = tl.exp2(m_s - m_ref[:, None])
+        l_run = l_run * alpha + tl.sum(w * l_s, 1)
+        acc = acc * alpha[:, None] + tl.sum(acc_s * w[:, :, None], 1)
         m_run = m_new
-    tl.store(out_ptrs, (acc / l_run[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
+    l_run = tl.where(row_mask, l_run, 1.0)
+    tl.store(out_ptrs, (acc / l_run[:, None]).to(out_ptrs.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
 
 
 # ---------------------------------------------------------------------------
@@ -143,7 +153,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, t
                    stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
+                   SPLIT: tl.constexpr, DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,26 +189,42 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, t
                                      HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, False, DOT)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     acc = acc * v_scale
     if not SPLIT:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Partials: [decodes, heads, splits] for m and l, [..., HEAD_DIM] for acc.
         # A split past the end of a short sequence (no keys) writes partials the
         # merge does not read, and still takes its ticket: the group counts all
         # num_splits programs.
-        first_row = (seq * NUM_HEADS + heads) * num_splits
-        row = first_row + split
+        row = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(m_part + row, m_i, mask=g_mask)
         tl.store(l_part + row, l_i, mask=g_mask)
         tl.store(acc_part + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         group = seq * (NUM_HEADS // GQA) + kv_head
         if _take_ticket(tickets, group, num_splits):
+            # The group's GQA heads only (G_PAD rows, not the dot tile's M_PAD).
+            offs_m = tl.arange(0, G_PAD)
+            heads_m = kv_head * GQA + offs_m
             num_active = tl.cdiv(seq_len, tl.maximum(per_split, 1))
-            _merge_partials(out_ptrs, first_row, g_mask, num_active, m_part, l_part, acc_part, offs_d,
-                            HEAD_DIM, M_PAD, D_PAD)
+            _merge_partials(out_ptr + seq.to(tl.int64) * stride_ot + heads_m[:, None] * stride_oh + offs_d[None, :],
+                            (seq * NUM_HEADS + heads_m) * num_splits, offs_m < GQA, num_active,
+                            m_part, l_part, acc_part, offs_d, HEAD_DIM, G_PAD, MERGE_S, D_PAD)
             tl.store(tickets + group, 0)
+
+
+_MERGE_ROWS = 8   # query rows a split prefill tile's merge takes at once
+
+
+def _merge_splits_at_once(rows: int, d_pad: int, num_warps: int, gpu: bool) -> int:
+    """Splits a merge loads together beside `rows` output rows: about 64 fp32
+    registers a thread for them on a GPU, a power of two, at most 64. Two in
+    the interpreter, so that small tests merge in several rounds."""
+    if not gpu:
+        return 2
+    n = max(1, min(64, 64 * 32 * num_warps // (rows * d_pad)))
+    return 1 << (n.bit_length() - 1)
 
 
 def _decode_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, block_n: int,
@@ -246,9 +273,11 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: fl
     _, _, bs, kvh, d = kv_layer.shape
     h = q.shape[1]
     gqa = h // kvh
-    cfg = _decode_config(d, q.dtype, _on_gpu(q))
+    gpu = _on_gpu(q)
+    cfg = _decode_config(d, q.dtype, gpu)
     block_n = cfg.pop("BLOCK_N")
     splits = _decode_num_splits(nd, kvh, meta.max_seq_len, block_n, q.device)
+    d_pad = max(16, _pow2(d))
     kc, vc = kv_layer[0], kv_layer[1]
     if splits > 1:
         m_part = torch.empty((nd, h, splits), dtype=torch.float32, device=q.device)
@@ -261,8 +290,9 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: fl
         q, kc, vc, out, m_part, l_part, acc_part, tickets, meta.block_tables, meta.seq_lens, splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
-        NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
-        BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+        NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=d_pad, M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
+        BLOCK_N=block_n, G_PAD=_pow2(gqa), MERGE_S=_merge_splits_at_once(_pow2(gqa), d_pad, cfg["num_warps"], gpu),
+        SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
 
 
 def warm_up_split_prefill(q_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
@@ -304,7 +334,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, 
                     stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MERGE_M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+                    MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, SPLIT: tl.constexpr,
+                    DOT: tl.constexpr):
     head = tl.program_id(0)
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -368,14 +399,13 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, 
                 # Split 0 always has keys (the diagonal); the others while they
                 # start before `full`.
                 num_active = tl.maximum(tl.cdiv(full, tl.maximum(per_split, 1)), 1)
-                # MERGE_M rows at a time: a whole tile's running acc and a
-                # split's would not fit in registers beside each other.
-                for r in tl.static_range(0, BLOCK_M, MERGE_M):
+                # MERGE_M rows at a time (x MERGE_S splits x D_PAD in registers).
+                for r in range(0, tl.minimum(BLOCK_M, q_len - m_start), MERGE_M):
                     offs_r = r + tl.arange(0, MERGE_M)
                     tok_r = (q_start + m_start + offs_r).to(tl.int64)
                     _merge_partials(out_ptr + tok_r[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                                     (tok_r * NUM_HEADS + head) * num_splits, m_start + offs_r < q_len,
-                                    num_active, m_part, l_part, acc_part, offs_d, HEAD_DIM, MERGE_M, D_PAD)
+                                    num_active, m_part, l_part, acc_part, offs_d, HEAD_DIM, MERGE_M, MERGE_S, D_PAD)
                 tl.store(tickets + group, 0)
 
 
@@ -405,17 +435,16 @@ def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: t
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
-    """Tiles and launch options; MERGE_M: the rows a split tile's merge takes at once."""
-    if not gpu:   # a merge in two row chunks
-        return dict(BLOCK_M=16, BLOCK_N=16, MERGE_M=8, num_warps=1, num_stages=1)
+    if not gpu:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=32, MERGE_M=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if head_dim > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, MERGE_M=16, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     # H200, Llama-3-8B shape, 16k prompt: 391 TFLOP/s, against 330 for 128/64/8
     # warps/3 stages and 393 for 128/128/8/3, which needs ~200 KiB of shared
     # memory (more than an A100 has); this one needs ~100 KiB.
-    return dict(BLOCK_M=128, BLOCK_N=32, MERGE_M=32, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)
 
 
 def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: float, v_scale: float) -> None:
@@ -425,6 +454,7 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: f
     h = q.shape[1]
     cfg = _prefill_config(d, q.dtype, _on_gpu(q))
     block_m = cfg["BLOCK_M"]
+    d_pad = max(16, _pow2(d))
     kc, vc = kv_layer[0], kv_layer[1]
     m_tiles = triton.cdiv(max(1, meta.max_query_len), block_m)
     splits = _prefill_num_splits(h * m_tiles * num_prefills, meta.max_seq_len, cfg["BLOCK_N"], q.device)
@@ -440,7 +470,8 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: f
         q, kc, vc, out, m_part, l_part, acc_part, tickets, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         nd, splits, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
-        NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
+        NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, MERGE_M=_MERGE_ROWS,
+        MERGE_S=_merge_splits_at_once(_MERGE_ROWS, d_pad, cfg["num_warps"], _on_gpu(q)),
         SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
 
 
