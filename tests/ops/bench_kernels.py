@@ -113,7 +113,7 @@ def prefill(sweep: bool):
             for bm, bn, nw, st in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3),
                                    (128, 32, 4, 4), (128, 128, 8, 2)):
                 ta._prefill_config = lambda d, dt, gpu, bm=bm, bn=bn, nw=nw, st=st: dict(
-                    BLOCK_M=bm, BLOCK_N=bn, MERGE_M=32, num_warps=nw, num_stages=st)
+                    BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
                 try:
                     err = rel(tk.paged_attention(q, kv, meta, scale), base)
                     ms2 = bench(lambda: tk.paged_attention(q, kv, meta, scale))
