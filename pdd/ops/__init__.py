@@ -18,8 +18,7 @@ from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
-           "warm_up_attention"]
+           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -76,17 +75,6 @@ def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
     (what a worker's warm-up steps do not all reach); how many, 0 off the GPU."""
     backend = _load_triton() if device.type == "cuda" else None
     return backend.warm_up_argmax(vocab, max_rows, device) if backend is not None else 0
-
-
-def warm_up_attention(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
-                      device: torch.device) -> int:
-    """Compile attention's split merge for every split count it can pick with
-    contexts up to max_seq_len (what a worker's warm-up steps do not all
-    reach); how many, 0 off the GPU."""
-    backend = _load_triton() if device.type == "cuda" else None
-    if backend is None:
-        return 0
-    return backend.warm_up_merges(num_heads, kv_heads, head_dim, dtype, max_seq_len, device)
 
 
 def warm_up_split_prefill(num_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
