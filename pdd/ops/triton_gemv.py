@@ -9,8 +9,9 @@ launch that reads W once is what the step's HBM roofline asks for.
 
 Each program owns BLOCK_N output columns (rows of W) for all M rows of x, so W
 is read once; there is no split over K. Two kernels, picked by M's bucket:
-- M == 1: elementwise products accumulated in a [BLOCK_N, BLOCK_K] fp32 tile,
-  reduced once after the loop (no tensor cores: nothing to pad to 16 rows).
+- M == 1: elementwise products of a [BLOCK_N, BLOCK_K] W tile with x, summed
+  along K each step (no tensor cores: nothing to pad to 16 rows). A few rows
+  and a wide K span a program: its loads in flight are the whole tile.
 - 2 <= M <= 16: tl.dot of the W tile [BLOCK_N, BLOCK_K] with x^T [BLOCK_K, 16]
   (rows past M masked), FP8 converted to x's dtype first (exact for e4m3).
 M itself is not a specialization key: one compiled variant per bucket.
@@ -74,9 +75,11 @@ def _store(acc, acc_up, s_ptr, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, up_off,
 
 @triton.jit
 def _load_w(rows_ptr, kk, n_ok, k_ok, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(rows_ptr + kk[None, :], mask=n_ok[:, None], other=0.0)
-    return tl.load(rows_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    """W tile [BLOCK_N, BLOCK_K] of the rows at rows_ptr, columns kk."""
+    mask = n_ok[:, None]
+    if not EVEN_K:
+        mask = mask & k_ok[None, :]
+    return tl.load(rows_ptr + kk[None, :], mask=mask, other=0.0)
 
 
 # The token count changes with every step: one compiled variant for all of them.
@@ -96,8 +99,8 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
     # Block scales: this program's rows (gate and up) each sit in one block row.
     s_gate = s_ptr + (n0 // SCALE_BN) * stride_sn
     s_up = s_ptr + ((n0 + up_off) // SCALE_BN) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, 1], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 1], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
@@ -105,17 +108,22 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        # All of this step's W loads are issued before any product needs them: the
+        # tile's bytes are what this program keeps in flight.
+        w = _load_w(w_rows, kk, n_ok, k_ok, EVEN_K)
+        if SILU:
+            w_up = _load_w(up_rows, kk, n_ok, k_ok, EVEN_K)
         xs = x
         if SCALE == 3:
             xs = x * tl.load(s_gate + (kk // SCALE_BK) * stride_sk, mask=k_ok, other=0.0)
-        acc += _load_w(w_rows, kk, n_ok, k_ok, EVEN_K).to(tl.float32) * xs[None, :]
+        acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1, keep_dims=True)
         if SILU:
             if SCALE == 3:
                 xs = x * tl.load(s_up + (kk // SCALE_BK) * stride_sk, mask=k_ok, other=0.0)
-            acc_up += _load_w(up_rows, kk, n_ok, k_ok, EVEN_K).to(tl.float32) * xs[None, :]
+            acc_up += tl.sum(w_up.to(tl.float32) * xs[None, :], axis=1, keep_dims=True)
     offs_m = tl.zeros([1], tl.int32)
-    _store(tl.sum(acc, axis=1, keep_dims=True), tl.sum(acc_up, axis=1, keep_dims=True), s_ptr, b_ptr, y_ptr,
-           offs_n, n_ok, offs_m, offs_m < M, up_off, stride_sn, stride_ym, SCALE, HAS_BIAS, SILU)
+    _store(acc, acc_up, s_ptr, b_ptr, y_ptr, offs_n, n_ok, offs_m, offs_m < M, up_off, stride_sn, stride_ym,
+           SCALE, HAS_BIAS, SILU)
 
 
 @triton.jit
@@ -181,6 +189,25 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
+# The row kernel's W tile (gate and up together) per loop step: 8 KB-16 KB
+# loads in flight per program (the loop is not software-pipelined), several
+# programs per SM; 4 warps keep it at 40-100 registers a thread (sm_90 builds).
+_ROW_TILE_BYTES = 16 * 1024
+
+
+def _row_config(n: int, k: int, w_bytes: int, tiles: int, scale_block: tuple[int, int] | None,
+                sms: int) -> GemvConfig | None:
+    # 8 rows a program, or 4 where that leaves under two programs an SM.
+    block_n = 8 if n >= 2 * 8 * sms else 4
+    if scale_block is not None and (scale_block[0] % block_n or (tiles == 2 and n % block_n)):
+        block_n = 4
+        if scale_block[0] % 4 or (tiles == 2 and n % 4):
+            return None
+    block_k = _ROW_TILE_BYTES // (tiles * block_n * w_bytes)
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    return GemvConfig(1, block_n, block_k, 4, 1)
+
+
 def _bucket(m: int) -> int:
     return 1 if m == 1 else GEMV_MAX_M
 
@@ -192,32 +219,24 @@ def gemv_config(m_bucket: int, n: int, k: int, w_bytes: int, x_bytes: int, silu:
     whose block rows no tile fits in (bn not a multiple of 16, or silu's I)."""
     tiles = 2 if silu else 1
     if m_bucket == 1:
-        # Enough programs to keep several per SM reading (no pipelining across
-        # iterations needed to hide HBM latency); 512-1024 bytes of each W row a step.
-        block_k = 512 if w_bytes == 1 else 256
-        candidates = (32, 16, 8)
-        want = 3 * sms
-    else:
-        # x^T is re-read from L2 by every program: wider tiles amortize it; about one
-        # program per SM, kept busy by num_stages of in-flight W tiles.
-        block_k = 256 if w_bytes == 1 else 128
-        candidates = (64, 32, 16)
-        want = (9 * sms) // 10
+        return _row_config(n, k, w_bytes, tiles, scale_block, sms)
+    # x^T is re-read from L2 by every program: wider tiles amortize it; about one
+    # program per SM, kept busy by num_stages of W tiles in flight (cp.async).
+    block_k = 256 if w_bytes == 1 else 128
+    candidates = (64, 32, 16)
     if scale_block is not None:
         bn, bk = scale_block
         candidates = tuple(c for c in candidates if bn % c == 0 and (not silu or n % c == 0))
         if not candidates or bk & (bk - 1) or bk < 16:
             return None
-        if m_bucket != 1:
-            block_k = bk      # one scale per K step of the dot
-    block_n = next((c for c in candidates if triton.cdiv(n, c) >= want), candidates[-1])
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    if scale_block is not None and m_bucket != 1:
-        block_k = scale_block[1]
-    if m_bucket == 1:
-        # The fp32 accumulators: at most 64 registers a thread.
-        num_warps = min(8, max(4, tiles * block_n * block_k // (64 * 32)))
-        return GemvConfig(1, block_n, block_k, num_warps, 2)
+        block_k = bk      # one scale per K step of the dot
+    block_n = next((c for c in candidates if triton.cdiv(n, c) >= (9 * sms) // 10), candidates[-1])
+    if scale_block is None:
+        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        # FP8 tiles are converted in registers before the dot: past 16k elements
+        # (silu's two 64x256 tiles) they spill (sm_90 builds).
+        while tiles * block_n * block_k > 16384 and block_k > 64:
+            block_k //= 2
     stage = tiles * block_n * block_k * w_bytes + block_k * GEMV_MAX_M * x_bytes
     num_stages = max(2, min(5, (128 * 1024) // stage))
     return GemvConfig(GEMV_MAX_M, block_n, block_k, 4, num_stages)
