@@ -238,7 +238,9 @@ def gemv_config(m_bucket: int, n: int, k: int, w_bytes: int, x_bytes: int, silu:
         while tiles * block_n * block_k > 16384 and block_k > 64:
             block_k //= 2
     stage = tiles * block_n * block_k * w_bytes + block_k * GEMV_MAX_M * x_bytes
-    num_stages = max(2, min(5, (128 * 1024) // stage))
+    # Stages in flight hide HBM latency; under ~96 KB of shared memory (num_stages - 1
+    # buffers) two programs still fit on an SM where the grid has more than one each.
+    num_stages = max(2, min(8, (96 * 1024) // stage + 1))
     return GemvConfig(GEMV_MAX_M, block_n, block_k, 4, num_stages)
 
 
