@@ -35,12 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pdd.ops import GEMV_MAX_M
+from pdd.ops.fp8_linear import FP8_DTYPE
 from pdd.ops.triton_common import _num_sms
 
-GEMV_MAX_M = 16
-FP8_DTYPE = torch.float8_e4m3fn
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_X_DTYPES = _HALF_DTYPES + (torch.float32,)
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Scale kinds (the kernel's SCALE)
 NO_SCALE, TENSOR_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2, 3

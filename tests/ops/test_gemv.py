@@ -4,34 +4,20 @@ Llama-3-8B decode shapes; and the dispatch that sends decode-sized linears there
 (only on CUDA, only for 1..GEMV_MAX_M rows, never on the CPU's path)."""
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ops.interpreted import import_kernels
 from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, _interpreter_env, triton  # noqa: F401
 
 from pdd import ops  # noqa: E402
 from pdd.model.fp8 import dequantize, quantize_weight  # noqa: E402
 from pdd.ops import reference  # noqa: E402
 
-
-def _import_gemv():
-    # Kernels are interpreted only if decorated while TRITON_INTERPRET is set.
-    saved = os.environ.get("TRITON_INTERPRET")
-    if INTERPRET:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if INTERPRET:  # imported lazily at a kernel's first fp8 argument; it checks the mode on import
-            importlib.import_module("triton.experimental.gluon")
-        return importlib.import_module("pdd.ops.triton_gemv")
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.update(TRITON_INTERPRET=saved)
-
-
-tg = _import_gemv()
+tg = import_kernels("pdd.ops.triton_gemv")
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
 
