@@ -4,6 +4,7 @@ Llama-3-8B decode shapes; and the dispatch that sends decode-sized linears there
 (only on CUDA, only for 1..GEMV_MAX_M rows, never on the CPU's path)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -144,6 +145,18 @@ SHAPES_8B = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (409
 GPU_TOL = 1e-2
 
 
+@functools.lru_cache(maxsize=1)   # the M cases of one weight run one after another
+def weights_8b(kind: str, n: int, k: int):
+    w = rand(n, k, scale=0.02, seed=n + k)
+    if kind == "plain":
+        w = w.to(torch.bfloat16).to(DEVICE)
+        return w, None, None, w.float()
+    block = (128, 128) if kind == "block" else None
+    w, s = quantize_weight(w, kind, block)
+    w, s = w.to(DEVICE), (s.float() if block else s.float().reshape(-1)).to(DEVICE)
+    return w, s, block, dequantize(w, s, block)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("n, k, silu", SHAPES_8B)
@@ -151,15 +164,7 @@ GPU_TOL = 1e-2
 def test_cuda_8b_shapes(kind, n, k, silu, m):
     if kind != "plain" and not FP8_GPU:
         pytest.skip("FP8 weights want compute capability >= 8.9")
-    w = rand(n, k, scale=0.02, seed=n + k)
-    if kind == "plain":
-        w, s, block = w.to(torch.bfloat16).to(DEVICE), None, None
-        w_deq = w.float()
-    else:
-        block = (128, 128) if kind == "block" else None
-        w, s = quantize_weight(w, kind, block)
-        w, s = w.to(DEVICE), (s.float() if block else s.float().reshape(-1)).to(DEVICE)
-        w_deq = dequantize(w, s, block)
+    w, s, block, w_deq = weights_8b(kind, n, k)
     x = rand(m, k, seed=m).to(torch.bfloat16).to(DEVICE)
     out = tg.gemv(x, w, s, block, silu=silu)
     ref = x.float() @ w_deq.t()
