@@ -181,8 +181,9 @@ class LLMEngine:
         """Run short synthetic requests through the engine's own steps, so the
         Triton kernels of eager (prefill, mixed) steps are compiled before real
         requests wait on them (seconds of TTFT on a fresh H200 worker otherwise),
-        then the variants of sampling and the split prefill that those steps
-        do not all reach. For an idle engine that serves nothing yet.
+        then the variants of sampling, the split prefill and the decode GEMV
+        that those steps do not all reach. For an idle engine that serves
+        nothing yet.
 
         Leaves no trace: prefix caching is off while it runs (nothing is looked
         up, counted, published as a cached block or reported as a recent hash),
@@ -222,6 +223,7 @@ class LLMEngine:
         mc = self.model_config
         attn = self.runner.model.model.layers[0].self_attn
         ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
+        ops.warm_up_gemv(self.runner.model.gemv_sites(), self.dtype, self.device)
         if (self.model_dir / "tokenizer.json").is_file():
             try:
                 self.grammars   # the vocabulary, built now rather than on the first structured request

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         self.kv_scale: tuple[float, float] = (1.0, 1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = ops.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         q, k = ops.rotary_store_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
                                    self.kv_cache, meta.slot_mapping, self.kv_scale)
         out = ops.paged_attention(q, self.kv_cache, meta, self.scale, self.kv_scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -110,7 +110,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        # At decode sizes on the GPU each is one GEMV launch, SiLU-and-mul fused into the first.
+        return ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +169,13 @@ class CausalLM(nn.Module):
             if layer_done is not None:
                 layer_done(i)
         return self.model.norm(hidden, residual)[0]
+
+    def gemv_sites(self):
+        """(linear layer, whether SiLU-and-mul follows it) of every decoder layer:
+        the GEMV variants a decode step launches (ops.warm_up_gemv)."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            yield from ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True), (mlp.down_proj, False))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -4,6 +4,11 @@ Every op has a torch reference (`reference.py`) that defines its semantics and
 runs on any device. On CUDA the Triton kernels are used when they are
 available; `PDD_OPS=reference` forces the reference everywhere (debugging,
 kernel bisection).
+
+Linear layers at decode sizes (1..GEMV_MAX_M rows of bf16/fp16 on CUDA) run as
+one weight-only GEMV launch (`linear`, `linear_silu_mul`: pdd.ops.triton_gemv),
+FP8 weights included; `PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B
+runs). Elsewhere, the CPU included, a linear is exactly the layer's own call.
 """
 from __future__ import annotations
 
@@ -16,9 +21,12 @@ import torch
 from pdd.ops import reference
 from pdd.ops.metadata import AttentionMetadata
 
+GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEMV
+
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling"]
+           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
+           "GEMV_MAX_M", "use_gemv", "gemv", "linear", "linear_silu_mul", "warm_up_gemv"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -139,3 +147,71 @@ def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_sca
 def argmax(logits) -> torch.Tensor:
     """[B, V] logits -> int64 [B], as torch.argmax(dim=-1)."""
     return backend_for(logits).argmax(logits)
+
+
+# ---------------------------------------------------------------------------
+# Linear layers: the weight-only GEMV at decode sizes
+# ---------------------------------------------------------------------------
+
+def use_gemv(device: torch.device, rows: int, dtype: torch.dtype) -> bool:
+    """Whether a linear of `rows` rows of `dtype` activations on `device` goes
+    to the GEMV. fp32 stays on the layer's GEMM, as on the CPU (an fp32 GPU
+    engine is the CPU engine's reference)."""
+    return (device.type == "cuda" and 1 <= rows <= GEMV_MAX_M and dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("PDD_GEMV", "on").lower() != "off")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+         silu: bool = False) -> torch.Tensor | None:
+    """x [M, K] @ weight^T (+ bias) (silu: silu(gate) * up of it) through the
+    GEMV when it applies to these operands, else None: the caller's own path."""
+    if not use_gemv(x.device, x.shape[0], x.dtype) or _load_triton() is None:
+        return None
+    from pdd.ops import triton_gemv
+    if not triton_gemv.supports(x, weight, block, silu):
+        return None
+    return triton_gemv.gemv(x, weight, scale, block, bias, silu)
+
+
+def _layer_gemv(x: torch.Tensor, layer: torch.nn.Module, silu: bool) -> torch.Tensor | None:
+    # An nn.Linear, or an Fp8Linear (pdd.model.fp8) with its scales and block shape.
+    x2 = x.reshape(-1, x.shape[-1])
+    out = gemv(x2, layer.weight, getattr(layer, "weight_scale", None), getattr(layer, "block", None),
+               layer.bias, silu)
+    return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """layer(x), as one GEMV launch at decode sizes on the GPU."""
+    out = _layer_gemv(x, layer, False)
+    return layer(x) if out is None else out
+
+
+def linear_silu_mul(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """silu_and_mul(layer(x)) of a [gate; up] layer; one GEMV launch at decode
+    sizes on the GPU (no [M, 2I] intermediate)."""
+    out = _layer_gemv(x, layer, True)
+    return silu_and_mul(layer(x)) if out is None else out
+
+
+def warm_up_gemv(sites, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile the GEMV variants of each (linear layer, whether its output goes
+    through SiLU-and-mul) for 1 row and for GEMV_MAX_M rows (every row count
+    shares one of those two); how many distinct layers ran, 0 where the GEMV
+    is not used. M is no specialization key, and each variant depends only on
+    the layer's shape, dtypes and scales: one layer of each kind suffices."""
+    if not use_gemv(device, 1, dtype) or _load_triton() is None:
+        return 0
+    seen = set()
+    for layer, silu in sites:
+        scale = getattr(layer, "weight_scale", None)
+        key = (tuple(layer.weight.shape), layer.weight.dtype, None if scale is None else tuple(scale.shape),
+               getattr(layer, "block", None), layer.bias is None, silu)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in (1, GEMV_MAX_M):
+            x = torch.zeros(rows, layer.in_features, dtype=dtype, device=device)
+            (linear_silu_mul if silu else linear)(x, layer)
+    return len(seen)

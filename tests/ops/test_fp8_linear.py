@@ -4,32 +4,16 @@ GEMM (tensorwise, rowwise, block) against a float matmul of the dequantized
 operands."""
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from tests.ops.interpreted import import_kernels
 from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, triton  # noqa: F401  (the interpreter without a GPU)
 
 from pdd.ops import fp8_linear  # noqa: E402
 from pdd.ops.fp8_linear import FP8_DTYPE, quantize_reference  # noqa: E402
 
-
-def _import_quantize():
-    # Kernels are interpreted only if decorated while TRITON_INTERPRET is set.
-    saved = os.environ.get("TRITON_INTERPRET")
-    if INTERPRET:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if INTERPRET:  # imported lazily at a kernel's first fp8 argument; it checks the mode on import
-            importlib.import_module("triton.experimental.gluon")
-        return importlib.import_module("pdd.ops.triton_fp8").quantize
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.update(TRITON_INTERPRET=saved)
-
-
-quantize = _import_quantize()
+quantize = import_kernels("pdd.ops.triton_fp8").quantize
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
 # One e4m3 step (1/8 relative) at most: a division may round the other way. The
