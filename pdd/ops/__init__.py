@@ -26,7 +26,7 @@ GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEM
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
            "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
-           "GEMV_MAX_M", "use_gemv", "gemv", "linear", "linear_silu_mul", "warm_up_gemv"]
+           "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul", "warm_up_gemv"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -153,12 +153,24 @@ def argmax(logits) -> torch.Tensor:
 # Linear layers: the weight-only GEMV at decode sizes
 # ---------------------------------------------------------------------------
 
-def use_gemv(device: torch.device, rows: int, dtype: torch.dtype) -> bool:
-    """Whether a linear of `rows` rows of `dtype` activations on `device` goes
-    to the GEMV. fp32 stays on the layer's GEMM, as on the CPU (an fp32 GPU
-    engine is the CPU engine's reference)."""
-    return (device.type == "cuda" and 1 <= rows <= GEMV_MAX_M and dtype in (torch.float16, torch.bfloat16)
+def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears of `dtype` activations on `device` may take the GEMV at
+    all. fp32 stays on the layer's GEMM, as on the CPU (an fp32 GPU engine is
+    the CPU engine's reference)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("PDD_GEMV", "on").lower() != "off")
+
+
+def use_gemv(device: torch.device, rows: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether a linear of `rows` rows goes to the GEMV: where it measured faster
+    on H200 (docs/benchmarks.md, "The decode GEMV"). FP8 weights at one row
+    (no activation quantization, no padded rows: each 8B layer 1.2-1.6x the
+    scaled_mm path; from 4 rows scaled_mm is faster); half-precision weights
+    at 2..16 rows (level with cuBLAS, and SiLU-and-mul fused into gate_up: one
+    launch less); one half-precision row stays on cuBLAS, faster there."""
+    if not gemv_enabled(device, dtype) or not 1 <= rows <= GEMV_MAX_M:
+        return False
+    return rows == 1 if weight_dtype == torch.float8_e4m3fn else rows > 1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -166,7 +178,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          silu: bool = False) -> torch.Tensor | None:
     """x [M, K] @ weight^T (+ bias) (silu: silu(gate) * up of it) through the
     GEMV when it applies to these operands, else None: the caller's own path."""
-    if not use_gemv(x.device, x.shape[0], x.dtype) or _load_triton() is None:
+    if not use_gemv(x.device, x.shape[0], x.dtype, weight.dtype) or _load_triton() is None:
         return None
     from pdd.ops import triton_gemv
     if not triton_gemv.supports(x, weight, block, silu):
@@ -201,7 +213,7 @@ def warm_up_gemv(sites, dtype: torch.dtype, device: torch.device) -> int:
     shares one of those two); how many distinct layers ran, 0 where the GEMV
     is not used. M is no specialization key, and each variant depends only on
     the layer's shape, dtypes and scales: one layer of each kind suffices."""
-    if not use_gemv(device, 1, dtype) or _load_triton() is None:
+    if not gemv_enabled(device, dtype) or _load_triton() is None:
         return 0
     seen = set()
     for layer, silu in sites:

@@ -114,16 +114,20 @@ def test_rows_of_one_bucket_share_a_config_and_bad_blocks_are_refused():
 # Dispatch (CPU: which path each linear takes)
 # ---------------------------------------------------------------------------
 
-def test_gemv_is_picked_only_on_cuda_for_few_half_precision_rows(monkeypatch):
+def test_gemv_is_picked_only_on_cuda_where_it_measured_faster(monkeypatch):
     monkeypatch.delenv("PDD_GEMV", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert ops.use_gemv(cuda, 1, torch.bfloat16) and ops.use_gemv(cuda, ops.GEMV_MAX_M, torch.float16)
-    assert not ops.use_gemv(cuda, ops.GEMV_MAX_M + 1, torch.bfloat16)   # prefill sizes: cuBLAS
-    assert not ops.use_gemv(cuda, 0, torch.bfloat16)
-    assert not ops.use_gemv(cuda, 1, torch.float32)                      # fp32 engines: cuBLAS, as the CPU
-    assert not ops.use_gemv(cpu, 1, torch.bfloat16)
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+    assert ops.use_gemv(cuda, 2, bf16, bf16) and ops.use_gemv(cuda, ops.GEMV_MAX_M, fp16, fp16)
+    assert not ops.use_gemv(cuda, 1, bf16, bf16)                          # one half-precision row: cuBLAS
+    assert ops.use_gemv(cuda, 1, bf16, fp8)                               # one row of FP8 weights: W8A16
+    assert not ops.use_gemv(cuda, 4, bf16, fp8)                           # more: the scaled_mm path
+    assert not ops.use_gemv(cuda, ops.GEMV_MAX_M + 1, bf16, bf16)         # prefill sizes: cuBLAS
+    assert not ops.use_gemv(cuda, 0, bf16, bf16)
+    assert not ops.use_gemv(cuda, 2, torch.float32, torch.float32)        # fp32 engines: cuBLAS, as the CPU
+    assert not ops.use_gemv(cpu, 2, bf16, bf16)
     monkeypatch.setenv("PDD_GEMV", "off")
-    assert not ops.use_gemv(cuda, 1, torch.bfloat16)
+    assert not ops.use_gemv(cuda, 2, bf16, bf16) and not ops.use_gemv(cuda, 1, bf16, fp8)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 40])

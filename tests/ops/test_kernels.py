@@ -640,7 +640,9 @@ def test_split_prefill_warm_up_compiles_the_variant_a_deep_chunk_needs(monkeypat
     step budget leaves no deep tail step there)."""
     launches = _Launches(ta._prefill_kernel)
     monkeypatch.setattr(ta, "_prefill_kernel", launches)
-    q, kv, meta = make_batch([(17, 16 * 47)], block_size=16, kv_heads=1, heads=2, head_dim=32, dtype=torch.float32)
+    block_n = ta._prefill_config(32, torch.float32, CUDA)["BLOCK_N"]
+    deep = 16 * 47 if INTERPRET else 2 * 16 * block_n + 15     # deep enough to split on this device
+    q, kv, meta = make_batch([(17, deep)], block_size=16, kv_heads=1, heads=2, head_dim=32, dtype=torch.float32)
     ta.paged_attention(q, kv, meta, 0.1)
     assert launches.calls[-1][1]["SPLIT"]
     service = launches.variants()
