@@ -1,6 +1,6 @@
 """Timings of the Triton KV-cache kernels on one GPU (not a test; needs CUDA).
 
-    python3 tests/ops/bench_kernels.py [--sweep | --chunks | --fp8]
+    python3 tests/ops/bench_kernels.py [--sweep | --chunks | --fp8 | --decode]
 
 Llama-3-8B attention shape (32 q heads, 8 kv heads, head_dim 128, bf16, block
 16). Decode: achieved HBM GB/s = K+V bytes read / median time. Prefill: TFLOP/s
@@ -194,6 +194,9 @@ def copies():
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    if "--decode" in sys.argv:
+        decode(False)
+        sys.exit(0)
     if "--fp8" in sys.argv:
         decode_fp8()
         sys.exit(0)
