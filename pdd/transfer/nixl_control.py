@@ -98,7 +98,7 @@ class NixlControl(OneSidedControl):
             raise ValueError("the nixl backend registers the KV pool as one region: it must be contiguous")
         self.landing = LandingArena(landing_bytes, kv_cache) if landing_bytes else None
         if self.landing is not None and self.landing.range_bytes(1) > landing_bytes:
-            raise ValueError(f"a nixl landing region of {landing_bytes} bytes holds no block of this pool "
+            raise ValueError(f"worker.nixl_landing_bytes = {landing_bytes}: the landing region holds no block "
                              f"({self.landing.range_bytes(1)} bytes a block)")
         self.agent = Agent("decode")
         self.agent.register(kv_cache)

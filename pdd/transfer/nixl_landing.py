@@ -27,6 +27,17 @@ from pdd import ops
 from pdd.transfer.nixl_agent import PoolRegion, device_id, mem_type
 
 _ALIGN = 256   # range starts: the copy kernel moves 16 bytes per access; a cache line is ample
+# worker.nixl_landing_bytes's default is one longest request, at most this
+# (a 16k-token request of the Llama-3-8B shape: 2 GiB).
+_DEFAULT_CAP = 2 << 30
+
+
+def landing_bytes(setting: int | None, bytes_per_token: int, max_tokens: int) -> int:
+    """The landing region's size for worker.nixl_landing_bytes = `setting`
+    (None: one request of `max_tokens` tokens, up to _DEFAULT_CAP)."""
+    if setting is not None:
+        return setting
+    return min(_DEFAULT_CAP, bytes_per_token * max_tokens)
 
 
 class LandingArena:

@@ -302,3 +302,108 @@ def test_a_write_aimed_outside_its_range_fails_the_commit(peer, make_nixl_sender
     assert torch.equal(after[:, :, others], before[:, :, others])
     _wait_for(lambda: settled(peer), what="the range to come back")
     assert peer("close", t.lease_id) == "free"
+
+
+def test_the_arena_hands_out_ranges_first_fit_and_merges_what_comes_back():
+    from pdd.transfer.nixl_landing import LandingArena
+
+    layout = make_layout()
+    kv = make_pool(layout, seed=3)
+    one = range_bytes(layout, 1)                         # 256-byte aligned already
+    arena = LandingArena(5 * one, kv)
+    a, b, c = arena.take(2), arena.take(1), arena.take(2)
+    assert (a, b, c) == (0, 2 * one, 3 * one) and arena.take(1) is None
+    arena.give_back(a, 2)
+    assert arena.take(3) is None                         # two free blocks' room, not three
+    arena.give_back(b, 1)                                # merged with a's: three
+    assert arena.take(3) == 0 and arena.held == 2
+    pages = arena.pages(3 * one, 2)
+    assert list(pages.shape) == [LAYERS, 2, 2, *kv.shape[3:]]
+
+
+def test_copy_out_writes_exactly_the_written_pages_of_each_layer():
+    from pdd.transfer.nixl_landing import LandingArena
+
+    layout = make_layout()
+    kv = make_pool(layout, seed=3)
+    before = kv.clone()
+    arena = LandingArena(range_bytes(layout, 3), kv)
+    offset = arena.take(3)
+    rng = arena.pages(offset, 3)
+    rng.copy_(make_pool(layout, seed=9, blocks=3))
+    # Blocks 7, 2 at places 0, 2 in every layer; block 5 (place 1) written in layer 1 only.
+    arena.copy_out(offset, 3, {7: 0, 5: 1, 2: 2}, {0: {7, 2}, 1: {7, 5, 2}, 2: {7, 2}})
+    expected = before.clone()
+    expected[:, :, [7, 2]] = rng[:, :, [0, 2]]
+    expected[1, :, 5] = rng[1, :, 1]
+    assert torch.equal(kv, expected)
+
+
+def test_the_setting_is_validated_and_its_default_is_one_longest_request():
+    from pdd.config import ConfigError, WorkerConfig, load_cluster_config
+    from pdd.transfer.nixl_landing import landing_bytes
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="worker.nixl_landing_bytes"):
+            WorkerConfig(nixl_landing_bytes=bad).validate()
+    cfg = load_cluster_config(env={"PDD_WORKER__NIXL_LANDING_BYTES": "0"})
+    assert cfg.worker.nixl_landing_bytes == 0
+    assert landing_bytes(None, 128 << 10, 16384) == 2 << 30           # the 8B shape's 16k tokens: the cap
+    assert landing_bytes(None, 128 << 10, 131072) == 2 << 30
+    assert landing_bytes(None, 2048, 4096) == 8 << 20
+    assert landing_bytes(0, 2048, 4096) == 0 and landing_bytes(12345, 2048, 4096) == 12345
+
+
+def test_a_pool_sized_from_free_gpu_memory_leaves_the_region_room(monkeypatch):
+    """gpu_kv_budget is replaced (no GPU here): the path a GPU worker takes
+    when its pool is sized from free memory."""
+    import pdd.kv.cache as cache
+    from pdd.config import EngineConfig
+
+    monkeypatch.setattr(cache, "gpu_kv_budget", lambda device, utilization: 1000 << 20)
+    spec = cache.KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+    gpu = torch.device("cuda")
+    per_block = spec.bytes_per_block
+    assert spec.num_blocks_for(EngineConfig(), gpu) == (1000 << 20) // per_block
+    assert spec.num_blocks_for(EngineConfig(), gpu, beside_bytes=100 << 20) == (900 << 20) // per_block
+    # A pool of a fixed size is that size: the region comes on top.
+    assert spec.num_blocks_for(EngineConfig(kv_cache_bytes=64 << 20), gpu, beside_bytes=100 << 20) == \
+        (64 << 20) // per_block
+
+
+def test_the_warm_up_copies_through_the_region_and_leaves_the_pool_as_it_was():
+    layout = make_layout()
+    pool = make_pool(layout, seed=2)
+    before = pool.clone()
+    receiver = make_receiver("nixl", pool, layout, LeaseTable(), nixl_landing_bytes=range_bytes(layout, 2))
+    try:
+        receiver.warm_up()
+        assert torch.equal(pool, before)
+    finally:
+        receiver.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_scattered_blocks_land_on_a_gpu(make_nixl_sender):
+    """Both pools on the GPU (the decode side in its own process): UCX moves
+    device memory, and the copy out of the region runs on its own stream and
+    is done before the commit is accepted."""
+    layout = make_layout("bfloat16")
+    peer = Peer(layout, device="cuda", backend="nixl", blocks=POOL_BLOCKS, landing_bytes=range_bytes(layout, 8))
+    try:
+        sender = make_nixl_sender(layout)
+        src = src_pool(layout, seed=29).cuda()
+        before = peer("pool")
+        dst = [31, 4, 17, 9, 22, 13, 2, 38]
+        t = target(peer, "g1", dst)
+        sender.prepare(t)
+        send(sender, t, src, [3, 33, 12, 1, 25, 7, 19, 36])
+        sender.finish("g1")
+        r = wait_result(sender, "g1")
+        assert r.ok and r.descriptors == LAYERS * 2, r.error
+        expected = before.clone()
+        expected[:, :, dst] = src[:, :, [3, 33, 12, 1, 25, 7, 19, 36]].cpu()
+        assert torch.equal(peer("pool"), expected)
+        assert peer("stats")["landed_requests"] == 1 and settled(peer)
+    finally:
+        peer.stop()
