@@ -38,9 +38,10 @@ place when it is first written, and keeps it (the notification names each
 block's place). A piece's new blocks thus take consecutive places: a layer
 staged whole, or a prompt chunk's new blocks, are two descriptors, however
 scattered its blocks are in the decode pool (a half-filled block a chunk
-completes keeps its earlier place: a run or two more); the decode worker copies them into the blocks at the
-commit. Without one (none granted: no room, none configured, an older decode
-worker) they go straight into the blocks, one descriptor per k|v per run.
+completes keeps its earlier place: a run or two more). The decode worker
+copies them into the blocks at the commit. Without a range (none granted: no
+room, none configured, an older decode worker) the pages go straight into
+the blocks, one descriptor per k|v per run.
 
 Results: a request succeeds when its commit is accepted. It fails when the
 pool cannot be opened, the lease is refused or would expire, a write fails

@@ -162,7 +162,7 @@ class NixlControl(OneSidedControl):
         if note["landing"] != (rng.offset if rng is not None else -1):
             return ("the write landed outside the request's landing range" if rng is not None else
                     "a write into the landing region for a request granted no range")
-        for b, place in zip(note["dst_block_ids"], note["places"]):
+        for b, place in zip(note["dst_block_ids"], note["places"] if rng is not None else ()):
             if place >= rng.num_blocks:
                 return f"place {place} outside the landing range of {rng.num_blocks} blocks"
             if tally.places.get(b, place) != place or tally.owners.get(place, b) != b:

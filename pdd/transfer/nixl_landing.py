@@ -106,7 +106,7 @@ class LandingArena:
         pages = self.pages(offset, num_blocks)
         dev = self._kv.device
         ids: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}   # the same for most layers
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        with self._on_stream():
             for layer, written_blocks in sorted(written.items()):
                 key = tuple(sorted(written_blocks))
                 if key not in ids:
@@ -117,13 +117,23 @@ class LandingArena:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """The copies' own stream on the pool's device (whatever this thread's
+        current device): they wait for nothing the engine queued."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self._kv.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
+
     def warm_up(self) -> None:
         """A copy as copy_out makes it (on its stream), of the null block's own
         pages through the arena and back: the kernel compiled before the first
         request lands (KVReceiver.warm_up)."""
         zero = torch.zeros(1, dtype=torch.long, device=self._kv.device)
         pages = self.pages(0, 1)
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        with self._on_stream():
             ops.copy_blocks(self._kv[0], pages[0], zero, zero)
             ops.copy_blocks(pages[0], self._kv[0], zero, zero)
         if self._stream is not None:

@@ -88,6 +88,9 @@ def test_1p1d_over_nixl_matches_colocated(tmp_path, tiny_model, reference):
             # each range given back.
             assert workers["decode-0"]["transfer"]["nixl_landed"] >= 1
             assert workers["decode-0"]["transfer"]["nixl_landing_ranges"] == 0
+            # On a GPU the landing copy's kernel was compiled at start, with the others.
+            assert {wid: w["kernels_compiled_in_service"] for wid, w in workers.items()} == \
+                {"prefill-0": 0, "decode-0": 0}
             assert workers["prefill-0"]["transfer_to"] == {
                 "decode-0": {"backend": "nixl", "reason": "both take nixl, and nothing else both take; "
                                                           "nixl is for two hosts"}}
