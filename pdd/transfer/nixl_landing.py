@@ -105,15 +105,22 @@ class LandingArena:
         blocks from then on."""
         pages = self.pages(offset, num_blocks)
         dev = self._kv.device
-        ids: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}   # the same for most layers
+        ids: dict[tuple[int, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}   # the same for most layers
         with self._on_stream():
             for layer, written_blocks in sorted(written.items()):
-                key = tuple(sorted(written_blocks))
+                key = tuple(sorted(written_blocks, key=places.__getitem__))
                 if key not in ids:
-                    ids[key] = (torch.tensor([places[b] for b in key], dtype=torch.long, device=dev),
+                    src = [places[b] for b in key]
+                    # Places 0..n-1 (a request written whole): the range's head is the
+                    # pages in order, one pass copies it into the blocks.
+                    ids[key] = (None if src == list(range(len(src))) else
+                                torch.tensor(src, dtype=torch.long, device=dev),
                                 torch.tensor(key, dtype=torch.long, device=dev))
                 src_ids, dst_ids = ids[key]
-                ops.copy_blocks(pages[layer], self._kv[layer], src_ids, dst_ids)
+                if src_ids is None:
+                    ops.scatter_blocks(self._kv[layer], dst_ids, pages[layer, :, :len(key)])
+                else:
+                    ops.copy_blocks(pages[layer], self._kv[layer], src_ids, dst_ids)
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -128,14 +135,15 @@ class LandingArena:
         return stack
 
     def warm_up(self) -> None:
-        """A copy as copy_out makes it (on its stream), of the null block's own
-        pages through the arena and back: the kernel compiled before the first
-        request lands (KVReceiver.warm_up)."""
+        """The copies copy_out makes (on its stream), of the null block's own
+        pages through the arena and back: their kernels compiled before the
+        first request lands (KVReceiver.warm_up)."""
         zero = torch.zeros(1, dtype=torch.long, device=self._kv.device)
         pages = self.pages(0, 1)
         with self._on_stream():
             ops.copy_blocks(self._kv[0], pages[0], zero, zero)
             ops.copy_blocks(pages[0], self._kv[0], zero, zero)
+            ops.scatter_blocks(self._kv[0], zero, pages[0])
         if self._stream is not None:
             self._stream.synchronize()
 
