@@ -137,7 +137,7 @@ class NixlControl(OneSidedControl):
                 self._refuse(err)   # its commit is refused on the same grounds
                 continue
             tally = self._tallies.setdefault(lease_id, _Tally(note["request_id"]))
-            err = self._check(note, lease_id, tally)
+            err = self._check(note, lease_id)
             if err is not None:
                 tally.error = tally.error or self._refuse(err)
                 continue
@@ -149,7 +149,7 @@ class NixlControl(OneSidedControl):
             self.stats.messages += 1
             self.stats.bytes += note["nbytes"]
 
-    def _check(self, note: dict, lease_id: str, tally: _Tally) -> str | None:
+    def _check(self, note: dict, lease_id: str) -> str | None:
         if note["layout_id"] != self._layout_id:
             return "the write was made under another KV layout than this pool's"
         if note["layer"] >= self._num_layers:
@@ -162,6 +162,7 @@ class NixlControl(OneSidedControl):
         if note["landing"] != (rng.offset if rng is not None else -1):
             return ("the write landed outside the request's landing range" if rng is not None else
                     "a write into the landing region for a request granted no range")
+        tally = self._tallies[lease_id]
         for b, place in zip(note["dst_block_ids"], note["places"] if rng is not None else ()):
             if place >= rng.num_blocks:
                 return f"place {place} outside the landing range of {rng.num_blocks} blocks"
