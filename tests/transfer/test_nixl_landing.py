@@ -12,17 +12,16 @@ import signal
 import pytest
 import torch
 
-from pdd.transfer import make_receiver, make_sender
-from pdd.transfer.base import TransferTarget
+from pdd.transfer import make_receiver
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable
 from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
 from tests.transfer.peers import Peer, SenderPeer, wait_result
+from tests.transfer.test_nixl import GRACE_S, make_nixl_sender, send, target  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
-GRACE_S = 0.5      # the decode side's writer grace, shortened (as test_nixl.py)
 POOL_BLOCKS = 40
 
 
@@ -58,32 +57,8 @@ def own_peer():
             p.stop()
 
 
-@pytest.fixture
-def make_nixl_sender():
-    made = []
-
-    def make(layout, timeout_s: float = 10.0):
-        made.append(make_sender("nixl", layout, timeout_s=timeout_s))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
-
-
 def src_pool(layout, seed: int) -> torch.Tensor:
     return make_pool(layout, seed, blocks=POOL_BLOCKS)
-
-
-def send(sender, target, src, src_blocks, layers=None, indices=None):
-    for layer in range(src.shape[0]) if layers is None else layers:
-        sender.send_layer(target, layer, src[layer], src_blocks,
-                          list(range(len(src_blocks))) if indices is None else indices)
-    sender.step_done()
-
-
-def target(peer: Peer, rid: str, dst: list[int], ttl_s: float = 30.0) -> TransferTarget:
-    return TransferTarget(rid, peer("grant", rid, dst, ttl_s), "d", peer.address, tuple(dst), backend="nixl")
 
 
 def settled(peer: Peer) -> bool:
