@@ -329,6 +329,14 @@ class WorkerConfig:
     # cuda_ipc: 0 = copy a step's pages once, after its forward; N = every N
     # layers while the forward runs (see pdd.transfer.cuda_ipc for which pays when).
     ipc_layers_per_copy: int = 0
+    # nixl, decode side: a landing region of this many bytes beside the KV pool
+    # (registered once): a request's pages are written there contiguously, two
+    # NIXL descriptors per layer however scattered its blocks are in the pool,
+    # then copied into its blocks on this device. None: room for one request
+    # of max_model_len tokens, at most 2 GiB; 0: none (pages go straight into
+    # the blocks: a descriptor per k|v per run of neighbouring blocks). A pool
+    # sized from free GPU memory leaves it room.
+    nixl_landing_bytes: int | None = None
     # An engine step running longer than this is a hung worker: the router moves
     # its requests and sends it nothing new until its steps advance again.
     step_timeout_s: float = 60.0
@@ -359,6 +367,11 @@ class WorkerConfig:
             raise ConfigError("worker.step_timeout_s: must be > 0")
         if not 0 < self.drain_timeout_s < float("inf"):
             raise ConfigError(f"worker.drain_timeout_s: must be > 0 (seconds), got {self.drain_timeout_s}")
+        if self.nixl_landing_bytes is not None and (
+                not isinstance(self.nixl_landing_bytes, int) or isinstance(self.nixl_landing_bytes, bool)
+                or self.nixl_landing_bytes < 0):
+            raise ConfigError(f"worker.nixl_landing_bytes: must be an integer >= 0 (bytes; 0 = no landing "
+                              f"region), got {self.nixl_landing_bytes!r}")
         if self.ipc_layers_per_copy < 0:
             raise ConfigError("worker.ipc_layers_per_copy: must be >= 0 (0 = once per step, after its forward)")
         if self.prefill_for_others and self.role != "colocated":

@@ -118,6 +118,10 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                         "order a pool that served requests hands it out)")
     b.add_argument("--contiguous", action="store_const", const="contiguous", dest="blocks",
                    help="the same as --blocks contiguous")
+    b.add_argument("--nixl-landing", default="on", choices=["on", "off"],
+                   help="nixl: the decode side's landing region (on: a layer's pages land contiguously, two "
+                        "descriptors, and are copied into the blocks there; off: written straight into the "
+                        "blocks, two descriptors per run of neighbouring blocks)")
     b.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
     b.add_argument("--receiver-thread", action="store_true",
                    help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")

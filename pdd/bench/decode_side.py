@@ -43,10 +43,11 @@ class LocalDecode:
     """The decode side in this process: a receiver of `backend` (its data
     socket's thread, or the local backend's in-process page writer)."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str, backend: str = "tcp"):
+    def __init__(self, layout: KVLayout, blocks: int, device: str, backend: str = "tcp", landing_bytes: int = 0):
+        """landing_bytes: nixl's landing region beside the pool (0: none)."""
         self.dst = make_pool(layout, blocks, device, 2)
         self.leases = LeaseTable()
-        self.receiver = make_receiver(backend, self.dst, layout, self.leases)
+        self.receiver = make_receiver(backend, self.dst, layout, self.leases, nixl_landing_bytes=landing_bytes)
         self.receiver.start()
         self.address = self.receiver.address
 
@@ -67,8 +68,8 @@ class LocalDecode:
         self.receiver.close()
 
 
-def _serve(conn, layout: dict, blocks: int, device: str, backend: str) -> None:
-    side = LocalDecode(KVLayout.from_dict(layout), blocks, device, backend)
+def _serve(conn, layout: dict, blocks: int, device: str, backend: str, landing_bytes: int) -> None:
+    side = LocalDecode(KVLayout.from_dict(layout), blocks, device, backend, landing_bytes)
     conn.send(side.address)
     while True:
         cmd, *rest = conn.recv()
@@ -90,12 +91,13 @@ class RemoteDecode(LocalDecode):
     sender. Its data socket serves tcp and cuda_ipc senders, and nixl ones when
     `backend` is nixl (its pool registered with a NIXL agent there)."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device: str, backend: str = "tcp"):
+    def __init__(self, layout: KVLayout, blocks: int, device: str, backend: str = "tcp", landing_bytes: int = 0):
         if backend == "local":
             raise ValueError("the local backend joins two ends of one process: use LocalDecode")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, layout.to_dict(), blocks, device, backend), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, layout.to_dict(), blocks, device, backend, landing_bytes),
+                                daemon=True)
         self.proc.start()
         child.close()   # so that its death reads as EOF here
         if not self.conn.poll(600):

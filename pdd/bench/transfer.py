@@ -2,7 +2,8 @@
 
     pdd bench transfer [--backends nixl,cuda_ipc,tcp,local] [--tokens 16384,...] [--shape 8b|tiny]
                        [--device cpu|cuda[:N]] [--peer-device cuda:M] [--ucx-tls TLS]
-                       [--blocks scattered|contiguous|descending|shuffled] [--repeats 5] [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
+                       [--blocks scattered|contiguous|descending|shuffled] [--nixl-landing on|off] [--repeats 5]
+                       [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
 
 One request of N tokens (default 16,384, in the Llama-3.1-8B KV shape: 32 layers x 8 KV heads x
 128, bf16, blocks of 16 tokens: 128 KiB a token, 2 GiB the request) goes out as a prefill worker
@@ -18,9 +19,13 @@ its pool registered with a NIXL agent) is a process of its own, as a decode work
     nixl      one-sided NIXL/UCX writes from registered staging memory. UCX picks the transport
               (shared memory or TCP within a host, cuda_ipc between GPUs, RDMA across hosts);
               --ucx-tls sets UCX_TLS for both ends (tcp: UCX's own TCP on the same loopback as
-              the tcp backend). A write names two descriptors (k, v) per run of destination
-              blocks that are neighbours in the pool, per layer, in whatever order the request
-              holds them: --blocks scattered two per block per layer, the others two per layer.
+              the tcp backend). The decode side has a landing region with room for the largest
+              request (--nixl-landing on, as a decode worker by default): a layer's pages land
+              there as two descriptors (k, v) whatever --blocks says, and the decode side copies
+              them into the blocks before it accepts the commit (timed). --nixl-landing off:
+              straight into the blocks, two descriptors per run of destination blocks that are
+              neighbours in the pool, per layer, in whatever order the request holds them:
+              --blocks scattered two per block per layer, the others two per layer.
     cuda_ipc  (GPU) the decode process's pool opened through CUDA IPC, the pages copied into it
               by a kernel once per step (the worker's default, ipc_layers_per_copy = 0)
     local     both ends in this process, the same lease-checked page writer without a socket:
@@ -138,12 +143,13 @@ class _Rig:
     """One backend's sender and decode side, reused across request sizes."""
 
     def __init__(self, backend: str, layout: KVLayout, src: torch.Tensor, peer_device: str,
-                 receiver_thread: bool, blocks: int):
-        """blocks: of the decode pool."""
+                 receiver_thread: bool, blocks: int, landing_bytes: int = 0):
+        """blocks: of the decode pool; landing_bytes: its nixl landing region."""
         self.backend, self.src = backend, src
         # A CUDA IPC handle cannot be opened in the process that exported it.
         in_process = backend == "local" or (receiver_thread and backend != "cuda_ipc")
-        self.decode = (LocalDecode if in_process else RemoteDecode)(layout, blocks, peer_device, backend)
+        self.decode = (LocalDecode if in_process else RemoteDecode)(
+            layout, blocks, peer_device, backend, landing_bytes if backend == "nixl" else 0)
         self.receiver = "this process" if in_process else "own process"
         try:
             kw = {"device": src.device} if backend == "cuda_ipc" else {}
@@ -255,6 +261,13 @@ def block_ids(blocks: int, src_total: int, order: str) -> tuple[list[int], list[
     raise ValueError(f"--blocks {order!r}: want scattered, contiguous, descending or shuffled")
 
 
+def landing_bytes(layout: KVLayout, blocks: int, setting: str) -> int:
+    """The decode side's nixl landing region for requests of up to `blocks` blocks (--nixl-landing)."""
+    if setting not in ("on", "off"):
+        raise ValueError(f"--nixl-landing {setting!r}: want on or off")
+    return _bytes_per_token(layout) * layout.block_size * blocks + 4096 if setting == "on" else 0
+
+
 def measure(rig: _Rig, blocks: int, repeats: int, order: str = "scattered", ceilings: bool = False) -> dict:
     """One request of `blocks` blocks, `repeats` times after a warm-up; the pages checked after."""
     src_ids, dst_ids = block_ids(blocks, rig.src.shape[2], order)
@@ -307,13 +320,16 @@ def main(args) -> int:
     order = getattr(args, "blocks", None) or "scattered"
     block_ids(1, 2, order)   # an unknown order is refused before any pool is made
     most = max(b for _, b in sizes)
+    landing = getattr(args, "nixl_landing", None) or "on"
+    landing_size = landing_bytes(layout, most, landing)
     src = make_pool(layout, most + 1, device, 1)
     results = {"date": time.strftime("%Y-%m-%d"), "device": device, "peer_device": peer,
                "layout": layout.to_dict(), "shape": args.shape, "ucx_tls": os.environ.get("UCX_TLS", ""),
-               "blocks": order, "threads": torch.get_num_threads(), "repeats": args.repeats,
+               "blocks": order, "nixl_landing": landing, "threads": torch.get_num_threads(),
+               "repeats": args.repeats,
                "runs": []}
     for backend in backends:
-        rig = _Rig(backend, layout, src, peer, args.receiver_thread, dst_pool_blocks(most, order))
+        rig = _Rig(backend, layout, src, peer, args.receiver_thread, dst_pool_blocks(most, order), landing_size)
         try:
             for tokens, blocks in sizes:
                 r = measure(rig, blocks, args.repeats, order, args.zmq_ceilings and backend == "tcp")
@@ -332,7 +348,8 @@ def _report(results: dict, layout: KVLayout) -> str:
     lines = [f"KV layout {layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}, "
              f"{layout.kv_cache_dtype}, block {layout.block_size}: {per_token / 1024:g} KiB a token; "
              f"{results['device']} -> {results['peer_device']}; UCX_TLS={results['ucx_tls'] or '(UCX default)'}; "
-             f"{results['blocks']} blocks; median of {results['repeats']}",
+             f"{results['blocks']} blocks; nixl landing region {results['nixl_landing']}; "
+             f"median of {results['repeats']}",
              f"{'backend':<9} {'decode side':<13} {'tokens':>7} {'MiB':>7} {'descs':>6} {'ms/request':>11} "
              f"{'GB/s':>7} {'send_layer ms':>14}"
              + (f" {'zmq 1 buf GB/s':>15} {'zmq xN GB/s':>12}" if ceilings else "")]

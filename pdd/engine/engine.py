@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.request import Request
 from pdd.engine.scheduler import Scheduler
+from pdd.kv.cache import KVCacheSpec
 from pdd.kv.manager import KVCacheManager
 from pdd.model.config import ModelConfig
 from pdd.model.make_model import resolve_model_dir
@@ -81,7 +83,9 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig | None = None):
+    def __init__(self, cfg: EngineConfig | None = None,
+                 beside_kv: Callable[[KVCacheSpec, int], int] | None = None):
+        """beside_kv: what the worker allocates beside the KV pool (ModelRunner)."""
         self.cfg = cfg = (cfg or EngineConfig()).validate()
         self.model_dir = resolve_model_dir(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -93,7 +97,7 @@ class LLMEngine:
         self._use_device()
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         torch.manual_seed(cfg.seed)
-        self.runner = ModelRunner(cfg, self.model_config, str(self.model_dir), self.device, self.dtype)
+        self.runner = ModelRunner(cfg, self.model_config, str(self.model_dir), self.device, self.dtype, beside_kv)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
         pool_tokens = self.kv.pool.num_usable_blocks * cfg.block_size

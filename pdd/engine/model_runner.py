@@ -81,7 +81,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model_dir: str,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype,
+                 beside_kv: Callable[[KVCacheSpec, int], int] | None = None):
+        """beside_kv(spec, max_tokens) -> bytes the worker allocates beside the
+        KV pool on its device (`beside_kv_bytes`; max_tokens bounds one request)."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = device
@@ -89,7 +92,9 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, device, dtype, cfg.load_format)
         self.kv_spec = KVCacheSpec.for_model(model_cfg, cfg.block_size,
                                              resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype))
-        num_blocks = self.kv_spec.num_blocks_for(cfg, device)
+        max_tokens = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.beside_kv_bytes = beside_kv(self.kv_spec, max_tokens) if beside_kv is not None else 0
+        num_blocks = self.kv_spec.num_blocks_for(cfg, device, self.beside_kv_bytes)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, device)
         self.kv_scales = self._kv_scales()
         self.model.set_kv_cache(self.kv_cache, self.kv_scales)

@@ -49,13 +49,15 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    def num_blocks_for(self, cfg: EngineConfig, device: torch.device) -> int:
+    def num_blocks_for(self, cfg: EngineConfig, device: torch.device, beside_bytes: int = 0) -> int:
+        """beside_bytes: what the worker will allocate beside the pool on its
+        device (nixl's landing region), left out of a budget from free GPU memory."""
         if cfg.num_blocks is not None:
             return cfg.num_blocks
         if cfg.kv_cache_bytes is not None:
             budget = cfg.kv_cache_bytes
         elif device.type == "cuda":
-            budget = gpu_kv_budget(device, cfg.gpu_memory_utilization)
+            budget = gpu_kv_budget(device, cfg.gpu_memory_utilization) - beside_bytes
         else:
             budget = _CPU_DEFAULT_BYTES
         num_blocks = budget // self.bytes_per_block

@@ -13,6 +13,7 @@ backend name (the interface is pdd.transfer.base).
     nixl.py          the nixl sender (one-sided NIXL/UCX writes into a peer's pool; optional extra)
     nixl_control.py  the nixl decode side: the registered pool, its writers, write notifications
     nixl_agent.py    NIXL as pdd uses it: the optional import, the agent, descriptors, staging
+    nixl_landing.py  the nixl decode side's landing region: contiguous ranges, copied into the blocks
     local.py         both engines in one process (tests only)
     connector.py     which pages of which request go out after each layer (prefill engine)
 """
@@ -72,17 +73,19 @@ def make_sender(backend: str, layout: KVLayout, security=None, **kw) -> KVSender
 
 
 def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                  addr: str | None = None, security=None) -> KVReceiver:
+                  addr: str | None = None, security=None, nixl_landing_bytes: int = 0) -> KVReceiver:
     """A receiver for `backend`, not yet started. tcp, cuda_ipc, nixl and auto
     get the data socket (it answers tcp and cuda_ipc; with nixl it also
     registers the pool with a NIXL agent: a worker that offers nixl among
     others asks for "nixl"; `addr` defaults to a free loopback port); local a
     fresh in-process name. `security` (pdd.security.data_security; None:
-    plaintext) applies to the socket; the local backend has none."""
+    plaintext) applies to the socket; the local backend has none.
+    `nixl_landing_bytes`: nixl's landing region beside the pool (0: none;
+    pdd.transfer.nixl_landing)."""
     if backend in ("tcp", "cuda_ipc", "nixl", "auto"):
         from pdd.transfer.receiver import DataSocket
         return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
-                          nixl=backend == "nixl")
+                          nixl=backend == "nixl", nixl_landing_bytes=nixl_landing_bytes if backend == "nixl" else 0)
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")

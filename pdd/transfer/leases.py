@@ -160,6 +160,12 @@ class LeaseTable:
             out, self._released = self._released, []
         return out
 
+    def writer_ended(self, lease_id: str) -> bool:
+        """No one-sided writer of `lease_id` may still store: none began, it
+        ended, or its time ran out (its blocks are no longer held for it)."""
+        with self._lock:
+            return lease_id not in self._writers and lease_id not in self._held
+
     @property
     def num_held(self) -> int:
         """Closed leases whose blocks are still kept out of use: held, or

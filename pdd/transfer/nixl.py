@@ -20,7 +20,8 @@ for cuda_ipc (pdd.transfer.writers):
                  seen under an earlier name is dropped: it restarted)
     nixl_begin   before a request's first write: the lease is live, the decode
                  worker holds its blocks until we end; answers how long we may
-                 write, and which blocks (no write goes outside them)
+                 write, and which blocks (no write goes outside them); asks
+                 for a range of its landing region, granted where it has room
     nixl_commit  after every write of the request completed (completion means
                  it landed: NIXL flushes before it reports it): names how many
                  writes there were; the decode worker accepts once each one's
@@ -28,8 +29,19 @@ for cuda_ipc (pdd.transfer.writers):
     nixl_end     after a failed or aborted request's writes stopped
 
 Each write carries a notification (request, lease, pool incarnation, KV
-layout digest, sequence number, blocks) that NIXL delivers to the decode
-worker once the write landed.
+layout digest, sequence number, blocks, landing range) that NIXL delivers to
+the decode worker once the write landed.
+
+With a landing range (pdd.transfer.nixl_landing) a piece's pages go to the
+range's places of its blocks, which we choose: a block is given the next free
+place when it is first written, and keeps it (the notification names each
+block's place). A piece's new blocks thus take consecutive places: a layer
+staged whole, or a prompt chunk's new blocks, are two descriptors, however
+scattered its blocks are in the decode pool (a half-filled block a chunk
+completes keeps its earlier place: a run or two more). The decode worker
+copies them into the blocks at the commit. Without a range (none granted: no
+room, none configured, an older decode worker) the pages go straight into
+the blocks, one descriptor per k|v per run.
 
 Results: a request succeeds when its commit is accepted. It fails when the
 pool cannot be opened, the lease is refused or would expire, a write fails
@@ -55,6 +67,7 @@ import zmq
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
+from pdd.transfer.nixl_landing import landing_region
 from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, Tombstones,
                                  handshake_refused, index_tensor)
 from pdd.transfer.wire import encode_write_notif, layout_digest
@@ -101,6 +114,9 @@ class _Req:
     granted: bool = False      # the begin was answered: we may write
     begun: bool = False        # the decode worker counts us as a writer
     blocks: frozenset[int] = frozenset()
+    landing: PoolRegion | None = None   # the range granted in the decode worker's landing region
+    landing_offset: int = -1
+    places: dict[int, int] = field(default_factory=dict)   # block -> its place in the landing range, as given
     write_until: float = 0.0   # perf_counter(): no write posted after it
     finished: bool = False
     blocks_skipped: int = 0
@@ -118,6 +134,7 @@ class _PeerDest(Dest):
         super().__init__(*args)
         self.peer = ""                  # its agent's name, loaded in ours
         self.region: PoolRegion | None = None
+        self.landing: dict | None = None   # its landing region (nixl_landing.LandingArena.region), if any
         self.pool_id = ""
         self.opening_for: _Req | None = None
         self.waiting: list[_Req] = []   # to begin once the pool is open
@@ -316,13 +333,18 @@ class NixlSender(ControlSender):
     def _post(self, req: _Req, dest: _PeerDest, piece: _Piece) -> str | None:
         arena = self.arena
         n = len(piece.dst)
-        local, remote = write_descs(dest.region, piece.nbytes // (2 * n), piece.layer,
-                                    arena.buf.data_ptr() + piece.offset, n, piece.dst, device_id(arena.buf))
+        region, dst = dest.region, piece.dst
+        if req.landing is not None:
+            # Every block written is leased (_refusal), so places stay inside the range.
+            region, dst = req.landing, [req.places.setdefault(b, len(req.places)) for b in piece.dst]
+        local, remote = write_descs(region, piece.nbytes // (2 * n), piece.layer,
+                                    arena.buf.data_ptr() + piece.offset, n, dst, device_id(arena.buf))
         notif = encode_write_notif(request_id=req.target.request_id, lease_id=req.target.lease_id,
                                    pool_id=req.pool_id, layout_id=self._layout_id, seq=req.writes,
-                                   layer=piece.layer, dst_block_ids=piece.dst, nbytes=piece.nbytes)
+                                   layer=piece.layer, dst_block_ids=piece.dst, nbytes=piece.nbytes,
+                                   landing=req.landing_offset, places=dst if req.landing is not None else ())
         try:
-            handle = self.agent.write(local, mem_type(arena.buf), remote, dest.region.mem, dest.peer, notif)
+            handle = self.agent.write(local, mem_type(arena.buf), remote, region.mem, dest.peer, notif)
         except Exception as e:  # the peer went away, most often: NIXL says so
             self._drop_peer(dest)
             return f"nixl write to {dest.addr} failed: {type(e).__name__}: {e}"
@@ -449,7 +471,7 @@ class NixlSender(ControlSender):
         if dest.peer:
             req.pool_id = dest.pool_id
             self._ask(dest, "nixl_begin", req, request_id=req.target.request_id, lease_id=req.target.lease_id,
-                      pool_id=dest.pool_id)
+                      pool_id=dest.pool_id, landing=dest.landing is not None)
             return
         if dest.error and time.perf_counter() - dest.failed_at < _REOPEN_AFTER_S:
             self._settle(req, False, dest.error)
@@ -508,9 +530,13 @@ class NixlSender(ControlSender):
         want = self.layout.num_layers * 2 * region.num_blocks * self._page_bytes()
         if region.nbytes != want:
             raise ValueError(f"the decode worker's pool is {region.nbytes} bytes, its layout implies {want}")
+        landing = data.get("landing")
+        if landing is not None and not (isinstance(landing, dict)
+                                        and {"addr", "nbytes", "device", "mem"} <= landing.keys()):
+            raise ValueError(f"malformed landing region {landing!r:.80}")
         self._drop_peer(dest)
         dest.peer = self.agent.add_peer(data["metadata"])
-        dest.region, dest.pool_id = region, data["pool_id"]
+        dest.region, dest.pool_id, dest.landing = region, data["pool_id"], landing
         log.info("kv nixl sender: loaded the NIXL agent %s of %s", dest.peer, dest.addr)
 
     def _page_bytes(self) -> int:
@@ -522,7 +548,7 @@ class NixlSender(ControlSender):
         if dest.peer:
             log.info("kv nixl sender: dropped the NIXL agent %s of %s", dest.peer, dest.addr)
             self.agent.remove_peer(dest.peer)
-        dest.peer, dest.region, dest.pool_id = "", None, ""
+        dest.peer, dest.region, dest.pool_id, dest.landing = "", None, "", None
 
     def _on_begin(self, req: _Req, ok: bool, error: str, data: dict, timed_out: bool) -> None:
         if ok:
@@ -532,12 +558,33 @@ class NixlSender(ControlSender):
                 return
             req.granted, req.blocks = True, frozenset(data.get("blocks", ()))
             req.write_until = time.perf_counter() + float(data.get("seconds", 0.0)) - _DEADLINE_MARGIN_S
+            if data.get("landing") is not None:
+                err = self._land_in(req, data["landing"])
+                if err is not None:
+                    self._settle(req, False, err)
+                    return
             self._pump(req)
             return
         dest = self._dests.get(self._dest_key(req.target))
         if dest is not None and (timed_out or error.startswith("stale pool")):
             self._drop_peer(dest)   # restarted, or silent: open it afresh next time
         self._settle(req, False, error)
+
+    def _land_in(self, req: _Req, granted) -> str | None:
+        """Write `req`'s pages into the landing range its begin granted; why not, if it cannot be addressed."""
+        dest = self._dests.get(self._dest_key(req.target))
+        try:
+            if dest is None or dest.landing is None:
+                raise ValueError("a range granted by a decode worker that offered no landing region")
+            blocks = len(req.blocks)
+            want = self.layout.num_layers * 2 * blocks * self._page_bytes()
+            if granted["nbytes"] != want:
+                raise ValueError(f"a range of {granted['nbytes']} bytes for {blocks} blocks ({want} bytes)")
+            req.landing = landing_region(dest.landing, granted["offset"], granted["nbytes"], blocks)
+        except (KeyError, TypeError, ValueError) as e:
+            return f"bad nixl_begin answer: {e}"
+        req.landing_offset = granted["offset"]
+        return None
 
     def _on_monitor(self, key: DestKey, dest: _PeerDest, events: set[int]) -> bool:
         if any(e & HANDSHAKE_FAILED for e in events):

@@ -207,11 +207,11 @@ def _nbytes(payload) -> int:
 class DataSocket(KVReceiver):
     """The data socket: a ROUTER bound at `addr` (port 0 picks a free port;
     `address` is the one to give senders). Serves tcp and cuda_ipc senders,
-    and nixl senders when `nixl` (its pool registered with a NIXL agent here:
-    pdd.transfer.nixl_control)."""
+    and nixl senders when `nixl` (its pool registered with a NIXL agent here,
+    and a landing region of `nixl_landing_bytes` beside it: pdd.transfer.nixl_control)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                 addr: str = "tcp://127.0.0.1:0", security=None, nixl: bool = False):
+                 addr: str = "tcp://127.0.0.1:0", security=None, nixl: bool = False, nixl_landing_bytes: int = 0):
         self._bind_addr = addr
         self.security = security
         self._writer = PageWriter(kv_cache, layout, leases)
@@ -220,7 +220,7 @@ class DataSocket(KVReceiver):
         self.nixl = None
         if nixl:
             from pdd.transfer.nixl_control import NixlControl
-            self.nixl = NixlControl(kv_cache, layout, leases, self.stats)
+            self.nixl = NixlControl(kv_cache, layout, leases, self.stats, nixl_landing_bytes)
         self._controls: dict[str, OneSidedControl] = {c.family: c for c in (self.ipc, self.nixl) if c is not None}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -239,6 +239,8 @@ class DataSocket(KVReceiver):
 
     def warm_up(self) -> None:
         self._writer.warm_up()
+        if self.nixl is not None:
+            self.nixl.warm_up()
 
     def close(self) -> None:
         self._stop.set()

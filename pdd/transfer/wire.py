@@ -18,7 +18,13 @@ A write notification (nixl) is not a data-socket frame: NIXL delivers it to
 the decode worker's agent once the write it rides on has landed. It names the
 request, lease, pool incarnation and KV layout (by digest) the write was made
 under, and the blocks it wrote; the decode side checks them before a commit
-is accepted.
+is accepted. A write into the decode worker's landing region
+(pdd.transfer.nixl_landing) names the range it landed in (`landing`, its
+offset; -1 or absent: straight into the blocks) and where in it each block's
+pages went (`places`, one per block). A writer asks for a range in
+its begin (`landing`: true); a decode worker that has none, or predates them,
+grants none and the writer writes into the blocks, so either side may be the
+older one.
 """
 from __future__ import annotations
 
@@ -173,10 +179,11 @@ def layout_digest(layout: dict) -> str:
 
 
 def encode_write_notif(*, request_id: str, lease_id: str, pool_id: str, layout_id: str, seq: int, layer: int,
-                       dst_block_ids: list[int], nbytes: int) -> bytes:
+                       dst_block_ids: list[int], nbytes: int, landing: int = -1, places=()) -> bytes:
     return msgpack.packb({"v": VERSION, "kind": "nixl_write", "request_id": request_id, "lease_id": lease_id,
                           "pool_id": pool_id, "layout_id": layout_id, "seq": int(seq), "layer": int(layer),
-                          "dst_block_ids": [int(b) for b in dst_block_ids], "nbytes": int(nbytes)})
+                          "dst_block_ids": [int(b) for b in dst_block_ids], "nbytes": int(nbytes),
+                          "landing": int(landing), "places": [int(p) for p in places]})
 
 
 def _unpack(raw: bytes | memoryview) -> Any:
@@ -236,7 +243,14 @@ def decode_control(raw: bytes | memoryview) -> dict:
 
 def decode_write_notif(raw: bytes | memoryview) -> dict:
     """A validated write notification; WireError says what is wrong."""
-    return _validate(_unpack(raw), _WRITE_NOTIF_FIELDS)
+    note = _validate(_unpack(raw), _WRITE_NOTIF_FIELDS)
+    landing = note.setdefault("landing", -1)
+    if not (_is_int(landing) and landing >= -1):
+        raise WireError(f"field 'landing' must be an int >= -1, got {landing!r:.80}")
+    places = note.setdefault("places", [])
+    if not _is_uint_list(places) or (landing >= 0 and len(places) != len(note["dst_block_ids"])):
+        raise WireError(f"field 'places' must list a non-negative int per block, got {places!r:.80}")
+    return note
 
 
 def control_family(msg: dict) -> str:

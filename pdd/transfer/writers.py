@@ -116,7 +116,12 @@ class OneSidedControl(abc.ABC):
         if err:
             return encode_reply(token, False, err)
         self.num_writers += 1
-        return encode_reply(token, True, seconds=seconds, blocks=sorted(lease.block_ids))
+        return encode_reply(token, True, seconds=seconds, blocks=sorted(lease.block_ids),
+                            **self._granted(msg, lease, seconds))
+
+    def _granted(self, msg: dict, lease, seconds: float) -> dict:
+        """What else an accepted begin's reply carries (the writer is registered)."""
+        return {}
 
     def _end(self, token: int, msg: dict, peer: Peer) -> bytes:
         self.leases.end_writer(msg["lease_id"], msg["request_id"])

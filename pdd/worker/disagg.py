@@ -93,10 +93,11 @@ def step_messages(worker_id: str, placements: PlacementTable, prefill_side: Pref
 class DecodeSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
                  placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None,
-                 backends: list[str] | None = None):
+                 backends: list[str] | None = None, landing_bytes: int = 0):
         """wakeup: called from the receiver's thread when a request's KV landed.
         security: the data socket's (pdd.security.data_security; None: plaintext).
-        backends: those the worker offers (pdd.transfer.offered_backends; None: of wc)."""
+        backends: those the worker offers (pdd.transfer.offered_backends; None: of wc).
+        landing_bytes: nixl's landing region, where nixl is offered (worker.nixl_landing_bytes)."""
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
@@ -110,7 +111,8 @@ class DecodeSide:
         if backends is None:
             backends = offered_backends(wc.transfer_backend, engine.device)
         self.receiver = make_receiver("nixl" if "nixl" in backends else wc.transfer_backend, engine.runner.kv_cache,
-                                      layout, self.leases, wc.data_addr, security=security)
+                                      layout, self.leases, wc.data_addr, security=security,
+                                      nixl_landing_bytes=landing_bytes)
         self.receiver.start()
 
     @property
@@ -249,11 +251,14 @@ class DecodeSide:
         return self.placements.any_in(RESERVED)
 
     def stats(self) -> dict:
-        st = self.receiver.stats
+        st, nixl = self.receiver.stats, self.receiver.nixl
         return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
                 "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": self.leases.num_held,
                 "ipc_writers": self.receiver.ipc.num_writers,
-                "nixl_writers": self.receiver.nixl.num_writers if self.receiver.nixl is not None else 0}
+                "nixl_writers": nixl.num_writers if nixl is not None else 0,
+                # Requests copied in from nixl's landing region, and its ranges out now.
+                "nixl_landed": nixl.landed_requests if nixl is not None else 0,
+                "nixl_landing_ranges": nixl.ranges_held if nixl is not None else 0}
 
     def warm_up(self) -> None:
         """The kernels that write arriving pages, compiled now (KVReceiver.warm_up)."""

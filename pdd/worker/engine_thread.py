@@ -38,12 +38,15 @@ import torch
 from pdd import faults
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
 from pdd.engine.engine import LLMEngine
+from pdd.kv.cache import KVCacheSpec
 from pdd.kv.layout import KVLayout
 from pdd.logs import request_context
 from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer import offered_backends
+from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
+from pdd.transfer.nixl_landing import landing_bytes
 from pdd.worker.disagg import DecodeSide, PrefillSide, admit, step_messages
 from pdd.worker.records import PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
@@ -178,7 +181,7 @@ class EngineThread(threading.Thread):
             # A prefill worker never runs a decode-only step: capturing decode graphs
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
-        e = self.engine = LLMEngine(engine_cfg)
+        e = self.engine = LLMEngine(engine_cfg, beside_kv=self._landing_bytes)
         self.placements = PlacementTable(e)
         # Before registering: the router's first requests must not pay the
         # Triton compilation of eager steps or of the data plane's page copies
@@ -200,7 +203,7 @@ class EngineThread(threading.Thread):
             backends = offered_backends(wc.transfer_backend, e.device)
             if self.role != "prefill":
                 self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, self.wake,
-                                              security, backends)
+                                              security, backends, landing_bytes=e.runner.beside_kv_bytes)
             if self.role == "prefill" or wc.prefill_for_others:
                 self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security,
                                                 backends)
@@ -218,6 +221,14 @@ class EngineThread(threading.Thread):
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
             data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=backends,
             prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg))
+
+    def _landing_bytes(self, spec: KVCacheSpec, max_tokens: int) -> int:
+        """nixl's landing region beside the pool, on a worker that receives over
+        nixl (pdd.transfer.nixl_landing); 0 elsewhere."""
+        wc = self.cfg.worker
+        if self.role == "prefill" or wc.transfer_backend not in ("auto", "nixl") or nixl_unavailable():
+            return 0
+        return landing_bytes(wc.nixl_landing_bytes, spec.bytes_per_token, max_tokens)
 
     def _serve(self) -> None:
         """The loop; returns when stopped, or drained; raises EngineFailed."""

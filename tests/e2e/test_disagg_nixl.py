@@ -84,6 +84,13 @@ def test_1p1d_over_nixl_matches_colocated(tmp_path, tiny_model, reference):
             _wait_for(lambda: metric(c, "pdd_kv_transfer_blocks_sent_total") > 0, 30.0, "transfers counted")
             _wait_for(lambda: c.workers()["decode-0"]["transfer"]["nixl_writers"] >= 16, 30.0, "nixl writes reported")
             workers = c.wait_idle(timeout_s=5.0)
+            # Through the decode worker's landing region (worker.nixl_landing_bytes by default),
+            # each range given back.
+            assert workers["decode-0"]["transfer"]["nixl_landed"] >= 1
+            assert workers["decode-0"]["transfer"]["nixl_landing_ranges"] == 0
+            # On a GPU the landing copy's kernel was compiled at start, with the others.
+            assert {wid: w["kernels_compiled_in_service"] for wid, w in workers.items()} == \
+                {"prefill-0": 0, "decode-0": 0}
             assert workers["prefill-0"]["transfer_to"] == {
                 "decode-0": {"backend": "nixl", "reason": "both take nixl, and nothing else both take; "
                                                           "nixl is for two hosts"}}
@@ -126,6 +133,7 @@ def test_a_decode_worker_killed_mid_transfer_over_nixl(tmp_path, tiny_model, ref
             _wait_for(lambda: c.workers()["decode-0"]["transfer"]["nixl_writers"] >= 2, 30.0, "nixl writes reported")
             workers = c.wait_idle(timeout_s=5.0)
             assert workers["decode-0"]["transfer"]["held_leases"] == 0
+            assert workers["decode-0"]["transfer"]["nixl_landing_ranges"] == 0
             assert_all_free(c)
         finally:
             assert c.stop() == 0, c.logs()

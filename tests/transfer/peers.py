@@ -40,23 +40,26 @@ def _send(conn, obj) -> None:
 
 
 def serve_pool(conn, layout: dict, device: str, seed: int, keys_dir: str | None = None, backend: str = "tcp",
-               addr: str | None = None, writer_grace_s: float | None = None) -> None:
+               addr: str | None = None, writer_grace_s: float | None = None, landing_bytes: int = 0,
+               blocks: int | None = None) -> None:
     """Sends (address, the data socket's public key or "") once it listens;
     `keys_dir`: the data socket runs CURVE with that cluster's keys.
     `writer_grace_s`: shortens pdd.transfer.leases.WRITER_GRACE_S (a test's
-    silent writer need not hold blocks for the production grace)."""
+    silent writer need not hold blocks for the production grace).
+    `landing_bytes`: nixl's landing region. `blocks`: of the pool (default BLOCKS)."""
     if writer_grace_s is not None:
         import pdd.transfer.leases
         pdd.transfer.leases.WRITER_GRACE_S = writer_grace_s
     layout = KVLayout.from_dict(layout)
-    pool = make_pool(layout, seed).to(device)
+    pool = (make_pool(layout, seed) if blocks is None else make_pool(layout, seed, blocks)).to(device)
     leases = LeaseTable()
     security = None
     if keys_dir is not None:
         from pdd.security import data_security
         from tests.security.conftest import secure_config
         security = data_security(secure_config(keys_dir))
-    receiver = make_receiver(backend, pool, layout, leases, addr=addr, security=security)
+    receiver = make_receiver(backend, pool, layout, leases, addr=addr, security=security,
+                             nixl_landing_bytes=landing_bytes)
     receiver.start()
     _send(conn, (receiver.address, security.public_key if security else ""))
     try:
@@ -80,7 +83,10 @@ def serve_pool(conn, layout: dict, device: str, seed: int, keys_dir: str | None 
                 _send(conn, {"messages": s.messages, "rejected": s.rejected, "last_error": s.last_error,
                            "held": leases.num_held, "leases": len(leases), "rss": rss_bytes(),
                            "tallies": len(nixl._tallies) if nixl is not None else 0,
-                           "writers": nixl.num_writers if nixl is not None else receiver.ipc.num_writers})
+                           "writers": nixl.num_writers if nixl is not None else receiver.ipc.num_writers,
+                           "landing_ranges": nixl.ranges_held if nixl is not None else 0,
+                           "landing_out": nixl.landing.held if nixl is not None and nixl.landing else 0,
+                           "landed_requests": nixl.landed_requests if nixl is not None else 0})
             else:
                 _send(conn, None)
                 return
@@ -167,10 +173,12 @@ class Peer(_Child):
     """serve_pool in a child process: peer("grant", rid, blocks, ttl_s), ..."""
 
     def __init__(self, layout: KVLayout, device: str = "cpu", backend: str = "tcp", addr: str | None = None,
-                 writer_grace_s: float | None = None, seed: int = 2, **child):
+                 writer_grace_s: float | None = None, seed: int = 2, landing_bytes: int = 0,
+                 blocks: int | None = None, **child):
         self.layout = layout
         super().__init__(serve_pool, (layout.to_dict(), device, seed),
-                         {"backend": backend, "addr": addr, "writer_grace_s": writer_grace_s}, **child)
+                         {"backend": backend, "addr": addr, "writer_grace_s": writer_grace_s,
+                          "landing_bytes": landing_bytes, "blocks": blocks}, **child)
         self.address, self.key = self.hello
 
 

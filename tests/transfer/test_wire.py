@@ -58,7 +58,15 @@ def test_write_notif_round_trip():
     fields = dict(request_id="r", lease_id="l", pool_id="pdd-decode-1", layout_id=layout_digest(make_layout().to_dict()),
                   seq=4, layer=2, dst_block_ids=[7, 8], nbytes=4096)
     assert {k: v for k, v in decode_write_notif(encode_write_notif(**fields)).items()
-            if k not in ("v", "kind")} == fields
+            if k not in ("v", "kind")} == {**fields, "landing": -1, "places": []}
+    landed = {**fields, "landing": 512, "places": [3, 4]}
+    assert {k: v for k, v in decode_write_notif(encode_write_notif(**landed)).items()
+            if k not in ("v", "kind")} == landed
+    # An older writer's notification (no landing fields) reads as a write into the blocks.
+    older = msgpack.packb({"v": VERSION, "kind": "nixl_write", **fields})
+    assert (decode_write_notif(older)["landing"], decode_write_notif(older)["places"]) == (-1, [])
+    with pytest.raises(WireError, match="field 'places'"):
+        decode_write_notif(encode_write_notif(**{**landed, "places": [3]}))
     with pytest.raises(WireError, match="field 'dst_block_ids'"):
         decode_write_notif(encode_write_notif(**{**fields, "dst_block_ids": [-1]}))
     with pytest.raises(WireError, match="field 'kind' must be 'nixl_write'"):
