@@ -42,8 +42,16 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     """[B] seeds, [B] positions -> [B, vocab] float32 uniforms in (0, 1)."""
     row = _mix64(seeds * _GOLDEN + _mix64(positions + 1))  # [B]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix64(row[:, None] + idx[None, :] * _GOLDEN)
-    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_float(_mix64(row[:, None] + idx[None, :] * _GOLDEN))
+
+
+def unit_float(bits: torch.Tensor) -> torch.Tensor:
+    """int64 random bits -> float32 in (0, 1): the top 23 bits k as (k + 0.5) /
+    2^23, exact in float32, so never 0 or 1. (From 24 bits the largest value,
+    2^24 - 0.5, rounds up to 2^24: u = 1 makes the Gumbel noise +inf, a token
+    masked to -inf then scores NaN, and argmax picks NaN: a token outside the
+    grammar, top-k or top-p, about once in 130 rows of a 128k vocabulary.)"""
+    return (_shr(bits, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdd import LLM, SamplingParams
-from pdd.engine.sampler import SamplingBatch, sample, uniform_noise
+from pdd.engine.sampler import SamplingBatch, sample, uniform_noise, unit_float
 from tests.engine.helpers import assert_all_blocks_free, random_prompts
 
 
@@ -126,3 +126,30 @@ def test_min_tokens_holds_off_a_stop_token(llm):
     if first in held.token_ids:          # it may stop the request from the 4th token on, and then ends it
         assert held.token_ids.index(first) == len(held.token_ids) - 1 >= 3
     assert_all_blocks_free(llm)
+
+
+def test_uniforms_are_never_0_or_1_whatever_the_bits():
+    """u = 1 would make the Gumbel noise +inf, and a token masked to -inf (by a
+    grammar, top-k, top-p) would then score NaN, which argmax picks."""
+    extremes = torch.tensor([-1, (1 << 63) - 1, 0, 1, -(1 << 63), (1 << 41) - 1, -(1 << 41)], dtype=torch.int64)
+    u = unit_float(extremes)
+    assert u.dtype == torch.float32 and bool(((u > 0) & (u < 1)).all()), u
+    gumbel = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(gumbel).all()), gumbel
+
+
+def test_a_masked_token_is_never_sampled_whatever_the_noise():
+    """Every token but two masked out (as a grammar does), noise at its extremes:
+    the pick is one of the two."""
+    logits = torch.randn(4, 64)
+    batch = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s) for s in range(4)], [5] * 4,
+                                torch.device("cpu"))
+    words = torch.zeros(4, 2, dtype=torch.int32)
+    words[:, 0] = 0b101          # tokens 0 and 2
+    batch.allowed = words
+    for bits in (-1, 0, (1 << 63) - 1):
+        noise = unit_float(torch.full((4, 64), bits, dtype=torch.int64))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("pdd.engine.sampler.uniform_noise", lambda seeds, positions, vocab, n=noise: n)
+            tokens = sample(logits, batch).tokens
+        assert set(tokens.tolist()) <= {0, 2}, (bits, tokens)
