@@ -185,8 +185,8 @@ class LLMEngine:
         """Run short synthetic requests through the engine's own steps, so the
         Triton kernels of eager (prefill, mixed) steps are compiled before real
         requests wait on them (seconds of TTFT on a fresh H200 worker otherwise),
-        then the variants of sampling, the split prefill and the decode GEMV
-        that those steps do not all reach. For an idle engine that serves
+        then the variants of sampling, attention's split merge and the decode
+        GEMV that those steps do not all reach. For an idle engine that serves
         nothing yet.
 
         Leaves no trace: prefix caching is off while it runs (nothing is looked
@@ -225,6 +225,7 @@ class LLMEngine:
             self.kv.enable_prefix_caching = prefix_caching
         ops.warm_up_sampling(self.model_config.vocab_size, self.cfg.max_num_seqs, self.device)
         mc = self.model_config
+        ops.warm_up_attention(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.max_model_len, self.device)
         attn = self.runner.model.model.layers[0].self_attn
         ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
         ops.warm_up_gemv(self.runner.model.gemv_sites(), self.dtype, self.device)

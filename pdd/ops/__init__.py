@@ -26,7 +26,8 @@ GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEM
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
            "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
-           "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul", "warm_up_gemv"]
+           "warm_up_attention", "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul",
+           "warm_up_gemv"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -83,6 +84,17 @@ def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
     (what a worker's warm-up steps do not all reach); how many, 0 off the GPU."""
     backend = _load_triton() if device.type == "cuda" else None
     return backend.warm_up_argmax(vocab, max_rows, device) if backend is not None else 0
+
+
+def warm_up_attention(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Compile attention's split merge for every split count it can pick with
+    contexts up to max_seq_len (what a worker's warm-up steps do not all
+    reach); how many, 0 off the GPU."""
+    backend = _load_triton() if device.type == "cuda" else None
+    if backend is None:
+        return 0
+    return backend.warm_up_merges(num_heads, kv_heads, head_dim, dtype, max_seq_len, device)
 
 
 def warm_up_split_prefill(num_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,

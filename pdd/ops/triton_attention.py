@@ -2,8 +2,6 @@
 paged context (see triton_ops for the design)."""
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -100,74 +98,17 @@ def _q_for_cache(q, k_cache):
 
 
 # ---------------------------------------------------------------------------
-# split keys: the last program of a group merges (no second launch)
-# ---------------------------------------------------------------------------
-
-@triton.jit
-def _take_ticket(tickets, group, num_splits):
-    """True in the last of a group's num_splits programs to get here, which then
-    merges the group's partials and must reset tickets[group] to 0 (launches of a
-    device are stream-ordered, so the next one finds every counter at 0: nothing
-    on the host zeroes them, CUDA graph replays included).
-
-    The barrier orders every thread's partial stores before the atomic, which
-    one thread issues; acq_rel at GPU scope releases them to the last program
-    and acquires the others' for its merge."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tickets + group, 1, sem="acq_rel", scope="gpu")
-    return ticket == num_splits - 1
-
-
-@triton.jit
-def _merge_partials(out_ptrs, first_row, row_mask, num_active, m_part, l_part, acc_part, offs_d,
-                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, D_PAD: tl.constexpr):
-    """Output rows [ROWS, D_PAD] from split-KV partials: row r's split s is
-    partial row first_row[r] + s of m and l ([rows, heads, splits]) and acc
-    ([..., HEAD_DIM]); splits [0, num_active) hold keys. SPLITS of them at a
-    time, loaded together ([ROWS, SPLITS, D_PAD]): one program waits on memory
-    once per SPLITS splits, not once per split. Loaded past L1 (.cg): other
-    programs of this launch wrote them."""
-    d_mask = offs_d < HEAD_DIM
-    offs_s = tl.arange(0, SPLITS)
-    m_run = tl.full([ROWS], float("-inf"), tl.float32)
-    l_run = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    for s0 in range(0, num_active, SPLITS):
-        rows = first_row[:, None] + (s0 + offs_s)[None, :]                    # [ROWS, SPLITS]
-        mask = row_mask[:, None] & (s0 + offs_s < num_active)[None, :]
-        m_s = tl.load(m_part + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(l_part + rows, mask=mask, other=0.0, cache_modifier=".cg")
-        if D_PAD == HEAD_DIM:   # a mask constant along d: vector loads
-            acc_mask = mask[:, :, None]
-        else:
-            acc_mask = mask[:, :, None] & d_mask[None, None, :]
-        acc_s = tl.load(acc_part + rows[:, :, None].to(tl.int64) * HEAD_DIM + offs_d[None, None, :],
-                        mask=acc_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m_s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: everything weighs 0
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(m_s - m_ref[:, None])
-        l_run = l_run * alpha + tl.sum(w * l_s, 1)
-        acc = acc * alpha[:, None] + tl.sum(acc_s * w[:, :, None], 1)
-        m_run = m_new
-    l_run = tl.where(row_mask, l_run, 1.0)
-    tl.store(out_ptrs, (acc / l_run[:, None]).to(out_ptrs.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
-
-
-# ---------------------------------------------------------------------------
 # decode: split-KV (flash-decoding), GQA group per program
 # ---------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, tickets,
+def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                    block_tables, seq_lens, num_splits,
                    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
-                   SPLIT: tl.constexpr, DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -205,40 +146,41 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, t
     out_mask = g_mask[:, None] & d_mask[None, :]
     acc = acc * v_scale
     if not SPLIT:
+        o = acc / l_i[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Partials: [decodes, heads, splits] for m and l, [..., HEAD_DIM] for acc.
-        # A split past the end of a short sequence (no keys) writes partials the
-        # merge does not read, and still takes its ticket: the group counts all
-        # num_splits programs.
         row = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(m_part + row, m_i, mask=g_mask)
         tl.store(l_part + row, l_i, mask=g_mask)
         tl.store(acc_part + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-        group = seq * (NUM_HEADS // GQA) + kv_head
-        if _take_ticket(tickets, group, num_splits):
-            # The group's GQA heads only (G_PAD rows, not the dot tile's M_PAD).
-            offs_m = tl.arange(0, G_PAD)
-            heads_m = kv_head * GQA + offs_m
-            num_active = tl.cdiv(seq_len, tl.maximum(per_split, 1))
-            _merge_partials(out_ptr + seq.to(tl.int64) * stride_ot + heads_m[:, None] * stride_oh + offs_d[None, :],
-                            (seq * NUM_HEADS + heads_m) * num_splits, offs_m < GQA, num_active,
-                            m_part, l_part, acc_part, offs_d, HEAD_DIM, G_PAD, MERGE_S, D_PAD)
-            tl.store(tickets + group, 0)
 
 
-_MERGE_ROWS = 8   # query rows a split prefill tile's merge takes at once
-
-
-def _merge_splits_at_once(rows: int, d_pad: int, num_warps: int, gpu: bool) -> int:
-    """Splits a merge loads together beside `rows` output rows: about 64 fp32
-    registers a thread for them on a GPU, a power of two, at most 64. Two in
-    the interpreter, so that small tests merge in several rounds."""
-    if not gpu:
-        return 2
-    n = max(1, min(64, 64 * 32 * num_warps // (rows * d_pad)))
-    return 1 << (n.bit_length() - 1)
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(out_ptr, m_part, l_part, acc_part, num_splits, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         S_PAD: tl.constexpr):
+    """One output row and head from its split-KV partials ([rows, heads, splits]
+    for m and l, [..., HEAD_DIM] for acc): decodes, and prefill chunks over a deep
+    context alike."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(m_part + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_part + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(w * l, 0)
+    acc = tl.load(acc_part + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _decode_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, block_n: int,
@@ -259,36 +201,12 @@ def _decode_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict:
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-_tickets: dict[torch.device, list[torch.Tensor]] = {}
-_tickets_lock = threading.Lock()
-
-
-def _split_tickets(device: torch.device, groups: int) -> torch.Tensor:
-    """int32 counters, all 0, for `groups` groups of split programs
-    (`_take_ticket`), shared by every split launch on the device: pdd runs
-    attention on the device's default stream only, so those launches never
-    overlap, and each leaves the counters at 0. Grown, never freed: a CUDA graph
-    captured with a buffer keeps using it. Made on the first split launch; a
-    graph's capture follows an eager run of the same step, which makes what the
-    capture needs (zeroing recorded in a capture would only run at replay)."""
-    with _tickets_lock:
-        held = _tickets.setdefault(device, [])
-        if not held or held[-1].numel() < groups:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"split attention needs {groups} ticket counters on {device}, first "
-                                   f"asked for during a CUDA graph capture: run the step eagerly first")
-            size = _pow2(max(groups, 4 * _num_sms(device)))
-            held.append(torch.zeros(size, dtype=torch.int32, device=device))
-        return held[-1]
-
-
 def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: float, v_scale: float) -> None:
     nd = meta.num_decodes
     _, _, bs, kvh, d = kv_layer.shape
     h = q.shape[1]
     gqa = h // kvh
-    gpu = _on_gpu(q)
-    cfg = _decode_config(d, q.dtype, gpu)
+    cfg = _decode_config(d, q.dtype, _on_gpu(q))
     block_n = cfg.pop("BLOCK_N")
     splits = _decode_num_splits(nd, kvh, meta.max_seq_len, block_n, q.device)
     d_pad = max(16, _pow2(d))
@@ -297,16 +215,59 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: fl
         m_part = torch.empty((nd, h, splits), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((nd, h, splits, d), dtype=torch.float32, device=q.device)
-        tickets = _split_tickets(q.device, nd * kvh)
     else:
-        m_part = l_part = acc_part = tickets = out  # unused
+        m_part = l_part = acc_part = out  # unused
     _decode_kernel[(nd, kvh, splits)](
-        q, kc, vc, out, m_part, l_part, acc_part, tickets, meta.block_tables, meta.seq_lens, splits,
+        q, kc, vc, out, m_part, l_part, acc_part, meta.block_tables, meta.seq_lens, splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
         NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=d_pad, M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
-        BLOCK_N=block_n, G_PAD=_pow2(gqa), MERGE_S=_merge_splits_at_once(_pow2(gqa), d_pad, cfg["num_warps"], gpu),
-        SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+        BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+    if splits > 1:
+        _merge_splits(out, m_part, l_part, acc_part, splits, d)
+
+
+def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int, max_splits: int | None = None) -> None:
+    """max_splits: pad the split axis to this (a power of two) whatever `splits` is,
+    so that one compiled merge serves every split count: a new one compiled in
+    service stalled a worker's steps for 2 s on H200."""
+    rows, h = m_part.shape[0], m_part.shape[1]
+    _merge_splits_kernel[(rows, h)](
+        out, m_part, l_part, acc_part, splits, out.stride(0), out.stride(1),
+        NUM_HEADS=h, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), S_PAD=max_splits or _pow2(splits),
+        num_warps=4 if _on_gpu(out) else 1)
+
+
+def decode_split_pads(kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> list[int]:
+    """Every split-axis width (the merge's S_PAD) a decode of contexts up to
+    max_seq_len can compile: a power of two for each split count from 2 up to
+    the most _decode_num_splits picks, which is for one sequence of
+    max_seq_len tokens (more sequences or shorter ones never split more; in
+    between, a sequence's length picks any count)."""
+    most = _decode_num_splits(1, kv_heads, max_seq_len, block_n, device)
+    return sorted({_pow2(s) for s in range(2, most + 1)})
+
+
+def warm_up_merges(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                   device: torch.device) -> int:
+    """Compile the split merge for every split count attention can pick, so no
+    decode meets a new one in service: its split axis is padded to a power of
+    two (a variant each, 2..64: a wider pad would cost every split decode step
+    in registers and masked lanes), and prefill's to PREFILL_MAX_SPLITS. Decode
+    steps in CUDA graphs compile theirs at capture, but a prefill worker has no
+    graphs and any worker decodes eagerly beside prompt chunks, at whatever
+    context lengths come. Nothing else of the merge's specialization varies in
+    service: its output and partials are fresh [rows, heads, ...] tensors, the
+    prefill's sliced past the decodes' rows (16-byte aligned still, for an even
+    number of heads), and num_splits is not specialized. Returns how many."""
+    block_n = _decode_config(head_dim, dtype, device.type != "cpu")["BLOCK_N"]
+    pads = sorted(set(decode_split_pads(kv_heads, max_seq_len, block_n, device)) | {PREFILL_MAX_SPLITS})
+    for pad in pads:
+        out = torch.empty((1, num_heads, head_dim), dtype=dtype, device=device)
+        m_part = torch.zeros((1, num_heads, pad), dtype=torch.float32, device=device)
+        acc_part = torch.zeros((1, num_heads, pad, head_dim), dtype=torch.float32, device=device)
+        _merge_splits(out, m_part, torch.ones_like(m_part), acc_part, pad, head_dim, pad)
+    return len(pads)
 
 
 def warm_up_split_prefill(q_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
@@ -342,14 +303,13 @@ def warm_up_split_prefill(q_heads: int, kv_layer: torch.Tensor, dtype: torch.dty
 # ---------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["num_decodes", "num_splits"])
-def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, tickets,
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                     block_tables, query_start_loc, seq_lens, num_decodes, num_splits,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, SPLIT: tl.constexpr,
-                    DOT: tl.constexpr):
+                    SPLIT: tl.constexpr, DOT: tl.constexpr):
     head = tl.program_id(0)
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -406,25 +366,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part, 
             tl.store(m_part + row, m_i, mask=m_mask)
             tl.store(l_part + row, l_i, mask=m_mask)
             tl.store(acc_part + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-            # One group per (query tile, head, prefill): every split of it passed
-            # the q_len test above, so all take their ticket.
-            group = ((tl.program_id(2) // num_splits) * tl.num_programs(1) + tl.program_id(1)) \
-                * tl.num_programs(0) + head
-            if _take_ticket(tickets, group, num_splits):
-                # Split 0 always has keys (the diagonal); the others while they
-                # start before `full`.
-                num_active = tl.maximum(tl.cdiv(full, tl.maximum(per_split, 1)), 1)
-                # MERGE_M rows at a time (x MERGE_S splits x D_PAD in registers).
-                for r in range(0, tl.minimum(BLOCK_M, q_len - m_start), MERGE_M):
-                    offs_r = r + tl.arange(0, MERGE_M)
-                    tok_r = (q_start + m_start + offs_r).to(tl.int64)
-                    _merge_partials(out_ptr + tok_r[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                                    (tok_r * NUM_HEADS + head) * num_splits, m_start + offs_r < q_len,
-                                    num_active, m_part, l_part, acc_part, offs_d, HEAD_DIM, MERGE_M, MERGE_S, D_PAD)
-                tl.store(tickets + group, 0)
 
 
-PREFILL_MAX_SPLITS = 16
+PREFILL_MAX_SPLITS = 16   # a power of two: the merge's split axis is padded to it
 
 
 def _prefill_num_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
@@ -469,7 +413,6 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: f
     h = q.shape[1]
     cfg = _prefill_config(d, q.dtype, _on_gpu(q))
     block_m = cfg["BLOCK_M"]
-    d_pad = max(16, _pow2(d))
     kc, vc = kv_layer[0], kv_layer[1]
     m_tiles = triton.cdiv(max(1, meta.max_query_len), block_m)
     splits = _prefill_num_splits(h * m_tiles * num_prefills, meta.max_seq_len, cfg["BLOCK_N"], q.device)
@@ -478,16 +421,16 @@ def _prefill(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: f
         m_part = torch.empty((rows, h, splits), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((rows, h, splits, d), dtype=torch.float32, device=q.device)
-        tickets = _split_tickets(q.device, h * m_tiles * num_prefills)
     else:
-        m_part = l_part = acc_part = tickets = out  # unused
+        m_part = l_part = acc_part = out  # unused
     _prefill_kernel[(h, m_tiles, num_prefills * splits)](
-        q, kc, vc, out, m_part, l_part, acc_part, tickets, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        q, kc, vc, out, m_part, l_part, acc_part, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         nd, splits, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
-        NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, MERGE_M=_MERGE_ROWS,
-        MERGE_S=_merge_splits_at_once(_MERGE_ROWS, d_pad, cfg["num_warps"], _on_gpu(q)),
+        NUM_HEADS=h, GQA=h // kvh, HEAD_DIM=d, D_PAD=max(16, _pow2(d)), BLOCK_SIZE=bs,
         SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+    if splits > 1:
+        _merge_splits(out[nd:], m_part[nd:], l_part[nd:], acc_part[nd:], splits, d, PREFILL_MAX_SPLITS)
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,

@@ -18,15 +18,13 @@ Kernels:
   once per KV head. Flash-decoding: the context of each sequence is cut into
   `splits` ranges (sized from that sequence's own length, so the split count
   alone is chosen on the host); each program writes its partial (max, sum,
-  acc) and takes a ticket from its group's counter, and the last one merges
-  the group's partials into the output (one launch). With one split the
-  decode kernel writes the output itself.
+  acc) and a small kernel merges them. With one split the decode kernel writes
+  the output itself.
 - prefill (the other sequences): grid (heads, query tiles, prefills); varlen
   causal flash attention over the paged context, tiles of BLOCK_M queries x
   BLOCK_N keys, tl.dot for QK^T and PV in the input dtype with fp32
   accumulation; key tiles that every query of the tile sees run without
   masks, the diagonal tiles with the causal mask, later tiles are skipped.
-  A short chunk deep in its prompt splits its keys the same way.
 - page copies (`gather_blocks`, `scatter_blocks`, `copy_blocks`): grid
   (pages, 2 halves x chunks), one contiguous CHUNK of a page per program.
 - `rotary_store_kv` (triton_layers): one program per token rotates its q and
@@ -37,13 +35,13 @@ Kernels:
 from __future__ import annotations
 
 from pdd.ops import triton_layers as _layers
-from pdd.ops.triton_attention import paged_attention, warm_up_split_prefill
+from pdd.ops.triton_attention import paged_attention, warm_up_merges, warm_up_split_prefill
 from pdd.ops.triton_pages import copy_blocks, gather_blocks, scatter_blocks, store_kv
 from pdd.ops.triton_sampling import argmax, warm_up_argmax
 
 __all__ = ["store_kv", "paged_attention", "gather_blocks", "scatter_blocks", "copy_blocks",
            "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_store_kv", "argmax",
-           "warm_up_argmax", "warm_up_split_prefill"]
+           "warm_up_argmax", "warm_up_merges", "warm_up_split_prefill"]
 
 # The decoder's per-token ops (fused norm, rotary, SiLU-mul) live in triton_layers.
 rms_norm = _layers.rms_norm

@@ -33,7 +33,7 @@ def _exported(module: str) -> set[str]:
 
 
 def test_the_dispatcher_forwards_something():
-    assert {"paged_attention", "warm_up_split_prefill", "argmax"} <= _forwarded()
+    assert {"paged_attention", "warm_up_merges", "warm_up_split_prefill", "argmax"} <= _forwarded()
 
 
 def test_the_triton_backend_has_every_forwarded_op():

@@ -453,71 +453,29 @@ def test_few_program_page_copies_compile_once(monkeypatch):
     assert len(launches.variants()) == 1
 
 
-def _jit_kernels(monkeypatch) -> dict[str, _Launches]:
-    """Every Triton kernel of the attention module, its launches recorded."""
-    jit_mod = pytest.importorskip("triton.runtime.jit")
-    kernels = {name: _Launches(obj) for name, obj in vars(ta).items()
-               if isinstance(obj, jit_mod.KernelInterface)
-               and name.endswith("_kernel")}
-    for name, launches in kernels.items():
-        monkeypatch.setattr(ta, name, launches)
-    return kernels
+@pytest.mark.parametrize("kv_heads,max_seq_len", [(1, 5000), (2, 100_000), (8, 300), (1, 60)])
+def test_merge_warm_up_covers_every_split_count_decode_picks(kv_heads, max_seq_len):
+    """Every split count the decode can pick, for any batch and context up to
+    max_seq_len, merges with a split axis the warm-up compiled (the interpreter
+    counts 4 "SMs": fewer splits than an H200 picks, the same rule)."""
+    cpu = torch.device("cpu")
+    block_n = 16
+    picked = {ta._decode_num_splits(nd, kv_heads, seq_len, block_n, cpu)
+              for nd in range(1, 9) for seq_len in range(1, max_seq_len + 1, 7)} | \
+             {ta._decode_num_splits(1, kv_heads, max_seq_len, block_n, cpu)}
+    pads = {ta._pow2(s) for s in picked if s > 1}
+    assert set(ta.decode_split_pads(kv_heads, max_seq_len, block_n, cpu)) == pads
 
 
-def test_split_decode_is_one_launch_and_one_variant_for_every_split_count(monkeypatch):
-    """The split programs merge among themselves: a split decode is one launch,
-    and every split count (a runtime argument) runs the same compiled variant,
-    so there is nothing per split count for a worker's warm-up to compile."""
-    kernels = _jit_kernels(monkeypatch)
-    seqs = [(1, 3), (1, 90)]
-    q, kv, meta = make_batch(seqs, block_size=4, kv_heads=2, heads=4, head_dim=32, dtype=torch.float32)
-    for splits in (2, 3, 5, 8):
-        monkeypatch.setattr(ta, "_decode_num_splits", lambda *a, n=splits: n)
-        tk.paged_attention(q, kv, meta, 0.2)
-    launched = {name: len(k.calls) for name, k in kernels.items() if k.calls}
-    assert launched == {"_decode_kernel": 4}
-    assert len(kernels["_decode_kernel"].variants()) == 1
-
-
-def _tickets_left() -> torch.Tensor:
-    """Every split counter of every device (all 0 between launches)."""
-    return torch.cat([t.flatten().cpu() for held in ta._tickets.values() for t in held])
-
-
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_split_tickets_are_back_at_zero_after_each_launch(monkeypatch, phase):
-    """The last split program of each group merges and resets the group's
-    counter, with nothing done on the host between launches (as in a CUDA
-    graph replay): the same batch three times gives the same output, and every
-    counter is 0 after each launch. Short and long contexts share the batch, so
-    some splits have no keys; they still take their ticket, or their group
-    would never be merged. A new split count in between meets clean counters."""
-    if phase == "decode":
-        seqs = [(1, 2), (1, 130), (1, 17), (1, 64)]
-        force = "_decode_num_splits"
-    else:
-        seqs = [(1, 40), (5, 40), (3, 3), (9, 60)]   # a decode, then chunks with and without deep keys
-        force = "_prefill_num_splits"
-    q, kv, meta = make_batch(seqs, block_size=4, kv_heads=1, heads=2, head_dim=32, dtype=torch.float32, seed=4)
-    outs = []
-    for splits in (4, 4, 3, 4):
-        monkeypatch.setattr(ta, force, lambda *a, n=splits: n)
-        out = check_attention(q, kv, meta, torch.float32)
-        assert not _tickets_left().any()
-        if splits == 4:
-            outs.append(out)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-
-
-def test_split_tickets_grow_and_keep_what_a_graph_captured():
-    """More groups than the counters hold: a larger zeroed buffer, the old one
-    kept alive (a captured CUDA graph still points at it)."""
-    device = torch.device("cpu")
-    first = ta._split_tickets(device, 1)
-    assert ta._split_tickets(device, first.numel()) is first
-    bigger = ta._split_tickets(device, first.numel() + 1)
-    assert bigger.numel() > first.numel() and not bigger.any()
-    assert ta._tickets[device][-2:] == [first, bigger]
+def test_merge_warm_up_launches_each_split_axis(monkeypatch):
+    launches = _Launches(ta._merge_splits_kernel)
+    monkeypatch.setattr(ta, "_merge_splits_kernel", launches)
+    cpu = torch.device("cpu")
+    n = ta.warm_up_merges(8, 1, 32, torch.float32, 10_000, cpu)
+    s_pads = sorted(kw["S_PAD"] for _, kw in launches.calls)
+    bn = ta._decode_config(32, torch.float32, False)["BLOCK_N"]
+    assert s_pads == sorted({*ta.decode_split_pads(1, 10_000, bn, cpu), ta.PREFILL_MAX_SPLITS}) and n == len(s_pads)
+    assert len(launches.variants()) == n   # one compiled variant each, the decode's and the prefill's
 
 
 # ---------------------------------------------------------------------------
@@ -540,36 +498,6 @@ def test_cuda_decode_llama3(case):
         lens = [16384]
     q, kv, meta = make_batch([(1, s) for s in lens], **L3)
     check_attention(q, kv, meta, torch.bfloat16)
-
-
-@cuda_only
-def test_cuda_split_decode_replays_in_a_cuda_graph():
-    """A captured split decode replays with no host work between replays: the
-    counters its programs leave at 0 are the ones the next replay counts on.
-    Many groups of many splits at once (races between the split programs of a
-    group would show as a wrong or varying output), new contexts each replay."""
-    lens = [16384, 3000, 17, 9000, 1, 4096, 700, 12000]
-    q, kv, meta = make_batch([(1, s) for s in lens], **L3)
-    meta.max_seq_len = 16384
-    assert ta._decode_num_splits(len(lens), 8, meta.max_seq_len, 64, q.device) > 1
-    tk.paged_attention(q, kv, meta, 0.1)   # eager first: compiled, counters made
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tk.paged_attention(q, kv, meta, 0.1)
-    g = torch.Generator().manual_seed(14)
-    for i in range(6):
-        if i % 2:   # new (shorter) contexts in place, as the runner's static inputs get them
-            frac = torch.rand(len(lens), generator=g)
-            meta.seq_lens.copy_((torch.tensor(lens) * frac).clamp(min=1).to(torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = reference.paged_attention(q, kv, meta, 0.1)
-        assert rel_err(out, want) < 1e-2
-        first = out.clone()
-        graph.replay()
-        assert torch.equal(out, first)
-        assert not _tickets_left().any()
 
 
 @cuda_only
