@@ -81,7 +81,7 @@ def sweep_configs(config_fn: str, configs: list[dict], run, ref, figure) -> None
     figure(ms) says what the time means (GB/s, TFLOP/s); error against ref."""
     orig = getattr(ta, config_fn)
     for cfg in configs:
-        setattr(ta, config_fn, lambda d, dt, gpu, cfg=cfg: dict(cfg))
+        setattr(ta, config_fn, lambda *_, cfg=cfg: dict(cfg))
         name = " ".join(f"{k}={v}" for k, v in cfg.items())
         try:
             err = rel(run(), ref)
