@@ -470,11 +470,11 @@ def test_merge_warm_up_covers_every_split_count_decode_picks(kv_heads, max_seq_l
 def test_merge_warm_up_launches_each_split_axis(monkeypatch):
     launches = _Launches(ta._merge_splits_kernel)
     monkeypatch.setattr(ta, "_merge_splits_kernel", launches)
-    cpu = torch.device("cpu")
-    n = ta.warm_up_merges(8, 1, 32, torch.float32, 10_000, cpu)
+    dev = torch.device("cuda" if CUDA else "cpu")
+    n = ta.warm_up_merges(8, 1, 32, torch.float32, 10_000, dev)
     s_pads = sorted(kw["S_PAD"] for _, kw in launches.calls)
-    bn = ta._decode_config(32, torch.float32, False)["BLOCK_N"]
-    assert s_pads == sorted({*ta.decode_split_pads(1, 10_000, bn, cpu), ta.PREFILL_MAX_SPLITS}) and n == len(s_pads)
+    bn = ta._decode_config(32, torch.float32, CUDA)["BLOCK_N"]
+    assert s_pads == sorted({*ta.decode_split_pads(1, 10_000, bn, dev), ta.PREFILL_MAX_SPLITS}) and n == len(s_pads)
     assert len(launches.variants()) == n   # one compiled variant each, the decode's and the prefill's
 
 
@@ -571,6 +571,8 @@ def test_split_prefill_warm_up_compiles_the_variant_a_deep_chunk_needs(monkeypat
     block_n = ta._prefill_config(32, torch.float32, CUDA)["BLOCK_N"]
     deep = 16 * 47 if INTERPRET else 2 * 16 * block_n + 15     # deep enough to split on this device
     q, kv, meta = make_batch([(17, deep)], block_size=16, kv_heads=1, heads=2, head_dim=32, dtype=torch.float32)
+    if CUDA:   # the runner's block tables on a GPU: 16-column multiples (their stride is specialized)
+        meta.block_tables = torch.nn.functional.pad(meta.block_tables, (0, -meta.block_tables.shape[1] % 16))
     ta.paged_attention(q, kv, meta, 0.1)
     assert launches.calls[-1][1]["SPLIT"]
     service = launches.variants()
