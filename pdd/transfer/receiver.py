@@ -268,7 +268,12 @@ class DataSocket(KVReceiver):
                 if sock.poll(self._wait_ms(), zmq.POLLIN):
                     self._drain(sock)
                 for control in self._controls.values():
-                    for ident, frame in control.due():
+                    try:
+                        due = control.due()
+                    except Exception:  # one family's fault must not end the socket every sender uses
+                        log.exception("kv receiver: %s control failed; its senders time out", control.family)
+                        continue
+                    for ident, frame in due:
                         self._reply(sock, ident, frame)
         finally:
             sock.close(linger=0)

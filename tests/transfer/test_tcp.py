@@ -163,6 +163,27 @@ def test_receiver_that_comes_late_still_gets_the_pages(pair, free_tcp_addr):
         late.close()
 
 
+def test_a_failing_control_does_not_stop_the_data_socket(pair, monkeypatch, caplog):
+    """A one-sided control (cuda_ipc, nixl) raising in its periodic work is
+    logged; the socket keeps serving every other sender (here tcp pages)."""
+    import threading
+    failed = threading.Event()
+
+    def due():
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("a control's bug")
+        return []
+    monkeypatch.setattr(pair.receiver.ipc, "due", due)
+    assert failed.wait(10)
+    target = pair.target("r", [8])
+    pair.send_all(target, [9])
+    pair.sender.finish("r")
+    assert pair.wait_result("r").ok
+    assert torch.equal(pair.dst[:, :, 8], pair.src[:, :, 9])
+    assert any("ipc control failed" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_addresses(pair):
     assert pair.receiver.address.startswith("tcp://127.0.0.1:")
     assert not pair.receiver.address.endswith(":0")
