@@ -262,37 +262,45 @@ def test_a_killed_decode_peer_fails_the_transfer_and_its_restart_is_a_new_agent(
     assert torch.equal(second("pool"), expected)
 
 
-def test_a_killed_prefill_peer_leaves_no_held_block_and_its_restart_writes(monkeypatch):
+@pytest.mark.parametrize("landing", [False, True], ids=["into-blocks", "landing-region"])
+def test_a_killed_prefill_peer_leaves_no_held_block_and_its_restart_writes(monkeypatch, landing):
     """The decode side here, the prefill side in a child killed mid-request: the
-    decode side keeps serving, its blocks come back at the lease's deadline plus
-    the (shortened) writer grace, and a restarted prefill worker (a new agent)
-    writes into it."""
+    decode side keeps serving, its blocks (and landing range) come back at the
+    lease's deadline plus the (shortened) writer grace, and a restarted prefill
+    worker (a new agent) writes into it, through the landing region when it has one."""
     import pdd.transfer.leases
     monkeypatch.setattr(pdd.transfer.leases, "WRITER_GRACE_S", GRACE_S)
     layout = make_layout()
     leases = LeaseTable()
-    pool = make_pool(layout, seed=2)
-    receiver = make_receiver("nixl", pool, layout, leases)
+    pool = make_pool(layout, seed=2, blocks=40)
+    page = layout.block_size * layout.num_kv_heads * layout.head_dim * getattr(torch, layout.kv_cache_dtype).itemsize
+    region = 2 * LAYERS * 8 * page if landing else 0   # room for 8 blocks
+    receiver = make_receiver("nixl", pool, layout, leases, nixl_landing_bytes=region)
     receiver.start()
     prefill = SenderPeer(layout, "nixl", seed=1)
     try:
-        lease = leases.grant("p1", [1, 2], ttl_s=3.0)
+        lease = leases.grant("p1", [11, 4], ttl_s=3.0)
         prefill("send", dict(request_id="p1", lease_id=lease, dst_worker="d", dst_addr=receiver.address,
-                             dst_block_ids=(1, 2), backend="nixl"), [3, 4])
+                             dst_block_ids=(11, 4), backend="nixl"), [3, 4])
         _wait_for(lambda: receiver.nixl.num_writers == 1, what="the writer to begin")
+        assert receiver.nixl.ranges_held == int(landing)
         prefill.kill()
         assert leases.close(lease) == "held"         # revoked (aborted, expired) with the writer silent
         assert [held.lease_id for held in _wait_for(leases.released, what="the held blocks to come back")] == [lease]
+        _wait_for(lambda: receiver.nixl.ranges_held == 0, what="the range to come back")
         restarted = SenderPeer(layout, "nixl", seed=5)
         try:
-            lease = leases.grant("p2", [6, 7], ttl_s=30)
+            lease = leases.grant("p2", [30, 8, 19], ttl_s=30)
             restarted("send", dict(request_id="p2", lease_id=lease, dst_worker="d", dst_addr=receiver.address,
-                                   dst_block_ids=(6, 7), backend="nixl"), [8, 9])
+                                   dst_block_ids=(30, 8, 19), backend="nixl"), [8, 9, 10])
             restarted("finish", "p2")
             r = restarted("result", "p2")
             assert r.ok, r.error
-            assert torch.equal(pool[:, :, [6, 7]], make_pool(layout, seed=5)[:, :, [8, 9]])
+            assert torch.equal(pool[:, :, [30, 8, 19]], make_pool(layout, seed=5)[:, :, [8, 9, 10]])
             assert leases.close(lease) == "free"
+            assert receiver.nixl.landed_requests == int(landing) and receiver.nixl.ranges_held == 0
+            if landing:
+                assert r.descriptors == LAYERS * 2 and receiver.nixl.landing.held == 0
         finally:
             restarted.stop()
         assert receiver._thread.is_alive()

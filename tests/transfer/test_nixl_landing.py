@@ -17,7 +17,7 @@ from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable
 from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
-from tests.transfer.peers import Peer, SenderPeer, wait_result
+from tests.transfer.peers import Peer, wait_result
 from tests.transfer.test_nixl import GRACE_S, make_nixl_sender, send, target  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -208,48 +208,6 @@ def test_a_stalled_write_keeps_the_range_until_the_writer_surely_stopped(own_pee
     expected = before.clone()
     expected[:, :, [33, 7, 25]] = src[:, :, [1, 2, 3]]
     assert torch.equal(peer("pool"), expected)
-
-
-def test_a_killed_prefill_peer_frees_the_range_and_its_restart_lands(monkeypatch):
-    """The decode side here, the prefill side in a child killed mid-request:
-    the range comes back with the blocks (the lease's deadline plus the grace),
-    and a restarted prefill worker lands through the region."""
-    import pdd.transfer.leases
-    monkeypatch.setattr(pdd.transfer.leases, "WRITER_GRACE_S", GRACE_S)
-    layout = make_layout()
-    leases = LeaseTable()
-    pool = make_pool(layout, seed=2, blocks=POOL_BLOCKS)
-    receiver = make_receiver("nixl", pool, layout, leases, nixl_landing_bytes=range_bytes(layout, 8))
-    receiver.start()
-    prefill = SenderPeer(layout, "nixl", seed=1)
-    try:
-        lease = leases.grant("p1", [11, 4], ttl_s=3.0)
-        prefill("send", dict(request_id="p1", lease_id=lease, dst_worker="d", dst_addr=receiver.address,
-                             dst_block_ids=(11, 4), backend="nixl"), [3, 4])
-        _wait_for(lambda: receiver.nixl.ranges_held == 1, what="the writer to begin")
-        prefill.kill()
-        assert leases.close(lease) == "held"
-        assert [h.lease_id for h in _wait_for(leases.released, what="the held blocks to come back")] == [lease]
-        _wait_for(lambda: receiver.nixl.ranges_held == 0 and receiver.nixl.landing.held == 0,
-                  what="the range to come back")
-        restarted = SenderPeer(layout, "nixl", seed=5)
-        try:
-            lease = leases.grant("p2", [30, 8, 19], ttl_s=30)
-            restarted("send", dict(request_id="p2", lease_id=lease, dst_worker="d", dst_addr=receiver.address,
-                                   dst_block_ids=(30, 8, 19), backend="nixl"), [8, 9, 10])
-            restarted("finish", "p2")
-            r = restarted("result", "p2")
-            assert r.ok, r.error
-            assert r.descriptors == LAYERS * 2
-            assert torch.equal(pool[:, :, [30, 8, 19]], make_pool(layout, seed=5)[:, :, [8, 9, 10]])
-            assert leases.close(lease) == "free"
-            assert receiver.nixl.landed_requests == 1 and receiver.nixl.ranges_held == 0
-        finally:
-            restarted.stop()
-    finally:
-        if prefill.alive():
-            prefill.kill()
-        receiver.close()
 
 
 def test_a_write_aimed_outside_its_range_fails_the_commit(peer, make_nixl_sender):
