@@ -45,16 +45,17 @@ def test_decode_worker_frozen_then_killed_while_reserves_wait(tmp_path, tiny_mod
     """SIGSTOP a decode worker, send requests (some Reserves go to it and wait),
     let it be declared lost (its requests move), SIGKILL it (pdd up restarts it):
     every stream ends with its fault-free text, none placed twice."""
-    # 10 s of missed heartbeats before the frozen worker is lost: long enough for the
-    # requests to be placed on it on a busy machine (1.5 s, the default, once was not).
+    # 5 s of missed heartbeats before the frozen worker is lost: long enough for the
+    # requests to be placed on it on a busy machine (1.5 s, the default, once was
+    # not). The expected texts are computed before the freeze, outside that window.
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "2",
-                  env={"PDD_ROUTER__RESERVE_TIMEOUT_S": "30", "PDD_ROUTER__HEARTBEAT_MISSES": "20"}).start()
+                  env={"PDD_ROUTER__RESERVE_TIMEOUT_S": "30", "PDD_ROUTER__HEARTBEAT_MISSES": "10"}).start()
     try:
-        frozen = c.workers()["decode-0"]
-        os.kill(frozen["pid"], signal.SIGSTOP)
         prompts = random_prompts([5, 17, 40, 3, 33, 70, 12, 9], seed=21)
         params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * len(prompts)
         expected = [e.text for e in offline.generate(prompts, params)]
+        frozen = c.workers()["decode-0"]
+        os.kill(frozen["pid"], signal.SIGSTOP)
 
         async def main():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
