@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import zmq
 
 from pdd.admin.client import call_with_config
@@ -33,6 +34,12 @@ class UpCluster:
 
     def start(self) -> "UpCluster":
         env = {**os.environ, "PDD_LOG_LEVEL": "INFO", **self.env}
+        if not torch.cuda.is_available():
+            # Named, so that `pdd up` need not import torch to count no GPU before
+            # it starts a child (seconds of every start on a busy 2-core box); the
+            # workers run on the CPU either way. `pdd up` without a device is
+            # tested where it is run directly (tests/test_up_safety.py).
+            env.setdefault("PDD_ENGINE__DEVICE", "cpu")
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s

@@ -7,7 +7,7 @@ import threading
 import urllib.request
 
 from pdd import SamplingParams
-from tests.e2e.cluster import UpCluster
+from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.test_disagg import metric, run_all
 from tests.engine.helpers import random_prompts
 
@@ -75,7 +75,12 @@ def test_adaptive_layout_serves_and_shows_its_decisions(tmp_path, tiny_model, of
         assert metric(c, "pdd_requests_total", '{finish_reason="length",mode="colocated"}') == 2 - disaggregated
         estimates = {w["worker_id"]: w["estimate"] for w in status["workers"]}
         assert estimates["colocated-0"]["leaning"] == "prefill" and estimates["colocated-1"]["leaning"] == "decode"
-        assert estimates["colocated-1"]["step_groups_measured"] > 0      # its decode steps, from heartbeats
+        # Its decode steps reach the router with its next heartbeat, which may
+        # come after the requests end (on an idle machine they take well under
+        # a heartbeat interval).
+        _wait_for(lambda: next(w["estimate"] for w in c.admin("status")["workers"]
+                               if w["worker_id"] == "colocated-1")["step_groups_measured"] > 0, 30.0,
+                  "colocated-1's decode steps measured")
         idle = c.wait_idle(timeout_s=30)
         assert all(w["free_blocks"] == w["num_blocks"] for w in idle.values()), idle
     finally:

@@ -36,9 +36,11 @@ def stream_tokens(url: str, model: str, prompt: str, max_tokens: int, on_chunk=N
     return "".join(text), reason
 
 
-@pytest.fixture
-def two_workers(tmp_path, tiny_model):
-    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "2").start()
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, tiny_model):
+    # Shared: the refused worker never joins, and the one killed mid-stream is
+    # restarted by `pdd up`; either test holds in a cluster the other has used.
+    c = UpCluster(tmp_path_factory.mktemp("two"), tiny_model, "--mode", "colocated", "--workers", "2").start()
     yield c
     c.stop()
 

@@ -56,8 +56,9 @@ def colocated(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, tiny_model):
+    # Faults at run time: the kill test slows this cluster's decode steps itself.
     c = UpCluster(tmp_path_factory.mktemp("pd"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1").start()
+                  "--decode", "1", env={"PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}).start()
     yield c
     assert c.stop() == 0, c.logs()
 
@@ -187,15 +188,18 @@ def test_disaggregated_gives_the_colocated_answers(disagg, colocated_answers):
     assert_all_free(disagg)
 
 
-def test_decode_worker_killed_mid_stream(tmp_path, tiny_model, colocated, colocated_answers):
+def test_decode_worker_killed_mid_stream(disagg, colocated_answers):
     """1P+1D with slow decode steps; once both streams have tokens the decode
     worker is killed: the requests migrate (prompt + tokens so far) and the
-    streams end as colocated ones do."""
-    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "1",
-                  env={"PDD_FAULTS": "decode.step_delay_s=0.1"}).start()
+    streams end as colocated ones do. (`pdd up` restarts it, without the fault.)"""
+    c = disagg
+    c.admin("faults", "set", "decode.step_delay_s=0.1", "decode-0")
     try:
+        _wait_for(lambda: c.admin("faults")["workers"].get("decode-0") == {"decode.step_delay_s": 0.1}, 30.0,
+                  "the decode steps slowed")
         cl, model = client(c), c.model_name
         pid = c.workers()["decode-0"]["pid"]
+        migrations = metric(c, "pdd_request_migrations_total")
         started = [threading.Event(), threading.Event()]
         results = {}
 
@@ -212,8 +216,8 @@ def test_decode_worker_killed_mid_stream(tmp_path, tiny_model, colocated, coloca
             t.join(300)
         assert json.loads(results["schema"]["content"]) == colocated_answers["json_schema"]
         assert results["call"]["calls"] == [colocated_answers["call"]]
-        assert metric(c, "pdd_request_migrations_total") >= 1
+        assert metric(c, "pdd_request_migrations_total") > migrations
         _wait_for(lambda: c.workers().get("decode-0", {}).get("pid") not in (None, pid), 120.0, "decode-0 back")
         assert_all_free(c)
     finally:
-        assert c.stop() == 0, c.logs()
+        c.admin("faults", "clear")

@@ -77,8 +77,10 @@ def test_a_departed_worker_is_forgotten_after_the_grace_period_and_one_back_in_t
     extra-0 stopped until the router counts it lost), extra-0 comes back. Once
     the router forgets extra-1, its breakers and series are gone from `pdd
     admin status` and /metrics; extra-0's are all there."""
+    # extra-0 registers again within moments of its SIGCONT: 6 s of grace leave a
+    # busy machine room, and extra-1 is forgotten without a long wait.
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "disagg", "--prefill", "1", "--decode", "1",
-                  env={"PDD_ROUTER__FORGET_AFTER_S": "20"}).start()
+                  env={"PDD_ROUTER__FORGET_AFTER_S": "6"}).start()
     extras = {wid: serve(c, "decode", wid, tmp_path / f"{wid}.log") for wid in ("extra-0", "extra-1")}
     try:
         for wid, proc in extras.items():

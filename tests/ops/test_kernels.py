@@ -243,12 +243,16 @@ def test_prefill_split_counts(monkeypatch, splits):
     """Chunks over a deep cached context with their keys split across programs
     (as beside decodes on a GPU): splits with no keys, a chunk whose first row
     sees no key of its diagonal tiles (first + 1 a multiple of the key tile: the
-    diagonal must stay with split 0), decodes in the same batch."""
+    diagonal must stay with split 0), decodes in the same batch. The interpreter
+    runs each program in turn, so the grid is kept small: two query tiles (the
+    last one partial), 4 heads on 2 KV heads."""
     monkeypatch.setattr(ta, "_prefill_num_splits", lambda *a: splits)
-    bn = ta._prefill_config(48, torch.float32, False)["BLOCK_N"]
-    seqs = [(1, 150), (1, 7), (37, 200), (5, 123), (20, 4 * bn - 1 + 20), (3, 3), (40, 41)]
-    q, kv, meta = make_batch(seqs, block_size=4, kv_heads=2, heads=8, head_dim=48, dtype=torch.float32,
+    cfg = ta._prefill_config(48, torch.float32, False)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    seqs = [(1, 150), (1, 7), (bm + 13, 200), (5, 123), (20, 4 * bn - 1 + 20), (3, 3), (bm + 14, bm + 15)]
+    q, kv, meta = make_batch(seqs, block_size=4, kv_heads=2, heads=4, head_dim=48, dtype=torch.float32,
                              seed=splits)
+    assert triton.cdiv(meta.max_query_len, bm) == 2
     check_attention(q, kv, meta, torch.float32)
 
 
