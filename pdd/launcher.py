@@ -304,9 +304,16 @@ def _plan_workers(args, cfg: ClusterConfig) -> list[tuple[str, str, str | None]]
     return plan
 
 
+# Device nodes of a GPU driver (NVIDIA, and AMD's for a ROCm torch): without any,
+# there is no GPU to count, and importing torch to say so costs seconds of every start.
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
 def _devices(cfg: ClusterConfig) -> list[str]:
     """One GPU per worker when there are GPUs and the config does not pin a device."""
     if cfg.engine.device not in ("auto", "cuda"):
+        return []
+    if not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         return []
     try:
         import torch

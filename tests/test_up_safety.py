@@ -224,3 +224,12 @@ def test_kill_9_of_up_leaves_no_process_behind(tmp_path, tiny_model):
         for p in pids:
             if not gone(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_host_without_a_gpu_driver_plans_cpu_workers_without_importing_torch():
+    """Counting GPUs imports torch (seconds): skipped where no driver's device node exists."""
+    code = ("import sys; import pdd.launcher as l; from pdd.config import ClusterConfig; "
+            "l.GPU_DRIVER_NODES = ('/nonexistent/gpu-node',); "
+            "print(l._devices(ClusterConfig()), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "False"], out
