@@ -25,7 +25,8 @@ class Pair:
     """Prefill engine -> decode engine, as the workers and router drive them."""
 
     def __init__(self, model_dir, **engine_kw):
-        cfg = EngineConfig(model=str(model_dir), block_size=BS, **engine_kw)
+        # Small pools: a test makes many pairs, and the CPU default (512 MiB each) held ~8 GiB.
+        cfg = EngineConfig(model=str(model_dir), block_size=BS, **{"kv_cache_bytes": 64 << 20, **engine_kw})
         self.p, self.d = LLMEngine(cfg), LLMEngine(cfg)
         layout = KVLayout("tiny", "w", "float32", BS, self.p.model_config.num_layers,
                           self.p.model_config.num_kv_heads, self.p.model_config.head_dim)
