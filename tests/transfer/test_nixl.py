@@ -35,11 +35,12 @@ def peer(request):
 
 @pytest.fixture
 def own_peer():
-    """A float32 decode peer of the test's own (it is stopped, killed or restarted)."""
+    """A float32 decode peer of the test's own (it is stopped, killed or
+    restarted); keywords go to Peer (addr, blocks, landing_bytes)."""
     made = []
 
-    def make(addr: str | None = None) -> Peer:
-        made.append(Peer(make_layout(), backend="nixl", addr=addr, writer_grace_s=GRACE_S))
+    def make(**kw) -> Peer:
+        made.append(Peer(make_layout(), backend="nixl", writer_grace_s=GRACE_S, **kw))
         return made[-1]
 
     yield make
@@ -67,6 +68,23 @@ def send(sender, target, src, src_blocks, layers=None, indices=None):
         sender.send_layer(target, layer, src[layer], src_blocks,
                           list(range(len(src_blocks))) if indices is None else indices)
     sender.step_done()
+
+
+def send_and_compare(peer: Peer, sender, src: torch.Tensor, rid: str, dst: list[int], src_blocks: list[int]):
+    """One whole request of src's src_blocks into the peer's dst blocks: it
+    succeeds, and the peer's pool changed in those blocks only, to the pages
+    sent. Returns its result and target."""
+    before = peer("pool")
+    t = target(peer, rid, dst)
+    sender.prepare(t)
+    send(sender, t, src, src_blocks)
+    sender.finish(rid)
+    r = wait_result(sender, rid)
+    assert r.ok, r.error
+    expected = before.clone()
+    expected[:, :, dst] = src[:, :, src_blocks]
+    assert torch.equal(peer("pool"), expected)
+    return r, t
 
 
 def target(peer: Peer, rid: str, dst: list[int], ttl_s: float = 30.0) -> TransferTarget:
@@ -120,19 +138,9 @@ def test_pages_move_between_two_processes_equal_to_the_source(peer, make_nixl_se
 def test_blocks_contiguous_in_the_pool_are_one_run_in_any_order(peer, make_nixl_sender, dst, src_blocks,
                                                                 runs_per_layer):
     sender = make_nixl_sender(peer.layout)
-    src = make_pool(peer.layout, seed=13)
-    before = peer("pool")
-    rid = "o" + "-".join(map(str, dst))
-    t = target(peer, rid, dst)
-    sender.prepare(t)
-    send(sender, t, src, src_blocks)
-    sender.finish(rid)
-    r = wait_result(sender, rid)
-    assert r.ok, r.error
+    r, t = send_and_compare(peer, sender, make_pool(peer.layout, seed=13), "o" + "-".join(map(str, dst)), dst,
+                            src_blocks)
     assert r.descriptors == LAYERS * runs_per_layer * 2   # k and v of each run, per layer
-    expected = before.clone()
-    expected[:, :, dst] = src[:, :, src_blocks]
-    assert torch.equal(peer("pool"), expected)
     assert peer("close", t.lease_id) == "free"
 
 

@@ -18,7 +18,8 @@ from pdd.transfer.nixl_agent import unavailable
 from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
 from tests.transfer.peers import Peer, wait_result
-from tests.transfer.test_nixl import GRACE_S, make_nixl_sender, send, target  # noqa: F401 (a fixture)
+from tests.transfer.test_nixl import (GRACE_S, make_nixl_sender, own_peer, send,  # noqa: F401 (fixtures)
+                                      send_and_compare, target)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -40,23 +41,6 @@ def peer(request):
     p.stop()
 
 
-@pytest.fixture
-def own_peer():
-    made = []
-
-    def make(**kw) -> Peer:
-        layout = make_layout()
-        made.append(Peer(layout, backend="nixl", writer_grace_s=GRACE_S, blocks=POOL_BLOCKS,
-                         landing_bytes=2 * range_bytes(layout, 8) + 512, **kw))
-        return made[-1]
-
-    yield make
-    for p in made:
-        if p.alive():
-            os.kill(p.pid, signal.SIGCONT)
-            p.stop()
-
-
 def src_pool(layout, seed: int) -> torch.Tensor:
     return make_pool(layout, seed, blocks=POOL_BLOCKS)
 
@@ -74,20 +58,11 @@ def test_scattered_blocks_land_in_two_descriptors_per_layer(peer, make_nixl_send
     sender = make_nixl_sender(peer.layout)
     src = src_pool(peer.layout, seed=21)
     src_blocks = [3, 33, 12, 0, 25, 7, 19, 36][:len(dst)]
-    before = peer("pool")
     landed = peer("stats")["landed_requests"]
-    rid = "l" + "-".join(map(str, dst))
-    t = target(peer, rid, dst)
-    sender.prepare(t)
-    send(sender, t, src, src_blocks)
-    sender.finish(rid)
-    r = wait_result(sender, rid)
-    assert r.ok, r.error
+    # the blocks, and nothing else, hold the pages
+    r, t = send_and_compare(peer, sender, src, "l" + "-".join(map(str, dst)), dst, src_blocks)
     assert r.descriptors == LAYERS * 2                    # k and v of each layer, one range
     assert peer("stats")["landed_requests"] == landed + 1
-    expected = before.clone()
-    expected[:, :, dst] = src[:, :, src_blocks]
-    assert torch.equal(peer("pool"), expected)          # the blocks, and nothing else, hold the pages
     assert settled(peer)                                 # the commit gave the range back
     assert peer("close", t.lease_id) == "free"
 
@@ -182,7 +157,7 @@ def test_a_stalled_write_keeps_the_range_until_the_writer_surely_stopped(own_pee
     """A stalled request's writes are cancelled (they may still land): no end
     is sent, so the range, like the blocks, is held until the lease's deadline
     plus the grace; then both come back and the next request lands."""
-    peer = own_peer()
+    peer = own_peer(blocks=POOL_BLOCKS, landing_bytes=2 * range_bytes(make_layout(), 8) + 512)
     sender = make_nixl_sender(peer.layout, timeout_s=1.0)
     t = target(peer, "s1", [3, 21], ttl_s=3.0)
     sender.prepare(t)
