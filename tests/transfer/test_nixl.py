@@ -70,6 +70,23 @@ def send(sender, target, src, src_blocks, layers=None, indices=None):
     sender.step_done()
 
 
+def stalled_request(peer: Peer, sender, rid: str, dst: list[int], src: torch.Tensor, src_blocks: list[int]):
+    """A request begun (its writer open on the peer), then sent whole while the
+    peer is stopped (SIGSTOP: it stops answering, as a hung worker does), on a
+    short lease (3 s: a cancelled write's blocks are held until its deadline
+    plus the grace). Its result and target, the peer running again."""
+    t = target(peer, rid, dst, ttl_s=3.0)
+    sender.prepare(t)
+    _wait_for(lambda: peer("stats")["writers"] == 1, what="the writer to begin")
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        send(sender, t, src, src_blocks)
+        sender.finish(rid)
+        return wait_result(sender, rid), t
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+
+
 def send_and_compare(peer: Peer, sender, src: torch.Tensor, rid: str, dst: list[int], src_blocks: list[int]):
     """One whole request of src's src_blocks into the peer's dst blocks: it
     succeeds, and the peer's pool changed in those blocks only, to the pages
@@ -213,18 +230,7 @@ def test_a_write_notified_under_another_layout_is_not_accepted(peer, make_nixl_s
 def test_a_stalled_peer_fails_the_transfer_and_holds_nothing_after(own_peer, make_nixl_sender):
     peer = own_peer()
     sender = make_nixl_sender(peer.layout, timeout_s=1.0)
-    # A cancelled write may still land: its blocks stay held until the lease's
-    # deadline plus the grace, so the lease is short here.
-    t = target(peer, "s1", [1, 2], ttl_s=3.0)
-    sender.prepare(t)
-    _wait_for(lambda: peer("stats")["writers"] == 1, what="the writer to begin")
-    os.kill(peer.pid, signal.SIGSTOP)                 # the decode worker stops answering
-    try:
-        send(sender, t, make_pool(peer.layout, seed=8), [3, 4])
-        sender.finish("s1")
-        r = wait_result(sender, "s1")
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
+    r, t = stalled_request(peer, sender, "s1", [1, 2], make_pool(peer.layout, seed=8), [3, 4])
     assert not r.ok
     assert r.error.startswith(("stalled: no progress for 1s", "no answer to nixl_commit")), r.error
     # Back: it serves the next request, and the stalled one's blocks are not held for good.

@@ -6,8 +6,6 @@ the blocks; a failed, aborted or stalled request, or a dead peer, gives its
 range back exactly when its blocks come back."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
 from tests.transfer.peers import Peer, wait_result
 from tests.transfer.test_nixl import (GRACE_S, make_nixl_sender, own_peer, send,  # noqa: F401 (fixtures)
-                                      send_and_compare, target)
+                                      send_and_compare, stalled_request, target)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -159,16 +157,7 @@ def test_a_stalled_write_keeps_the_range_until_the_writer_surely_stopped(own_pee
     plus the grace; then both come back and the next request lands."""
     peer = own_peer(blocks=POOL_BLOCKS, landing_bytes=2 * range_bytes(make_layout(), 8) + 512)
     sender = make_nixl_sender(peer.layout, timeout_s=1.0)
-    t = target(peer, "s1", [3, 21], ttl_s=3.0)
-    sender.prepare(t)
-    _wait_for(lambda: peer("stats")["writers"] == 1, what="the writer to begin")
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        send(sender, t, src_pool(peer.layout, seed=26), [5, 6])
-        sender.finish("s1")
-        r = wait_result(sender, "s1")
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
+    r, t = stalled_request(peer, sender, "s1", [3, 21], src_pool(peer.layout, seed=26), [5, 6])
     assert not r.ok
     if peer("close", t.lease_id) == "held":
         assert _wait_for(lambda: peer("released"), what="the held lease to be released") == [t.lease_id]
