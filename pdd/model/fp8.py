@@ -4,9 +4,9 @@ The decoder (llama.py) is built with plain nn.Linear layers. At load one of two
 things happens, decided once for the whole model:
 - FP8 GEMMs (CUDA, compute capability >= 8.9, bf16 activations): every
   quantized linear becomes an `Fp8Linear` holding the checkpoint's FP8 weight
-  and scales; its forward is the GEMM picked for its scales (pdd.ops.fp8_linear),
-  or at decode sizes the weight-only GEMV (pdd.ops.gemv: bf16 activations, the
-  weight's scales applied in registers).
+  and scales; its forward is the GEMM picked for its scales (pdd.ops.fp8_linear).
+  The decoder calls its linears through pdd.ops.linear, which at one token takes
+  the weight-only GEMV instead (bf16 activations, the scales applied in registers).
 - Otherwise (the CPU, older GPUs, a layer whose shape the block GEMM cannot
   take): the layers stay nn.Linear and the loader fills them with the weights
   dequantized to the checkpoint's dtype, so the model computes exactly what the
@@ -19,7 +19,6 @@ import logging
 import torch
 from torch import nn
 
-from pdd import ops
 from pdd.model.quant_config import Fp8Scheme
 from pdd.ops import fp8_linear
 from pdd.ops.fp8_linear import FP8_DTYPE, FP8_MAX
@@ -123,14 +122,11 @@ class Fp8Linear(nn.Module):
         return fp8_linear.blockwise(x, self.weight, self.weight_scale, self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        # Decode sizes: one weight-only GEMV launch (FP8 weights scaled in registers,
-        # activations unquantized) instead of quantize + cuBLASLt on padded rows.
-        out = ops.gemv(x2, self.weight, self.weight_scale, self.block, self.bias)
-        if out is None:
-            out = self._gemm(x2)
-            if self.bias is not None:
-                out = out + self.bias
+        # (The decoder calls it through ops.linear, which takes the weight-only GEMV
+        # instead where that is faster: this is the GEMM path.)
+        out = self._gemm(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
 

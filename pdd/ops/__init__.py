@@ -5,10 +5,10 @@ runs on any device. On CUDA the Triton kernels are used when they are
 available; `PDD_OPS=reference` forces the reference everywhere (debugging,
 kernel bisection).
 
-Linear layers at decode sizes (1..GEMV_MAX_M rows of bf16/fp16 on CUDA) run as
-one weight-only GEMV launch (`linear`, `linear_silu_mul`: pdd.ops.triton_gemv),
-FP8 weights included; `PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B
-runs). Elsewhere, the CPU included, a linear is exactly the layer's own call.
+Linear layers (`linear`, `linear_silu_mul`) at decode sizes on CUDA run as one
+weight-only GEMV launch (pdd.ops.triton_gemv) where that measured faster
+(`use_gemv`); `PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B runs).
+Elsewhere, the CPU included, a linear is exactly the layer's own call.
 """
 from __future__ import annotations
 
