@@ -65,9 +65,12 @@ class LandingArena:
         """Bytes of a range for a request of `num_blocks` blocks: every layer's k and v pages."""
         return self._kv.shape[0] * 2 * num_blocks * self._page_bytes
 
+    def _held_bytes(self, num_blocks: int) -> int:
+        return -(-self.range_bytes(num_blocks) // _ALIGN) * _ALIGN
+
     def take(self, num_blocks: int) -> int | None:
         """The offset of a range for `num_blocks` blocks, or None if none is free (first fit)."""
-        size = -(-self.range_bytes(num_blocks) // _ALIGN) * _ALIGN
+        size = self._held_bytes(num_blocks)
         for hole in self._free:
             if hole[1] >= size:
                 start = hole[0]
@@ -80,8 +83,7 @@ class LandingArena:
         return None
 
     def give_back(self, offset: int, num_blocks: int) -> None:
-        size = -(-self.range_bytes(num_blocks) // _ALIGN) * _ALIGN
-        self._free.append([offset, size])
+        self._free.append([offset, self._held_bytes(num_blocks)])
         self._free.sort()
         merged: list[list[int]] = []
         for start, n in self._free:
