@@ -6,7 +6,7 @@ bytes the layer must move (weight and its scales, x, y), for
 - cublas-bf16: F.linear on bf16 weights (what an nn.Linear runs);
 - scaled_mm-fp8-channel / scaled_mm-fp8-block: the FP8 path before the GEMV
   (activation quantize kernel, then torch._scaled_mm / F.scaled_mm on rows
-  padded to 4), what an Fp8Linear runs above GEMV_MAX_M rows;
+  padded to 4), what an Fp8Linear runs from 2 rows up (ops.use_gemv);
 - gemv-bf16, gemv-fp8-channel, gemv-fp8-block: pdd.ops.triton_gemv.
 gate_up_proj's library paths include the separate SiLU-and-mul kernel the GEMV fuses.
 
