@@ -173,6 +173,8 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b = sub.add_parser("gemv", help="decode-sized linears of the 8B shape: cuBLAS / FP8 scaled_mm vs the GEMV")
     b.add_argument("--m", default="1,4,16", help="comma list of token counts (rows of x)")
     b.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
+    b.add_argument("--sweep", action="store_true",
+                   help="time the one-row kernel's tile configs for each layer and weight kind instead")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("gemv"))
 

@@ -15,6 +15,7 @@ captured decode step), cycling over enough weight copies that they do not fit
 in L2: every call reads its weights from HBM, as a decode step's layers do.
 
     pdd bench gemv --m 1,4,16 [--json FILE]     # on the device
+    pdd bench gemv --sweep [--json FILE]        # the one-row kernel's tile configs
 """
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ def _block_gemm() -> bool:
 
 
 def main(args) -> int:
+    if args.sweep:
+        return sweep(args)
     ms = [int(v) for v in args.m.split(",") if v]
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
     kinds = ["bf16"] + (["fp8-channel", "fp8-block"] if fp8 else [])
@@ -142,4 +145,106 @@ def main(args) -> int:
                       f"{100 * r['fraction_of_hbm']:>6.0f}%", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# --sweep: the row kernel's (M == 1) tile configs, each layer and weight kind
+# ---------------------------------------------------------------------------
+
+_SWEEP_BLOCK_N = (4, 8, 16)
+_SWEEP_TILE_BYTES = (8 << 10, 16 << 10, 32 << 10)
+_SWEEP_WARPS = (4, 8)
+_SWEEP_STAGES = (1, 3)
+
+
+def _sweep_configs(n: int, k: int, silu: bool, w_bytes: int):
+    from pdd.ops.triton_gemv import GemvConfig
+
+    tiles = 2 if silu else 1
+    out_n = n // 2 if silu else n
+    for block_n in _SWEEP_BLOCK_N:
+        if out_n % block_n:
+            continue
+        for tile in _SWEEP_TILE_BYTES:
+            block_k = min(max(64, tile // (tiles * block_n * w_bytes)), 4096)
+            for warps in _SWEEP_WARPS:
+                for stages in _SWEEP_STAGES:
+                    yield GemvConfig(1, block_n, block_k, warps, stages)
+
+
+def _sweep_cases():
+    kinds = ("bf16", "fp8-block", "fp8-channel")
+    for kind in kinds:
+        for name, (n, k, silu) in SHAPES_8B.items():
+            for cfg in _sweep_configs(n, k, silu, 2 if kind == "bf16" else 1):
+                yield kind, name, n, k, silu, cfg
+
+
+def _compile_some(cases: list) -> int:
+    """Run each case once (a child process: fills Triton's on-disk cache)."""
+    failed = 0
+    x_cache = {}
+    for kind, name, n, k, silu, cfg in cases:
+        x = x_cache.setdefault(k, torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+        w, s, b = _weights(kind, n, k, 1)[0]
+        try:
+            _gemv_call_cfg(x, w, s, b, silu, cfg)()
+        except Exception:   # noqa: BLE001 - a config that does not build is reported, not fatal
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def _gemv_call_cfg(x, w, s, block, silu, cfg):
+    from pdd.ops import triton_gemv
+
+    return lambda: triton_gemv.gemv(x, w, s, block, silu=silu, config=cfg)
+
+
+def sweep(args) -> int:
+    import multiprocessing as mp
+
+    from pdd.ops import triton_gemv
+    from pdd.ops.triton_common import _num_sms
+
+    cases = list(_sweep_cases())
+    procs = max(1, min(14, (mp.cpu_count() or 2) - 2))
+    t0 = time.monotonic()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        failed = sum(pool.map(_compile_some, [cases[i::procs] for i in range(procs)]))
+    print(f"compiled {len(cases)} variants in {time.monotonic() - t0:.0f} s on {procs} processes "
+          f"({failed} did not build)", flush=True)
+    rows = []
+    sms = _num_sms(torch.device("cuda"))
+    for kind in ("bf16", "fp8-block", "fp8-channel"):
+        for name, (n, k, silu) in SHAPES_8B.items():
+            w_bytes = n * k * (2 if kind == "bf16" else 1)
+            weights = _weights(kind, n, k, max(2, -(-_COLD_BYTES // w_bytes)))
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            table = triton_gemv.gemv_config(1, n // 2 if silu else n, k, 2 if kind == "bf16" else 1, 2, silu,
+                                            weights[0][2], sms)
+            results = []
+            for cfg in [table, *_sweep_configs(n, k, silu, 2 if kind == "bf16" else 1)]:
+                if cfg is None:
+                    continue
+                try:
+                    calls = [_gemv_call_cfg(x, w, s, b, silu, cfg) for w, s, b in weights]
+                    us = _graph_us(calls * max(1, -(-args.reps // len(calls))), rounds=5)
+                except Exception as e:   # noqa: BLE001
+                    print(f"  {kind} {name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                results.append((us, cfg))
+                rows.append({"kind": kind, "layer": name, "config": cfg._asdict(), "table": cfg is table, "us": us,
+                             "gb_s": w_bytes / us / 1e3})
+            results.sort(key=lambda r: r[0])
+            table_us = next((us for us, cfg in results if cfg is table), float("nan"))
+            best = ", ".join(f"{us:.1f} us {w_bytes / us / 1e3:.0f} GB/s n{c.block_n} k{c.block_k} w{c.num_warps} "
+                             f"s{c.num_stages}" for us, c in results[:3])
+            print(f"{kind:<12} {name:<13} table {table_us:6.1f} us | best: {best}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                                               "rows": rows}, indent=2))
     return 0

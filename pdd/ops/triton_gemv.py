@@ -188,23 +188,44 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# The row kernel's W tile (gate and up together) per loop step: 8 KB-16 KB
-# loads in flight per program (the loop is not software-pipelined), several
-# programs per SM; 4 warps keep it at 40-100 registers a thread (sm_90 builds).
-_ROW_TILE_BYTES = 16 * 1024
+# The row kernel's tiles, measured (`pdd bench gemv --sweep` on an H200, 132 SMs;
+# docs/benchmarks.md, "The decode GEMV"). Its loop is not software-pipelined, so
+# what keeps HBM busy is many programs an SM, each with one W tile in flight:
+# 4 rows a program (twice the programs of 8) beat wider tiles everywhere but
+# under block scales, whose per-column scale gather favours 8 rows over 32 KB.
+# (rows a program, W bytes a loop step with gate and up together, warps)
+_ROW_RULE_HALF = (4, 16 << 10, 4)            # bf16 / fp16 weights
+_ROW_RULE_FP8_ROWS = (4, 16 << 10, 4)        # FP8, one scale a row or the tensor
+_ROW_RULE_FP8_BLOCKS = (8, 32 << 10, 4)      # FP8, 128x128 block scales
+# Where one layer's best beat the rule by more than a few per cent on that
+# sweep (the Llama-3-8B shapes on 132 SMs): (w_bytes, block scales, N or I,
+# K, silu) -> (rows, K span, warps).
+_ROW_TUNED_132 = {
+    (2, False, 6144, 4096, False): (4, 4096, 4),
+    (2, False, 4096, 14336, False): (4, 2048, 8),
+    (1, True, 4096, 4096, False): (4, 2048, 4),
+    (1, True, 14336, 4096, True): (16, 256, 4),
+    (1, False, 6144, 4096, False): (8, 1024, 4),
+    (1, False, 4096, 14336, False): (4, 2048, 4),
+}
 
 
 def _row_config(n: int, k: int, w_bytes: int, tiles: int, scale_block: tuple[int, int] | None,
                 sms: int) -> GemvConfig | None:
-    # 8 rows a program, or 4 where that leaves under two programs an SM.
-    block_n = 8 if n >= 2 * 8 * sms else 4
-    if scale_block is not None and (scale_block[0] % block_n or (tiles == 2 and n % block_n)):
-        block_n = 4
-        if scale_block[0] % 4 or (tiles == 2 and n % 4):
+    tuned = _ROW_TUNED_132.get((w_bytes, scale_block is not None, n, k, tiles == 2)) if sms == 132 else None
+    if tuned is not None:
+        block_n, block_k, warps = tuned
+    else:
+        block_n, tile_bytes, warps = (_ROW_RULE_HALF if w_bytes > 1 else
+                                      _ROW_RULE_FP8_BLOCKS if scale_block is not None else _ROW_RULE_FP8_ROWS)
+        block_k = tile_bytes // (tiles * block_n * w_bytes)
+    # Block scales: each program's rows (gate's and up's) inside one block row.
+    while scale_block is not None and (scale_block[0] % block_n or (tiles == 2 and n % block_n)):
+        if block_n == 4:
             return None
-    block_k = _ROW_TILE_BYTES // (tiles * block_n * w_bytes)
+        block_k, block_n = block_k * 2, block_n // 2
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    return GemvConfig(1, block_n, block_k, 4, 1)
+    return GemvConfig(1, block_n, block_k, warps, 1)
 
 
 def _bucket(m: int) -> int:
@@ -285,9 +306,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | Non
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
-         silu: bool = False) -> torch.Tensor:
+         silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype; with silu,
-    weight is [gate; up] (2I rows) and the result silu(gate) * up [M, I]."""
+    weight is [gate; up] (2I rows) and the result silu(gate) * up [M, I].
+    `config` overrides the tile table (`pdd bench gemv --sweep`)."""
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D"
     m, k = x.shape
     n, wk = weight.shape
@@ -303,7 +325,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     out_n = n // 2 if silu else n
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous(), f"bias must be [{n}], got {tuple(bias.shape)}"
-    cfg = _plan(x, weight, block, silu)
+    cfg = config or _plan(x, weight, block, silu)
     assert cfg is not None, f"block scales {block} do not fit this GEMV's tiles"
     if x.stride(1) != 1:
         x = x.contiguous()

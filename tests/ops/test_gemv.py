@@ -98,6 +98,18 @@ def test_fused_silu_and_mul(kind, m, xdtype):
     close(out, expected(x, w_deq, silu=True), xdtype)
 
 
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("kind", ["plain", "block"])
+def test_one_row_under_the_tile_configs_a_sweep_tries(kind, silu):
+    # `pdd bench gemv --sweep` passes its own configs; K not a multiple of BLOCK_K.
+    n, k = 192, 320
+    w, s, block, w_deq = weights(kind, n, k, seed=8, dtype=torch.bfloat16)
+    x = rand(1, k, seed=9).to(torch.bfloat16).to(DEVICE)
+    for cfg in (tg.GemvConfig(1, 4, 128, 8, 1), tg.GemvConfig(1, 16, 64, 4, 3)):
+        out = tg.gemv(x, w, s, block, silu=silu, config=cfg)
+        close(out, expected(x, w_deq, silu=silu), torch.bfloat16)
+
+
 def test_rows_of_one_bucket_share_a_config_and_bad_blocks_are_refused():
     x1 = torch.empty(1, 4096, dtype=torch.bfloat16)
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
@@ -119,7 +131,7 @@ def test_gemv_is_picked_only_on_cuda_where_it_measured_faster(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
     assert ops.use_gemv(cuda, 2, bf16, bf16) and ops.use_gemv(cuda, ops.GEMV_MAX_M, fp16, fp16)
-    assert not ops.use_gemv(cuda, 1, bf16, bf16)                          # one half-precision row: cuBLAS
+    assert ops.use_gemv(cuda, 1, bf16, bf16) and ops.use_gemv(cuda, 1, fp16, fp16)
     assert ops.use_gemv(cuda, 1, bf16, fp8)                               # one row of FP8 weights: W8A16
     assert not ops.use_gemv(cuda, 4, bf16, fp8)                           # more: the scaled_mm path
     assert not ops.use_gemv(cuda, ops.GEMV_MAX_M + 1, bf16, bf16)         # prefill sizes: cuBLAS
