@@ -74,13 +74,7 @@ from pdd.transfer.wire import encode_write_notif, layout_digest
 
 log = logging.getLogger(__name__)
 
-# NIXL reports a write's end (and sends its notification) only when asked: writes in
-# flight are looked at _POLL_MIN_S after one was posted or ended, then ever less
-# often up to _POLL_MAX_S while none ends (a posted write ends within tens of
-# microseconds over NVLink; a millisecond's poll would hold each layer's staging
-# that long, and with it the next layer's gather).
-_POLL_MIN_S = 50e-6
-_POLL_MAX_S = 0.001
+_POLL_S = 0.001      # writes in flight are looked at this often: NIXL reports (and notifies) only when asked
 _STAGING_MAX = 256 << 20   # staging memory, at most (the default is two layers of the pool, up to this)
 _DEADLINE_MARGIN_S = 1.0   # no write is posted this close to the end of the lease the decode worker granted
 _REOPEN_AFTER_S = 5.0      # a pool that failed to open is asked for again after this long
@@ -176,8 +170,6 @@ class NixlSender(ControlSender):
         self._draining: list[_Req] = []   # settled, with writes still running
         self._uncancelled: list[_Write] = []   # stalled writes NIXL could not cancel (yet)
         self._failed = Tombstones()
-        self._poll_s = _POLL_MIN_S   # the I/O thread's next look at writes in flight (backs off)
-        self._posted = False         # a write was posted since the last look
         # The decode worker's socket closing means it exited or restarts: its
         # writes fail now and its agent is dropped (a new one will answer the
         # open). A refused CURVE handshake fails its requests at once too.
@@ -357,18 +349,14 @@ class NixlSender(ControlSender):
             self._drop_peer(dest)
             return f"nixl write to {dest.addr} failed: {type(e).__name__}: {e}"
         req.inflight.append(_Write(piece, handle))
-        self._posted = True
         req.writes += 1
         req.descriptors += len(local)
         return None
 
     def _poll_writes(self) -> None:
-        ended = False
         for req in list(self._reqs.values()):
-            if req.inflight and self._reap(req):
-                ended = True
-                if not req.settled:
-                    self._pump(req)
+            if req.inflight and self._reap(req) and not req.settled:
+                self._pump(req)
             elif req.queue and req.granted:
                 self._pump(req)   # a staged gather may have completed
         for req in list(self._draining):
@@ -380,8 +368,6 @@ class NixlSender(ControlSender):
             if self.agent.state(w.handle) != "PROC" and self.agent.release(w.handle):
                 self._uncancelled.remove(w)
                 self.arena.give_back(w.piece.offset)
-        self._poll_s = _POLL_MIN_S if ended or self._posted else min(2 * self._poll_s, _POLL_MAX_S)
-        self._posted = False
 
     def _reap(self, req: _Req) -> bool:
         """Writes of `req` that ended: released, progress counted. True if any ended."""
@@ -470,7 +456,7 @@ class NixlSender(ControlSender):
     def _next_deadline(self) -> float | None:
         if any(r.inflight or (r.queue and r.granted) for r in self._reqs.values()) \
                 or self._draining or self._uncancelled:
-            return time.perf_counter() + self._poll_s
+            return time.perf_counter() + _POLL_S
         due = [d for r in self._reqs.values() if (d := r.progress.deadline(self.timeout_s)) is not None]
         return min(due + [d for d in (self._asked_deadline(),) if d is not None], default=None)
 

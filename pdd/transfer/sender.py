@@ -396,14 +396,8 @@ class IoSender(SenderBase):
         self._poller.register(self._mail.fd, zmq.POLLIN)
         try:
             while True:
-                wait = 0.0 if self._mail.going_idle() else self._wait_s()
-                if wait < 1e-3:
-                    # zmq's poll counts whole milliseconds: a shorter wait (writes
-                    # polled soon after they were posted) sleeps, then looks.
-                    time.sleep(wait)
-                    events = dict(self._poller.poll(0))
-                else:
-                    events = dict(self._poller.poll(int(wait * 1000) + 1))
+                timeout = 0 if self._mail.going_idle() else self._wait_ms()
+                events = dict(self._poller.poll(timeout))
                 self._mail.woken(self._mail.fd in events)
                 cmds = self._mail.take()
                 for cmd in cmds:
@@ -430,15 +424,11 @@ class IoSender(SenderBase):
                 dest.close()
             self._ctx.term()
 
-    def _wait_s(self) -> float:
-        """How long the I/O thread may sleep: until the next thing due, at most
-        _MAX_WAIT_MS; a millisecond when it is overdue (_expire looked at it on
-        this turn: what it left for later is not worth spinning on)."""
+    def _wait_ms(self) -> int:
         due = min((t for t in (self._next_deadline(), self._held_until) if t is not None), default=None)
         if due is None:
-            return _MAX_WAIT_MS / 1000
-        left = due - time.perf_counter()
-        return 1e-3 if left <= 0 else min(_MAX_WAIT_MS / 1000, left)
+            return _MAX_WAIT_MS
+        return max(1, min(_MAX_WAIT_MS, int((due - time.perf_counter()) * 1000) + 1))
 
     def _recv(self, dest: Dest) -> None:
         while True:
