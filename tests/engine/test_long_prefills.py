@@ -134,10 +134,13 @@ def test_short_prompts_passing_a_long_one_never_take_the_blocks_of_its_floor():
     arrivals = iter(random_prompts([16] * 12 * 11, seed=34))
     shorts, waited = [], False
     for step in range(-(-700 // FLOOR)):
-        shorts += [_add(sched, f"s{step}-{i}", next(arrivals), prefill_only=True) for i in range(12)]
+        arrived = [_add(sched, f"s{step}-{i}", next(arrivals), prefill_only=True) for i in range(12)]
+        shorts += arrived
         before, left = long.num_computed_tokens, long.num_prompt_tokens - long.num_computed_tokens
         _step(sched)
         assert long.num_computed_tokens - before >= min(FLOOR, left)
+        if step == 0:
+            assert all(s.status.finished for s in arrived)     # room and blocks for all 12 beside it
         # The 12 fit the step's tokens beside the long one: one left out lacked blocks.
         waited |= any(s.num_computed_tokens == 0 for s in shorts)
     assert long.status.finished
@@ -148,15 +151,20 @@ def test_short_prompts_passing_a_long_one_never_take_the_blocks_of_its_floor():
 
 
 def test_a_preemption_takes_the_newest_request_never_one_scheduled_in_the_step():
-    """Decodes grow into a pool held by a long prompt: the newest running
-    request is preempted (the long one itself, admitted last), requeued at the
-    head, and everything ends with its blocks free."""
-    sched = _scheduler(num_blocks=36, max_num_batched_tokens=128, long_prefill_token_threshold=128)
-    a, b, long_prompt = random_prompts([30, 30, 500], seed=35)
+    """Beside decodes a long prompt lets a short one arriving with it go first;
+    the decodes then grow into the pool the long prompt fills: the newest
+    running request is preempted (the long one, admitted last), requeued at
+    the head, and everything ends with its blocks free."""
+    sched = _scheduler(num_blocks=36, max_num_batched_tokens=128, chunk_size=128, long_prefill_token_threshold=128)
+    a, b, long_prompt, short_prompt = random_prompts([30, 30, 500, 40], seed=35)
     _add(sched, "a", a, max_tokens=120)
     _add(sched, "b", b, max_tokens=120)
     _step(sched)                                       # both prompts; from now on they decode
     long = _add(sched, "long", long_prompt)
+    short = _add(sched, "short", short_prompt)
+    out = _step(sched)
+    # The decodes, the short prompt whole, the long one the rest (its floor is 32).
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1), ("short", 40), ("long", 86)]
     preempted = []
     for _ in range(1000):
         if not sched.has_unfinished():
@@ -167,7 +175,7 @@ def test_a_preemption_takes_the_newest_request_never_one_scheduled_in_the_step()
         assert not {id(r) for r in out.preempted} & {id(r) for r, _ in out.scheduled}
         preempted += [r.request_id for r in out.preempted]
     assert "long" in preempted and sched.num_preemptions == len(preempted)
-    assert long.output_token_ids == [7]
+    assert long.output_token_ids == short.output_token_ids == [7]
     _assert_pool_empty(sched)
 
 
@@ -194,19 +202,20 @@ def test_a_long_prompt_mostly_cached_is_short():
 
 
 def test_a_reserved_request_computed_here_keeps_its_place_at_the_head():
-    """compute_locally puts a reserved request (holding its blocks) first: it is
-    scheduled before the prompts that waited, long or short."""
+    """compute_locally puts a reserved request (holding its blocks) at the head
+    of the waiting queue: it goes before the short prompts that waited, and,
+    short itself, before the running long prompt's tokens beyond its floor."""
     sched = _scheduler()
-    long, shorts = _long_and_shorts(sched)
-    reserved = Request("reserved", random_prompts([200], seed=40)[0], SamplingParams(max_tokens=1).validate())
+    long = _add(sched, "long", random_prompts([1000], seed=40)[0])
+    _step(sched)                                       # alone: the whole step
+    assert long.num_computed_tokens == 256
+    shorts = [_add(sched, f"s{i}", p) for i, p in enumerate(random_prompts([40, 50], seed=41))]
+    reserved = Request("reserved", random_prompts([200], seed=42)[0], SamplingParams(max_tokens=1).validate())
     blocks = sched.reserve(reserved)
     sched.compute_locally("reserved")
-    assert sched.kv.block_ids(reserved) == blocks
     out = _step(sched)
-    # It first, whole; the long one what is left (less than its floor: the
-    # reserved request was ahead of it); nothing for the short ones behind it.
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("reserved", 200), ("long", 56)]
-    assert out.starts[0] == 0
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("reserved", 192), ("long", FLOOR)]
+    assert out.starts[0] == 0 and sched.kv.block_ids(reserved) == blocks    # its own blocks, from the start
     assert not any(s.num_computed_tokens for s in shorts)
     _drain(sched)
     _assert_pool_empty(sched)
