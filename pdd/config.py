@@ -67,8 +67,10 @@ class EngineConfig:
     # on the router's side their spill to local prefill on decode workers).
     long_prefill_token_threshold: int | None = 4096
     # Long prompts in partial prefill at once; another long one waits (the
-    # short prompts behind it go on).
-    max_long_partial_prefills: int = 1
+    # short prompts behind it go on). Beside decodes each takes at most a chunk
+    # a step: one at a time there made the long prompts' TTFT 1.9x FCFS's on
+    # the CPU bench (docs/benchmarks.md), four 1.1x.
+    max_long_partial_prefills: int = 4
     # The least share of a step's prompt tokens the long prompts in partial
     # prefill get together (each its 1 / max_long_partial_prefills part), short
     # prompts waiting or not: their TTFT grows, but boundedly.

@@ -8,7 +8,7 @@ With --ttft-by-length, instead: the prompts arrive together, --long-share of
 them long, and each class's time to first token is reported in engine steps
 (which a noisy machine does not change) and seconds, prompts first come first
 served (engine.long_prefill_token_threshold 0) vs short ones first (the
-threshold given). The outputs of both runs must be equal.
+threshold given), and how many requests' outputs differ between the two.
 
     pdd bench offline --ttft-by-length --max-tokens 1 --long-prefill-token-threshold 4096
 """
@@ -99,7 +99,9 @@ def run_ttft_by_length(args) -> dict:
             for cls, want in (("short", False), ("long", True))}}
         del llm, engine
         _free(torch.device(result["device"]))
-    result["outputs_equal"] = outputs["fcfs"] == outputs["short_first"]
+    # Equal on the CPU (tests/engine/test_long_prefills.py); in bf16 a request
+    # batched with others in steps of another shape may round to another token.
+    result["outputs_differ"] = sum(a != b for a, b in zip(outputs["fcfs"], outputs["short_first"]))
     return result
 
 
@@ -257,7 +259,7 @@ def _print_ttft_table(result: dict) -> None:
                 print(f"| {name} (threshold {result[name]['threshold']}) | {cls} | {c['count']} | {c['steps_mean']} | "
                       f"{c['steps_p50']:g} | {c['steps_p90']:g} | {c['steps_max']} | {c['s_mean']} | {c['s_p50']} | "
                       f"{c['s_p90']} |")
-    print(f"outputs equal: {result['outputs_equal']}")
+    print(f"requests whose output differs between the two: {result['outputs_differ']}")
 
 
 def main(args) -> int:
@@ -271,4 +273,4 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result.get("outputs_equal", True) else 1
+    return 0

@@ -16,8 +16,8 @@ from pdd.kv.manager import KVCacheManager
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 # Budget 256 with nothing decoding: a lone prompt takes the whole step; a
-# prompt is long beyond 256 tokens to compute; its floor is 64 (a quarter).
-SHAPE = dict(max_num_batched_tokens=256, chunk_size=64, long_prefill_token_threshold=256)
+# prompt is long beyond 256 tokens to compute; one at a time, its floor 64 (a quarter).
+SHAPE = dict(max_num_batched_tokens=256, chunk_size=64, long_prefill_token_threshold=256, max_long_partial_prefills=1)
 FLOOR = 64
 SHORT_LENGTHS = [40, 120, 64, 90, 33, 100, 75, 50, 110, 48, 70, 95]
 
