@@ -59,6 +59,22 @@ class EngineConfig:
     # this bounds that step (Sarathi-Serve's token budget) and leaves steps
     # without decodes the whole budget.
     prefill_tokens_beside_decodes: int | None = None
+    # A prompt is long while more than this many of its tokens are still to
+    # compute (0 or unset: no prompt is, and prompts are served first come,
+    # first served). Short prompts take a step's prompt tokens before a long
+    # one does, even those queued behind it: one 16k prompt would otherwise
+    # take whole steps while the short prompts behind it wait (their TTFT, and
+    # on the router's side their spill to local prefill on decode workers).
+    long_prefill_token_threshold: int | None = 4096
+    # Long prompts in partial prefill at once; another long one waits (the
+    # short prompts behind it go on). Beside decodes each takes at most a chunk
+    # a step: one at a time there made the long prompts' TTFT 1.9x FCFS's on
+    # the CPU bench (docs/benchmarks.md), four 1.1x.
+    max_long_partial_prefills: int = 4
+    # The least share of a step's prompt tokens the long prompts in partial
+    # prefill get together (each its 1 / max_long_partial_prefills part), short
+    # prompts waiting or not: their TTFT grows, but boundedly.
+    long_prefill_min_share: float = 0.25
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     # Torch threads of an engine on the CPU; 0: torch's default (one per core).
@@ -87,6 +103,12 @@ class EngineConfig:
             bad("chunk_size", "must be >= 1")
         if self.prefill_tokens_beside_decodes is not None and self.prefill_tokens_beside_decodes < 1:
             bad("prefill_tokens_beside_decodes", "must be >= 1 (unset: the step budget)")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            bad("long_prefill_token_threshold", "must be >= 0 (0 or unset: every prompt in arrival order)")
+        if self.max_long_partial_prefills < 1:
+            bad("max_long_partial_prefills", "must be >= 1")
+        if not 0.0 < self.long_prefill_min_share <= 1.0:
+            bad("long_prefill_min_share", f"must be in (0, 1], got {self.long_prefill_min_share}")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "must be >= 1")
         if self.cpu_threads < 0:

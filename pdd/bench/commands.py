@@ -35,6 +35,12 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
     b.add_argument("--passes", type=int, default=2, help="batched passes; the last one is reported")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.add_argument("--ttft-by-length", action="store_true",
+                   help="instead: time to first token of short and long prompts arriving together, in steps "
+                        "and seconds, first come first served vs short prompts first (--long-prefill-token-threshold)")
+    b.add_argument("--long-share", type=float, default=0.1, help="--ttft-by-length: the share of long prompts")
+    b.add_argument("--min-long-prompt", type=int, default=8192, help="--ttft-by-length: shortest long prompt, tokens")
+    b.add_argument("--max-long-prompt", type=int, default=16384, help="--ttft-by-length: longest long prompt, tokens")
     b.set_defaults(func=_runner("offline"))
 
     b = sub.add_parser("serving", help="serving-stack overhead vs the in-process engine")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdd.config import EngineConfig
 from pdd.kv.scales import KV_CACHE_DTYPES
 
 
@@ -21,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="longest prefill chunk of one request per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU, 2048 on the CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold,
+                   help="a prompt with more tokens than this left to compute is long: short prompts take a "
+                        "step's tokens first (0: first come, first served; default %(default)s)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next")
 
@@ -36,4 +40,5 @@ def engine_kwargs(args) -> dict:
                 block_size=args.block_size, num_blocks=args.num_blocks, chunk_size=args.chunk_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 async_scheduling=not args.no_async_scheduling)

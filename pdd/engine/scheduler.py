@@ -15,6 +15,16 @@ decode). When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
 cache) and it is recomputed later.
 
+Long prompts (`long_prefill_token_threshold`: more than that many prompt
+tokens still to compute) do not hold the short ones: a step gives the short
+prompts' chunks (running, then waiting, also those queued behind a long one)
+before a long prompt's, but first sets aside each long prompt's floor (its
+part of `long_prefill_min_share` of the step's prompt tokens) and takes the
+blocks for it at the long prompt's place in line, so the prompts it lets pass
+can neither take its tokens nor its blocks. At most
+`max_long_partial_prefills` long prompts are in partial prefill at once; one
+beyond them waits in its place while the short prompts behind it go on.
+
 Scheduling runs one step ahead of the GPU (async scheduling): `schedule()`
 advances each request's `num_computed_tokens` as it schedules it, and a step
 that samples leaves a token "in flight" (`num_in_flight`), which the next step
@@ -70,6 +80,12 @@ class Scheduler:
         self._chunk_alone = cfg.chunk_size  # ... of a prompt computed for another worker
         self._decoding = False          # this step holds decodes (a request's own prefill_chunk applies)
         self._prefill_left = 0          # prompt tokens beside decodes this step may still take
+        # Running long prompts -> the tokens set aside for each this step (its
+        # floor, or less when its chunk is smaller), in admission order; their
+        # sum, which short prompts' chunks may not take.
+        self._long: dict[str, tuple[Request, int]] = {}
+        self._held = 0
+        self._long_floor = 0            # tokens each long prompt is guaranteed in a step
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -141,17 +157,40 @@ class Scheduler:
         self._prefill_left = budget
         if decoding and self.cfg.prefill_tokens_beside_decodes is not None:
             self._prefill_left = self.cfg.prefill_tokens_beside_decodes
+        self._long_floor = max(1, int(self.cfg.long_prefill_min_share * self._prefill_left
+                                      / self.cfg.max_long_partial_prefills))
+        self._hold_for_long_prompts(budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        self._schedule_long_prompts(out, budget)
         return out
+
+    def _is_long(self, wanted: int) -> bool:
+        """A prompt with `wanted` tokens still to compute is long (a decode never is)."""
+        threshold = self.cfg.long_prefill_token_threshold
+        return bool(threshold) and wanted > threshold
+
+    def _hold_for_long_prompts(self, budget: int) -> None:
+        """Set aside each running long prompt's floor before anything is scheduled."""
+        self._long, self._held = {}, 0
+        for req in self.running:
+            wanted = req.num_tokens_with_in_flight - req.num_computed_tokens
+            if self._is_long(wanted):
+                self._hold(req, min(self._long_floor, self._chunk_of(req, wanted, budget)))
+
+    def _hold(self, req: Request, n: int) -> None:
+        self._long[req.request_id] = (req, max(n, 0))
+        self._held += max(n, 0)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            n = self._chunk_of(req, req.num_tokens_with_in_flight - req.num_computed_tokens, budget)
+            held = self._long.get(req.request_id)
+            wanted = req.num_tokens_with_in_flight - req.num_computed_tokens
+            n = held[1] if held else self._chunk_of(req, wanted, budget)
             if n <= 0 or req.stops_after_in_flight():
                 continue  # no prompt room left this step, or its last token is in flight (it ends when that lands)
             while self.kv.allocate_slots(req, n) is None:
@@ -160,13 +199,16 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
+            if held:
+                continue  # a long prompt: the blocks of its floor are its now; its tokens come after the short ones'
             self._take(out, req, n)
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[i]
             computed, num_cached = [], 0
             # Only a request holding no blocks takes cached ones: a reserved request
             # computed here after all (compute_locally) has its blocks, and cached
@@ -174,31 +216,60 @@ class Scheduler:
             # One collecting prompt logprobs computes every prompt position.
             if req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-            n = self._chunk_of(req, req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            wanted = req.num_tokens - req.num_computed_tokens - num_cached
+            long = self._is_long(wanted)
+            if long and len(self._long) >= self.cfg.max_long_partial_prefills:
+                i += 1
+                continue  # waits in its place for a long prompt to finish; the short ones behind it go on
+            n = self._chunk_of(req, wanted, budget)
+            if long:
+                n = min(n, self._long_floor)
+            # NOTE: nothing passes a prompt that lacks blocks (or room), a long one
+            # included: the blocks freed meanwhile go to it, never to those behind.
             if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if num_cached:
                 req.num_computed_tokens += num_cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(num_cached, req.num_prompt_tokens))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._take(out, req, n)
-            budget -= n
+            if long:
+                self._hold(req, n)   # its floor's blocks are taken; its tokens come last
+            else:
+                self._take(out, req, n)
+                budget -= n
+        return budget
+
+    def _schedule_long_prompts(self, out: SchedulerOutput, budget: int) -> None:
+        """The long prompts, oldest first: each its floor, set aside for it, and
+        what the short prompts left (less the floors of the long ones after it).
+        Tokens beyond its floor take free blocks, never a preemption."""
+        for req, floor in self._long.values():
+            self._held -= floor
+            n = self._chunk_of(req, req.num_tokens_with_in_flight - req.num_computed_tokens, budget)
+            if n > 0 and self.kv.allocate_slots(req, n) is None:
+                covered = len(self.kv.block_ids(req)) * self.kv.block_size - req.num_computed_tokens
+                n = min(n, covered)   # what its blocks hold: its floor's at least, taken in line
+            if n > 0:
+                self._take(out, req, n)
+                budget -= n
+        self._long, self._held = {}, 0
 
     def _chunk_of(self, req: Request, wanted: int, budget: int) -> int:
         """Tokens `req`, wanting `wanted` more, gets this step: a decode its
         one; a prompt at most a chunk (beside decodes, its own prefill_chunk if
         smaller), within the budget and what is left of the prompt tokens
-        allowed beside decodes; a prompt computed for another worker as if
-        nothing decoded here. (A prompt's last single token is scheduled like a
-        decode, outside that allowance.)"""
+        allowed beside decodes, less the tokens set aside for long prompts; a
+        prompt computed for another worker as if nothing decoded here. (A
+        prompt's last single token is scheduled like a decode, outside that
+        allowance.)"""
         if wanted <= 1:
             return min(wanted, budget)
         if req.prefill_only:
-            return min(wanted, self._chunk_alone, budget)
+            return min(wanted, self._chunk_alone, budget - self._held)
         chunk = min(self._chunk, req.prefill_chunk) if req.prefill_chunk and self._decoding else self._chunk
-        return min(wanted, chunk, budget, self._prefill_left)
+        return min(wanted, chunk, budget - self._held, self._prefill_left - self._held)
 
     def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Put n of req's tokens in this step, and count them as computed."""
@@ -222,6 +293,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if req.request_id in self._long:   # set aside no more: it waits again
+            self._held -= self._long.pop(req.request_id)[1]
         self.waiting.appendleft(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
