@@ -11,7 +11,9 @@ yet and a monitor of the connection), polls them with the mailbox, sleeps
 until the backend's next deadline, and reports results. A backend says what
 its commands, incoming frames, connection events and deadlines mean. The
 one-sided backends (cuda_ipc, nixl) ask the decode worker's data socket
-control messages (pdd.transfer.writers) through `ControlSender`.
+control messages (pdd.transfer.writers) through `ControlSender`. The backends
+that keep a state per request on the I/O thread (tcp, nixl) make it, and meet
+its finish, through `RequestTable`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -563,7 +566,7 @@ class RequestTable(abc.ABC):
     failing a request takes it out of `_reqs`."""
 
     request_class: type          # made as request_class(target=..., progress=...)
-    _reqs: dict[str, object]
+    _reqs: dict[str, Any]
     _failed: Tombstones
 
     def _request(self, target: TransferTarget):
