@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from pdd.admin.client import call_with_config
+from pdd.bench.layouts import interrupt
 from pdd.config import EXIT_REFUSED, ConfigError, load_cluster_config
 from pdd.launcher import free_port
 from pdd.sdnotify import Notifier
@@ -177,14 +178,7 @@ class Serve:
                                          env={**os.environ, **sock.env()})
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return interrupt(self.proc, 120, signal.SIGTERM)
 
 
 def test_pdd_serve_is_ready_then_pings_and_a_hung_engine_falls_silent(tmp_path, tiny_model, notify_sockets):

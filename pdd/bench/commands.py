@@ -3,6 +3,7 @@ building the CLI parser imports nothing heavy (torch, zmq): each benchmark
 module is imported only when its subcommand runs."""
 from __future__ import annotations
 
+import argparse
 import importlib
 
 from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
@@ -13,16 +14,30 @@ def _runner(module: str):
     return lambda args: importlib.import_module(f"pdd.bench.{module}").main(args)
 
 
+def _bench_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """The subcommand `name`, run by pdd.bench.<name>.main."""
+    b = sub.add_parser(name, help=help)
+    b.set_defaults(func=_runner(name))
+    return b
+
+
+def _add_json_arg(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+
+
+def _add_tiny_model_arg(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+
+
 def add_bench_parsers(sub, add_engine_args) -> None:
     add_serve_parser(sub, _runner)
     add_sweep_parser(sub, _runner)
 
-    b = sub.add_parser("gaps", help="a saved serve result's token gaps: first (hand-over) vs later (decode) gaps")
+    b = _bench_parser(sub, "gaps", "a saved serve result's token gaps: first (hand-over) vs later (decode) gaps")
     b.add_argument("files", nargs="+", help="result JSON files written by `pdd bench serve` or `sweep`")
     b.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
-    b.set_defaults(func=_runner("gaps"))
 
-    b = sub.add_parser("offline", help="offline engine throughput: batched vs one at a time vs HF")
+    b = _bench_parser(sub, "offline", "offline engine throughput: batched vs one at a time vs HF")
     add_engine_args(b)
     b.add_argument("--num-requests", type=int, default=64, help="prompts in the batch")
     b.add_argument("--min-prompt", type=int, default=16, help="shortest prompt, tokens")
@@ -34,26 +49,24 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                    help="also time HF generate_batch (its continuous batching) on all prompts")
     b.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
     b.add_argument("--passes", type=int, default=2, help="batched passes; the last one is reported")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.add_argument("--ttft-by-length", action="store_true",
                    help="instead: time to first token of short and long prompts arriving together, in steps "
                         "and seconds, first come first served vs short prompts first (--long-prefill-token-threshold)")
     b.add_argument("--long-share", type=float, default=0.1, help="--ttft-by-length: the share of long prompts")
     b.add_argument("--min-long-prompt", type=int, default=8192, help="--ttft-by-length: shortest long prompt, tokens")
     b.add_argument("--max-long-prompt", type=int, default=16384, help="--ttft-by-length: longest long prompt, tokens")
-    b.set_defaults(func=_runner("offline"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("serving", help="serving-stack overhead vs the in-process engine")
-    b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    b = _bench_parser(sub, "serving", "serving-stack overhead vs the in-process engine")
+    _add_tiny_model_arg(b)
     b.add_argument("--concurrency", default="1,64,512", help="comma list of requests in flight at once, one run each")
     b.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
     b.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     b.add_argument("--run-dir", default="/tmp/pdd-bench-serving", help="where the cluster's logs and config go")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("serving"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("disagg", help="TTFT and total time, disaggregated vs colocated")
-    b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    b = _bench_parser(sub, "disagg", "TTFT and total time, disaggregated vs colocated")
+    _add_tiny_model_arg(b)
     b.add_argument("--num-requests", type=int, default=64, help="requests per layout")
     b.add_argument("--min-prompt", type=int, default=64, help="shortest prompt, tokens")
     b.add_argument("--max-prompt", type=int, default=512, help="longest prompt, tokens")
@@ -70,18 +83,16 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                    help="each worker's KV cache budget (default: engine.kv_cache_bytes / gpu_memory_utilization)")
     b.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc", "nixl"],
                    help="the KV data plane between the workers")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("disagg"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("stall", help="a live stream's token gaps while huge text prompts arrive (router loop)")
-    b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    b = _bench_parser(sub, "stall", "a live stream's token gaps while huge text prompts arrive (router loop)")
+    _add_tiny_model_arg(b)
     b.add_argument("--big-prompts", type=int, default=4, help="huge prompts sent while the stream runs")
     b.add_argument("--body-bytes", type=int, default=4_000_000, help="each big prompt's JSON body, about")
     b.add_argument("--run-dir", default="/tmp/pdd-bench-stall", help="where the cluster's logs and config go")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("stall"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("chaos", help="fault scenarios at a fixed load, each on a throw-away cluster")
+    b = _bench_parser(sub, "chaos", "fault scenarios at a fixed load, each on a throw-away cluster")
     b.add_argument("--scenarios", default="", help="comma list (default: all): kill-decode, kill-prefill, "
                    "hang-decode, transfer-fail-cleared, transfer-fail-0.3, abort-storm, overload")
     b.add_argument("--model", default=None, help="checkpoint for `pdd up` (default: its built-in tiny model)")
@@ -95,10 +106,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the load's prompts and arrivals")
     b.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a cluster to start")
     b.add_argument("--run-dir", default="/tmp/pdd-bench-chaos", help="each scenario's `pdd up` logs go here")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("chaos"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("transfer", help="KV page transfer of one request per backend (nixl, cuda_ipc, tcp, local), "
+    b = _bench_parser(sub, "transfer", "KV page transfer of one request per backend (nixl, cuda_ipc, tcp, local), "
                                         "layer by layer as the data plane sends it")
     b.add_argument("--backends", "--backend", default="auto",
                    help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process, no socket: "
@@ -133,10 +143,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                    help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")
     b.add_argument("--zmq-ceilings", action="store_true",
                    help="also time plain ZeroMQ on the same loopback (tcp rows): one buffer, and N acked messages")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("transfer"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("ipc", help="KV transfer over cuda_ipc (peer GPU writes) for one request, vs the IPC ceiling")
+    b = _bench_parser(sub, "ipc", "KV transfer over cuda_ipc (peer GPU writes) for one request, vs the IPC ceiling")
     b.add_argument("--tokens", type=int, default=16384, help="tokens of the request whose KV moves")
     b.add_argument("--layers", type=int, default=32, help="layers of the KV layout")
     b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -154,10 +163,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--overlap-chunk", type=int, default=512, help="prefill chunk of the overlap run")
     b.add_argument("--overlap-repeats", type=int, default=5, help="timed prefills of the overlap run")
     b.add_argument("--overlap-kv-bytes", type=int, default=8 << 30, help="KV cache bytes of the overlap run's engine")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("ipc"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("grammar", help="constrained decoding's cost per token: masks (llguidance, xgrammar), "
+    b = _bench_parser(sub, "grammar", "constrained decoding's cost per token: masks (llguidance, xgrammar), "
                                        "their application, the handover; --engine: decode steps with and without")
     b.add_argument("--vocab", type=int, default=128256, help="logits width (the bench tokenizer is padded to it)")
     b.add_argument("--batches", default="1,64", help="comma list of batch sizes")
@@ -173,18 +181,16 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--context", type=int, default=1024, help="--engine: context tokens of each decoding request")
     b.add_argument("--steps", type=int, default=60, help="--engine: decode steps timed")
     b.add_argument("--workdir", default=None, help="where --engine writes its checkpoint (config + bench tokenizer)")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("grammar"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("gemv", help="decode-sized linears of the 8B shape: cuBLAS / FP8 scaled_mm vs the GEMV")
+    b = _bench_parser(sub, "gemv", "decode-sized linears of the 8B shape: cuBLAS / FP8 scaled_mm vs the GEMV")
     b.add_argument("--m", default="1,4,16", help="comma list of token counts (rows of x)")
     b.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
     b.add_argument("--sweep", action="store_true",
                    help="time the one-row kernel's tile configs for each layer and weight kind instead")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("gemv"))
+    _add_json_arg(b)
 
-    b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
+    b = _bench_parser(sub, "gpu", "decode and prefill step times against the H200 roofline")
     b.add_argument("--model", default="conf/models/llama-3.1-8b",
                    help="checkpoint (config-only is enough with dummy weights)")
     b.add_argument("--load-format", default="dummy", help="dummy: random weights of the checkpoint's shapes")
@@ -205,5 +211,4 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                    help="run the engine's warm-up first, as a worker does, and print each kernel compiled after it")
     b.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes (GPU kernels, host gaps)")
-    b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    b.set_defaults(func=_runner("gpu"))
+    _add_json_arg(b)

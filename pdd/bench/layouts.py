@@ -155,10 +155,11 @@ class UpProcess:
         return interrupt(self.proc, 90.0)
 
 
-def interrupt(proc: subprocess.Popen, timeout_s: float) -> int:
-    """Ctrl-C a `pdd up` and wait for it (killed if it outlives `timeout_s`); its exit status."""
+def interrupt(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGINT) -> int:
+    """Ctrl-C a `pdd up` (or send it `sig`) and wait for it (killed if it
+    outlives `timeout_s`); its exit status."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

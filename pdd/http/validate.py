@@ -9,7 +9,7 @@ for optional fields they do not set.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -126,60 +126,45 @@ class Fields:
     def param(self, name: str) -> str:
         return self.prefix + name
 
+    def _typed(self, name: str, check: Callable[[Any], bool], kind: str) -> Any:
+        """The field's value (None: missing or null), refused as not `kind` unless check(value)."""
+        value = self.obj.get(name)
+        if value is not None and not check(value):
+            raise wrong_type(self.param(name), kind, value)
+        return value
+
     def integer(self, name: str, default: int | None = None, *, lo: int | None = None,
                 hi: int | None = None) -> int | None:
-        value = self.obj.get(name)
+        value = self._typed(name, is_int, "an integer")
         if value is None:
             return default
-        if not is_int(value):
-            raise wrong_type(self.param(name), "an integer", value)
         _check_range(self.param(name), value, lo, hi)
         return value
 
     def number(self, name: str, default: float | None = None, *, lo: float | None = None,
                hi: float | None = None, lo_exclusive: bool = False) -> float | None:
-        value = self.obj.get(name)
+        value = self._typed(name, is_number, "a number")
         if value is None:
             return default
         param = self.param(name)
-        if not is_number(value):
-            raise wrong_type(param, "a number", value)
         if lo_exclusive and lo is not None and value <= lo:
             raise bad(param, f"'{param}' must be > {lo} and <= {hi}, got {value}")
         _check_range(param, value, lo, hi)
         return float(value)
 
     def boolean(self, name: str, default: bool | None = None) -> bool | None:
-        value = self.obj.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise wrong_type(self.param(name), "a boolean", value)
-        return value
+        value = self._typed(name, lambda v: isinstance(v, bool), "a boolean")
+        return default if value is None else value
 
     def string(self, name: str, default: str | None = None) -> str | None:
-        value = self.obj.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise wrong_type(self.param(name), "a string", value)
-        return value
+        value = self._typed(name, lambda v: isinstance(v, str), "a string")
+        return default if value is None else value
 
     def mapping(self, name: str) -> dict | None:
-        value = self.obj.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise wrong_type(self.param(name), "an object", value)
-        return value
+        return self._typed(name, lambda v: isinstance(v, dict), "an object")
 
     def array(self, name: str) -> list | None:
-        value = self.obj.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, list):
-            raise wrong_type(self.param(name), "an array", value)
-        return value
+        return self._typed(name, lambda v: isinstance(v, list), "an array")
 
 
 # Ignored field names are logged once per process, up to this many: a client

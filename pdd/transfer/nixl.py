@@ -68,8 +68,8 @@ from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
 from pdd.transfer.nixl_landing import landing_region
-from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, Tombstones,
-                                 handshake_refused, index_tensor)
+from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, RequestTable,
+                                 Tombstones, handshake_refused, index_tensor)
 from pdd.transfer.wire import encode_write_notif, layout_digest
 
 log = logging.getLogger(__name__)
@@ -155,10 +155,11 @@ def in_destination_order(dst: list[int], src: list[int]) -> tuple[list[int], lis
     return [dst[i] for i in order], [src[i] for i in order]
 
 
-class NixlSender(ControlSender):
+class NixlSender(RequestTable, ControlSender):
     backend = "nixl"
     thread_name = "kv-nixl-sender"
     dest_class = _PeerDest
+    request_class = _Req
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, staging_bytes: int | None = None,
                  security=None):
@@ -252,20 +253,8 @@ class NixlSender(ControlSender):
             if req is not None:
                 self._settle(req, False, cmd[2])
 
-    def _request(self, target: TransferTarget) -> _Req | None:
-        """The request's state, made (and its begin asked) on its first command; None once it failed."""
-        rid = target.request_id
-        if rid in self._failed:
-            return None
-        req = self._reqs.get(rid)
-        if req is None:
-            req = self._reqs[rid] = _Req(target, Progress(rid))
-            why = self._missing_key(target)
-            if why:
-                self._settle(req, False, why)
-                return None
-            self._begin(req)
-        return req if not req.settled else None
+    def _refuse(self, req: _Req, why: str) -> None:
+        self._settle(req, False, why)
 
     def _enqueue(self, target: TransferTarget, piece: _Piece) -> None:
         req = self._request(target)
@@ -278,14 +267,8 @@ class NixlSender(ControlSender):
         req.progress.owe(piece.t_enq)
         self._pump(req)
 
-    def _on_finish(self, rid: str, blocks_skipped: int, handoff: Handoff | None) -> None:
-        if self._failed.discard(rid):
-            return  # its failure was already reported
-        req = self._reqs.get(rid)
-        if req is None:  # never prepared, no page: there is no receiver to tell
-            self._emit(Progress(rid).result(True, blocks_skipped=blocks_skipped))
-            return
-        req.finished, req.blocks_skipped, req.handoff = True, blocks_skipped, handoff
+    def _after_finish(self, req: _Req, handoff: Handoff | None) -> None:
+        req.handoff = handoff
         self._pump(req)
 
     # -- I/O thread: writes --------------------------------------------------

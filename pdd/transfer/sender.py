@@ -11,7 +11,9 @@ yet and a monitor of the connection), polls them with the mailbox, sleeps
 until the backend's next deadline, and reports results. A backend says what
 its commands, incoming frames, connection events and deadlines mean. The
 one-sided backends (cuda_ipc, nixl) ask the decode worker's data socket
-control messages (pdd.transfer.writers) through `ControlSender`.
+control messages (pdd.transfer.writers) through `ControlSender`. The backends
+that keep a state per request on the I/O thread (tcp, nixl) make it, and meet
+its finish, through `RequestTable`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -549,3 +552,55 @@ class ControlSender(IoSender):
     @abc.abstractmethod
     def _unanswered(self, kind: str, key, why: str) -> None:
         """The control message `kind` asked about `key` got no reply in time."""
+
+
+class RequestTable(abc.ABC):
+    """Mixed into an IoSender that keeps one state per request on its I/O
+    thread (tcp, nixl): the states by request id, the requests that failed
+    before finish(), and how a request's first command and its finish are
+    met. The backend sets `_reqs` and `_failed` up in its __init__, names its
+    state's class, and says how a request fails and what it does first and
+    once finished.
+
+    A state has at least `target`, `progress`, `finished` and `blocks_skipped`;
+    failing a request takes it out of `_reqs`."""
+
+    request_class: type          # made as request_class(target=..., progress=...)
+    _reqs: dict[str, Any]
+    _failed: Tombstones
+
+    def _request(self, target: TransferTarget):
+        """The request's state, made (and begun) on its first command; None once it failed."""
+        rid = target.request_id
+        if rid in self._failed:
+            return None
+        req = self._reqs.get(rid)
+        if req is None:
+            req = self._reqs[rid] = self.request_class(target=target, progress=Progress(rid))
+            why = self._missing_key(target)
+            if why:
+                self._refuse(req, why)
+                return None
+            self._begin(req)
+        return req if self._reqs.get(rid) is req else None   # _begin may have failed it
+
+    def _on_finish(self, rid: str, blocks_skipped: int, handoff: Handoff | None) -> None:
+        if self._failed.discard(rid):
+            return  # its failure was already reported
+        req = self._reqs.get(rid)
+        if req is None:  # never prepared, no page: there is no receiver to tell
+            self._emit(Progress(rid).result(True, blocks_skipped=blocks_skipped))
+            return
+        req.finished, req.blocks_skipped = True, blocks_skipped
+        self._after_finish(req, handoff)
+
+    def _begin(self, req) -> None:
+        """A new request's first step (it may fail the request)."""
+
+    @abc.abstractmethod
+    def _refuse(self, req, why: str) -> None:
+        """Fail a request that cannot start: `why`."""
+
+    @abc.abstractmethod
+    def _after_finish(self, req, handoff: Handoff | None) -> None:
+        """finish() reached a live request: what ends its transfer."""

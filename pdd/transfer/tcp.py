@@ -29,8 +29,8 @@ import torch
 from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
-from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, Staged, Tombstones,
-                                 handshake_refused, stage_pages, warm_up_staging)
+from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, RequestTable,
+                                 Staged, Tombstones, handshake_refused, stage_pages, warm_up_staging)
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,11 @@ class _Req:
     blocks_skipped: int = 0
 
 
-class TcpSender(IoSender):
+class TcpSender(RequestTable, IoSender):
     backend = "tcp"
     thread_name = "kv-tcp-sender"
     decode_answer = staticmethod(decode_ack)
+    request_class = _Req
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, security=None):
         self._reqs: dict[str, _Req] = {}
@@ -113,19 +114,8 @@ class TcpSender(IoSender):
             self._drop(cmd[1])
             self._failed.discard(cmd[1])
 
-    def _request(self, target: TransferTarget) -> _Req | None:
-        """The request's state, made on its first command; None once it failed."""
-        rid = target.request_id
-        if rid in self._failed:
-            return None
-        req = self._reqs.get(rid)
-        if req is None:
-            req = self._reqs[rid] = _Req(Progress(rid), target)
-            why = self._missing_key(target)
-            if why:
-                self._fail(rid, why)
-                return None
-        return req
+    def _refuse(self, req: _Req, why: str) -> None:
+        self._fail(req.target.request_id, why)
 
     def _enqueue(self, target: TransferTarget, layer: int, dst: list[int], staged: Staged, t_enq: float) -> None:
         req = self._request(target)
@@ -145,14 +135,8 @@ class TcpSender(IoSender):
         req.progress.owe(msg.t_enq)
         self._dest(req.target).pending.append(msg)
 
-    def _on_finish(self, rid: str, blocks_skipped: int, handoff: Handoff | None) -> None:
-        if self._failed.discard(rid):
-            return  # its failure was already reported
-        req = self._reqs.get(rid)
-        if req is None:  # never prepared, no page: there is no receiver to tell
-            self._emit(Progress(rid).result(True, blocks_skipped=blocks_skipped))
-            return
-        req.finished, req.blocks_skipped = True, blocks_skipped
+    def _after_finish(self, req: _Req, handoff: Handoff | None) -> None:
+        rid = req.target.request_id
         # Its seq is the number of pages messages before it: the receiver checks
         # that each of them was written.
         done = encode_done(request_id=rid, lease_id=req.target.lease_id, seq=req.next_seq,

@@ -20,6 +20,9 @@ from pdd.security import control_security
 
 
 class UpCluster:
+    """`pdd up` with `args` on a free port. `with UpCluster(...) as c:` starts
+    it, and at the end stops it and asserts a clean exit (the logs otherwise)."""
+
     def __init__(self, run_dir: Path, model: Path, *args: str, start_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None):
         self.run_dir = run_dir
@@ -111,6 +114,12 @@ class UpCluster:
 
     def stop(self) -> int:
         return interrupt(self.proc, 60.0)
+
+    def __enter__(self) -> "UpCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        assert self.stop() == 0, self.logs()
 
 
 def _wait_for(cond, timeout_s=20.0, what="condition"):

@@ -14,6 +14,5 @@ def offline(tiny_model):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--mode", "colocated", "--workers", "2").start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--mode", "colocated", "--workers", "2") as c:
+        yield c

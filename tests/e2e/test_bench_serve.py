@@ -13,10 +13,9 @@ from tests.e2e.cluster import UpCluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--mode", "colocated", "--workers", "1",
-                   "--ready-timeout", "150").start()   # `pdd up` gives up (and cleans up) before the fixture does
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--mode", "colocated", "--workers", "1",
+                   "--ready-timeout", "150") as c:   # `pdd up` gives up (and cleans up) before the fixture does
+        yield c
 
 
 def serve(url: str, out, *args: str) -> dict:

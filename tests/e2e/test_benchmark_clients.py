@@ -34,9 +34,8 @@ LONG = "the quick brown fox jumps over the lazy dog " * 8     # whole blocks for
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("up"), tiny_model).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("up"), tiny_model) as c:
+        yield c
 
 
 def bodiless_post(url: str) -> rq.Reply:

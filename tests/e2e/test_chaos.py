@@ -41,20 +41,18 @@ def faults_reported(c, worker: str, want: dict) -> bool:
 def p1d2(tmp_path_factory, tiny_model):
     """1 prefill + 2 decode; a step running 8 s is a hang (a busy 2-core box has seen
     real steps of 2.4 s: lower, a healthy worker is taken for hung); faults at run time."""
-    c = UpCluster(tmp_path_factory.mktemp("p1d2"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "2", env={**RUNTIME_FAULTS, "PDD_WORKER__STEP_TIMEOUT_S": "8"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("p1d2"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "2", env={**RUNTIME_FAULTS, "PDD_WORKER__STEP_TIMEOUT_S": "8"}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def p1d1(tmp_path_factory, tiny_model):
     """1 prefill + 1 decode; breaker cool-down 1 s, at most 4 (trials come quickly); faults at run time."""
-    c = UpCluster(tmp_path_factory.mktemp("p1d1"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1", env={**RUNTIME_FAULTS, "PDD_ROUTER__BREAKER__COOLDOWN_S": "1",
-                                        "PDD_ROUTER__BREAKER__MAX_COOLDOWN_S": "4"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("p1d1"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1", env={**RUNTIME_FAULTS, "PDD_ROUTER__BREAKER__COOLDOWN_S": "1",
+                                         "PDD_ROUTER__BREAKER__MAX_COOLDOWN_S": "4"}) as c:
+        yield c
 
 
 def test_kill_9_the_decode_worker(tmp_path, tiny_model, offline):

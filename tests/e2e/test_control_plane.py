@@ -26,19 +26,17 @@ from tests.engine.helpers import random_prompts
 def one_worker(tmp_path_factory, tiny_model):
     """Colocated, one worker; at most 4 requests wait for a first token (the
     overload test's bound); faults at run time."""
-    c = UpCluster(tmp_path_factory.mktemp("one"), tiny_model, "--mode", "colocated", "--workers", "1",
-                  env={"PDD_ROUTER__MAX_QUEUED_REQUESTS": "4", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("one"), tiny_model, "--mode", "colocated", "--workers", "1",
+                   env={"PDD_ROUTER__MAX_QUEUED_REQUESTS": "4", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def p1d2(tmp_path_factory, tiny_model):
     """1 prefill + 2 decode workers, the default settings."""
-    c = UpCluster(tmp_path_factory.mktemp("p1d2"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "2").start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("p1d2"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "2") as c:
+        yield c
 
 
 def test_decode_worker_frozen_then_killed_while_reserves_wait(tmp_path, tiny_model, offline):

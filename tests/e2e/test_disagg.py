@@ -59,10 +59,9 @@ def mixed_workload(n: int, seed: int):
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("disagg"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1").start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("disagg"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1") as c:
+        yield c
 
 
 def test_50_requests_match_colocated(disagg, offline):

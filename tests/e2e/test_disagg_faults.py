@@ -27,12 +27,11 @@ def slow(tmp_path_factory, tiny_model):
     # Prefill crawls (16-token chunks even alone, 0.25 s per step) and every page message
     # waits 0.1 s: a long prompt spends seconds computing, then seconds
     # transferring. One sequence at a time: a second prompt queues.
-    c = UpCluster(tmp_path_factory.mktemp("slow"), tiny_model, "--mode", "disagg",
-                  env={"PDD_FAULTS": "prefill.step_delay_s=0.25,transfer.send_delay_s=0.1",
-                       "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__CHUNK_ONLY_BESIDE_DECODES": "false",
-                       "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64", "PDD_ENGINE__MAX_NUM_SEQS": "1"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("slow"), tiny_model, "--mode", "disagg",
+                   env={"PDD_FAULTS": "prefill.step_delay_s=0.25,transfer.send_delay_s=0.1",
+                        "PDD_ENGINE__CHUNK_SIZE": "16", "PDD_ENGINE__CHUNK_ONLY_BESIDE_DECODES": "false",
+                        "PDD_ENGINE__MAX_NUM_BATCHED_TOKENS": "64", "PDD_ENGINE__MAX_NUM_SEQS": "1"}) as c:
+        yield c
 
 
 def abort_when(cluster, prompt, max_tokens, phase_reached) -> None:

@@ -19,10 +19,9 @@ ENGINE = {"PDD_ENGINE__DTYPE": "bfloat16", "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4
 
 @pytest.fixture(scope="module")
 def fp8_disagg(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("fp8-disagg"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1", env=ENGINE).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("fp8-disagg"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1", env=ENGINE) as c:
+        yield c
 
 
 def test_1p1d_with_fp8_kv_equals_colocated_fp8_kv(fp8_disagg, tiny_model):

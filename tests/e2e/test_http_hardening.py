@@ -4,8 +4,10 @@ on the worker; the tokens the router holds for a client that does not take
 them are bounded (router.max_buffered_tokens)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+from collections.abc import Iterator
 
 from tests.e2e.cluster import UpCluster
 from tests.e2e.test_disagg import metric
@@ -48,13 +50,25 @@ def security_count(cluster: UpCluster, name: str) -> int:
     return cluster.admin("security").get(name, 0)
 
 
+@contextlib.contextmanager
+def never_reading_clients(run_dir, model, env: dict[str, str]) -> Iterator[tuple[UpCluster, list[socket.socket]]]:
+    """A colocated cluster of one worker under `env`, and STREAMS streams of
+    3500 tokens on it whose clients never read; at the end the sockets close
+    and the cluster stops (cleanly)."""
+    with UpCluster(run_dir, model, "--mode", "colocated", "--workers", "1", env=env) as c:
+        socks = []
+        try:
+            socks = [never_reading_stream(c, max_tokens=3500) for _ in range(STREAMS)]
+            yield c, socks
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 def test_clients_that_stop_reading_are_cut_and_their_requests_aborted(tmp_path, tiny_model):
     # The token bound far away: only the send timeout can end these requests early.
-    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
-                  env={"PDD_ROUTER__HTTP_SEND_TIMEOUT_S": "2", "PDD_ROUTER__MAX_BUFFERED_TOKENS": "100000"}).start()
-    socks = []
-    try:
-        socks = [never_reading_stream(c, max_tokens=3500) for _ in range(STREAMS)]
+    env = {"PDD_ROUTER__HTTP_SEND_TIMEOUT_S": "2", "PDD_ROUTER__MAX_BUFFERED_TOKENS": "100000"}
+    with never_reading_clients(tmp_path / "run", tiny_model, env) as (c, socks):
         _wait_for(lambda: security_count(c, "http.send_timeout") >= STREAMS, 300.0,
                   "every never-reading client cut")
         # Aborted on the worker, not finished: every block is free again while
@@ -64,19 +78,12 @@ def test_clients_that_stop_reading_are_cut_and_their_requests_aborted(tmp_path, 
         assert_all_free(c)
         for sock in socks:   # cut: what was sent before the cut, then the end of the connection
             assert read_to_end(sock).startswith(b"HTTP/1.1 200")
-    finally:
-        for sock in socks:
-            sock.close()
-        assert c.stop() == 0, c.logs()
 
 
 def test_the_router_holds_a_bounded_number_of_tokens_for_a_client_that_does_not_read(tmp_path, tiny_model):
     # The send timeout far away: only the bound can end these requests early.
-    c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
-                  env={"PDD_ROUTER__HTTP_SEND_TIMEOUT_S": "600", "PDD_ROUTER__MAX_BUFFERED_TOKENS": "64"}).start()
-    socks = []
-    try:
-        socks = [never_reading_stream(c, max_tokens=3500) for _ in range(STREAMS)]
+    env = {"PDD_ROUTER__HTTP_SEND_TIMEOUT_S": "600", "PDD_ROUTER__MAX_BUFFERED_TOKENS": "64"}
+    with never_reading_clients(tmp_path / "run", tiny_model, env) as (c, socks):
         _wait_for(lambda: metric(c, "pdd_requests_rejected_total", '{reason="client_not_reading"}') == STREAMS,
                   300.0, "every never-reading stream's request ended at the bound")
         assert_all_free(c)   # aborted on the worker while the clients still hold their sockets
@@ -86,7 +93,3 @@ def test_the_router_holds_a_bounded_number_of_tokens_for_a_client_that_does_not_
             events = [line[6:] for line in map(bytes.strip, stream.split(b"\n")) if line.startswith(b"data: ")]
             assert events[-1] == b"[DONE]", stream[-300:]
             assert b"did not read its stream" in events[-2], events[-2]
-    finally:
-        for sock in socks:
-            sock.close()
-        assert c.stop() == 0, c.logs()

@@ -27,10 +27,9 @@ PROMPT = random_prompts([40], seed=77)[0]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     # Run-time fault injection: one test makes a transfer fail to see the fallback in a trace.
-    c = UpCluster(tmp_path_factory.mktemp("logs"), tiny_model, "--mode", "disagg", "--log-level", "info",
-                  env={"PDD_LOG__FORMAT": "json", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("logs"), tiny_model, "--mode", "disagg", "--log-level", "info",
+                   env={"PDD_LOG__FORMAT": "json", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}) as c:
+        yield c
 
 
 def json_lines(path: Path) -> list[dict]:

@@ -15,10 +15,9 @@ from tests.e2e.cluster import UpCluster
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("metrics"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1").start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("metrics"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1") as c:
+        yield c
 
 
 def scrape(c: UpCluster) -> str:

@@ -27,10 +27,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog jumps ov
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request, tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]).start()
-    c.layout = request.param
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]) as c:
+        c.layout = request.param
+        yield c
 
 
 @pytest.fixture(scope="module")

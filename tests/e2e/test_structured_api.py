@@ -49,18 +49,16 @@ JSON_OBJECT_SEED = 7
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("co"), tiny_model, "--mode", "colocated", "--workers", "1").start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("co"), tiny_model, "--mode", "colocated", "--workers", "1") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, tiny_model):
     # Faults at run time: the kill test slows this cluster's decode steps itself.
-    c = UpCluster(tmp_path_factory.mktemp("pd"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1", env={"PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("pd"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1", env={"PDD_ROUTER__ALLOW_FAULT_INJECTION": "1"}) as c:
+        yield c
 
 
 def client(cluster) -> OpenAI:

@@ -28,11 +28,10 @@ def collector():
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, tiny_model, collector):
-    c = UpCluster(tmp_path_factory.mktemp("traced"), tiny_model, "--mode", "disagg",
-                  env={"PDD_TRACING__OTLP_ENDPOINT": collector.endpoint, "PDD_TRACING__EXPORT_INTERVAL_S": "0.1",
-                       "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("traced"), tiny_model, "--mode", "disagg",
+                   env={"PDD_TRACING__OTLP_ENDPOINT": collector.endpoint, "PDD_TRACING__EXPORT_INTERVAL_S": "0.1",
+                        "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}) as c:
+        yield c
 
 
 def generate(c: UpCluster, seed: int, traceparent: str | None = None) -> http_util.Reply:

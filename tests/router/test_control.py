@@ -30,6 +30,16 @@ def expected(rid: str, n: int) -> list[int]:
     return [token(rid, i) for i in range(n)]
 
 
+def prefilling(**cluster):
+    """A disaggregated request of three tokens, its blocks reserved on d0 and its prefill begun on p0."""
+    c = SimCluster(**cluster)
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    c.step_inbox(d0)
+    c.step_inbox(p0)
+    return c, p0, d0, s
+
+
 def test_colocated_request_streams_every_token_once():
     c = SimCluster()
     c.add_worker("c0", "colocated")
@@ -119,11 +129,7 @@ def test_reserve_without_answer_times_out_and_goes_elsewhere():
 
 
 def test_prefill_worker_lost_mid_prefill_decode_worker_prefills():
-    c = SimCluster()
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    s = c.submit(max_tokens=3)
-    c.step_inbox(d0)
-    c.step_inbox(p0)
+    c, p0, d0, s = prefilling()
     c.kill("p0")
     assert s.phase == "decoding" and isinstance(d0.inbox[-1], m.PrefillLocally)
     run_to_end(c)
@@ -132,11 +138,7 @@ def test_prefill_worker_lost_mid_prefill_decode_worker_prefills():
 
 
 def test_prefill_failure_after_first_token_keeps_that_token():
-    c = SimCluster()
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    s = c.submit(max_tokens=3)
-    c.step_inbox(d0)
-    c.step_inbox(p0)
+    c, p0, d0, s = prefilling()
     c.act(p0, (s.request_id, s.epoch), "first")
     c.act(p0, (s.request_id, s.epoch), "fail")
     msg = d0.inbox[-1]
@@ -359,11 +361,7 @@ def test_admission_control_refuses_beyond_the_queue_limit():
 
 
 def test_deadline_ends_a_request_with_one_error_wherever_it_is():
-    c = SimCluster(request_timeout_s=20.0)
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    s = c.submit(max_tokens=3)
-    c.step_inbox(d0)
-    c.step_inbox(p0)                                  # prefilling, and the prefill never ends
+    c, p0, d0, s = prefilling(request_timeout_s=20.0)   # and the prefill never ends
     c.advance(19.0)
     assert c.outcome(s.request_id)[0] == "open"
     c.advance(1.5)

@@ -9,6 +9,7 @@ import pytest
 
 from pdd import logs
 from tests.router.sim import SimCluster
+from tests.router.test_control import prefilling
 
 
 @pytest.fixture
@@ -40,11 +41,7 @@ def test_a_registration_repeated_by_the_same_process_is_logged_once_at_info(cont
 
 
 def test_a_line_logged_while_handling_a_workers_message_carries_its_request_id(control_log):
-    c = SimCluster()
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    s = c.submit(max_tokens=3)
-    c.step_inbox(d0)
-    c.step_inbox(p0)
+    c, p0, d0, s = prefilling()
     c.act(p0, (s.request_id, s.epoch), "fail")
     failed, = [line for line in control_log() if "failed" in line["msg"]]
     assert failed["request_id"] == s.request_id and failed["level"] == "WARNING"

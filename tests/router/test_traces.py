@@ -6,7 +6,7 @@ from pdd.api import SamplingParams
 from pdd.router.requests import RequestState, TraceEvent
 from pdd.router.traces import TraceStore
 from tests.router.sim import SimCluster
-from tests.router.test_control import run_to_end
+from tests.router.test_control import prefilling, run_to_end
 
 
 def events(t) -> list[tuple]:
@@ -39,11 +39,7 @@ def test_a_disaggregated_request_has_every_phase_in_order_with_its_workers():
 
 
 def test_a_failed_transfer_shows_its_fallback_in_the_same_epoch():
-    c = SimCluster()
-    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
-    s = c.submit(max_tokens=3)
-    c.step_inbox(d0)
-    c.step_inbox(p0)
+    c, p0, d0, s = prefilling()
     c.act(p0, (s.request_id, s.epoch), "first")
     c.act(p0, (s.request_id, s.epoch), "fail")
     run_to_end(c)

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from pdd.admin.client import AdminError, call, call_with_config
+from pdd.bench.layouts import interrupt
 from pdd.config import EXIT_REFUSED, dump_toml, load_cluster_config
 from pdd.kv.layout import KVLayout
 from pdd.launcher import free_port
@@ -84,13 +85,7 @@ class RouterProcess:
         return call_with_config(self.cfg, cmd, *args)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc, 60, signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,9 @@ API_KEY = "sk-up-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = UpCluster(tmp_path_factory.mktemp("up-secure"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                  "--decode", "1", "--api-key", API_KEY).start()
-    yield c
-    assert c.stop() == 0, c.logs()
+    with UpCluster(tmp_path_factory.mktemp("up-secure"), tiny_model, "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1", "--api-key", API_KEY) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ a handle in the process that exported it; NIXL's two agents are two workers):
     Peer          a decode pool, its data socket's receiver and lease table
                   (serve_pool), driven over a multiprocessing pipe
     SenderPeer    a prefill pool and a sender (serve_sender), likewise
+
+and what the one-sided backends' tests (nixl, cuda_ipc) do with a Peer: a
+target under a fresh lease, a request's pages sent, one whole request sent
+and compared.
 """
 from __future__ import annotations
 
@@ -175,7 +179,7 @@ class Peer(_Child):
     def __init__(self, layout: KVLayout, device: str = "cpu", backend: str = "tcp", addr: str | None = None,
                  writer_grace_s: float | None = None, seed: int = 2, landing_bytes: int = 0,
                  blocks: int | None = None, **child):
-        self.layout = layout
+        self.layout, self.backend = layout, backend
         super().__init__(serve_pool, (layout.to_dict(), device, seed),
                          {"backend": backend, "addr": addr, "writer_grace_s": writer_grace_s,
                           "landing_bytes": landing_bytes, "blocks": blocks}, **child)
@@ -187,6 +191,37 @@ class SenderPeer(_Child):
 
     def __init__(self, layout: KVLayout, backend: str, seed: int = 1, timeout_s: float = 10.0, **child):
         super().__init__(serve_sender, (layout.to_dict(), seed, backend, timeout_s), **child)
+
+
+def target(peer: Peer, rid: str, dst: list[int], ttl_s: float = 30.0) -> TransferTarget:
+    """The peer's `dst` blocks under a lease granted for `rid` now, for the peer's backend."""
+    return TransferTarget(rid, peer("grant", rid, dst, ttl_s), "d", peer.address, tuple(dst), backend=peer.backend)
+
+
+def send(sender, target: TransferTarget, src: torch.Tensor, src_blocks: list[int], layers=None, indices=None) -> None:
+    """One step's pages of src's src_blocks, every layer (or `layers`), as
+    the target's blocks 0.. (or `indices`)."""
+    for layer in range(src.shape[0]) if layers is None else layers:
+        sender.send_layer(target, layer, src[layer], src_blocks,
+                          list(range(len(src_blocks))) if indices is None else indices)
+    sender.step_done()
+
+
+def send_and_compare(peer: Peer, sender, src: torch.Tensor, rid: str, dst: list[int], src_blocks: list[int]):
+    """One whole request of src's src_blocks into the peer's dst blocks: it
+    succeeds, and the peer's pool changed in those blocks only, to the pages
+    sent. Returns its result and target."""
+    before = peer("pool")
+    t = target(peer, rid, dst)
+    sender.prepare(t)
+    send(sender, t, src, src_blocks)
+    sender.finish(rid)
+    r = wait_result(sender, rid)
+    assert r.ok, r.error
+    expected = before.clone()
+    expected[:, :, dst] = src[:, :, src_blocks].cpu()
+    assert torch.equal(peer("pool"), expected)
+    return r, t
 
 
 _polled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # sender -> results not asked for yet

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from pdd.transfer import make_sender
-from pdd.transfer.base import TransferTarget
 from tests.transfer.conftest import make_layout, make_pool
-from tests.transfer.peers import Peer, wait_result
+from tests.transfer.peers import Peer, send, send_and_compare, target, wait_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,7 +20,7 @@ PEER = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1 e
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def peer(request):
-    p = Peer(make_layout(request.param), PEER)
+    p = Peer(make_layout(request.param), PEER, backend="cuda_ipc")
     yield p
     p.stop()
 
@@ -33,37 +32,19 @@ def sender(peer):
     s.close()
 
 
-def send(sender, target, src, src_blocks, layers=None):
-    for layer in range(src.shape[0]) if layers is None else layers:
-        sender.send_layer(target, layer, src[layer], src_blocks, list(range(len(src_blocks))))
-    sender.step_done()
-
-
 def test_pages_land_in_the_leased_blocks(peer, sender):
     src = make_pool(peer.layout, seed=1).cuda()
-    before = peer("pool")
-    lease = peer("grant", "r1", [9, 3], 30)
-    target = TransferTarget("r1", lease, "d", peer.address, (9, 3), backend="cuda_ipc")
-    sender.prepare(target)
-    send(sender, target, src, [1, 6])
-    sender.finish("r1")
-    r = wait_result(sender, "r1")
-    assert r.ok, r.error
+    r, t = send_and_compare(peer, sender, src, "r1", [9, 3], [1, 6])
     assert r.blocks_sent == 2 and r.bytes == src[:, :, :2].numel() * src.element_size()
-    after = peer("pool")
-    expected = before.clone()
-    expected[:, :, [9, 3]] = src[:, :, [1, 6]].cpu()
-    assert torch.equal(after, expected)
-    assert peer("close", lease) == "free"      # committed: nothing held
+    assert peer("close", t.lease_id) == "free"      # committed: nothing held
 
 
 def test_revoked_lease_is_refused_before_any_write(peer, sender):
     src = make_pool(peer.layout, seed=3).cuda()
     before = peer("pool")
-    lease = peer("grant", "r2", [4], 30)
-    assert peer("close", lease) == "free"
-    target = TransferTarget("r2", lease, "d", peer.address, (4,), backend="cuda_ipc")
-    send(sender, target, src, [0])
+    t = target(peer, "r2", [4])
+    assert peer("close", t.lease_id) == "free"
+    send(sender, t, src, [0])
     sender.finish("r2")
     r = wait_result(sender, "r2")
     assert not r.ok and "unknown or revoked lease" in r.error
@@ -72,10 +53,9 @@ def test_revoked_lease_is_refused_before_any_write(peer, sender):
 
 def test_abort_holds_the_blocks_until_the_writer_ends(peer, sender):
     src = make_pool(peer.layout, seed=4).cuda()
-    lease = peer("grant", "r3", [5, 7], 30)
-    target = TransferTarget("r3", lease, "d", peer.address, (5, 7), backend="cuda_ipc")
-    send(sender, target, src, [2, 8], layers=[0])
-    assert peer("close", lease) == "held"       # the decode side aborted while we may still write
+    t = target(peer, "r3", [5, 7])
+    send(sender, t, src, [2, 8], layers=[0])
+    assert peer("close", t.lease_id) == "held"       # the decode side aborted while we may still write
     assert peer("released") == []
     sender.abort("r3")
     deadline = time.monotonic() + 10
@@ -83,16 +63,15 @@ def test_abort_holds_the_blocks_until_the_writer_ends(peer, sender):
     while not released and time.monotonic() < deadline:
         released = peer("released")
         time.sleep(0.01)
-    assert released == [lease]
+    assert released == [t.lease_id]
     assert sender.poll() == []                  # an abort reports nothing
 
 
 def test_lease_about_to_expire_is_not_written(peer, sender):
     before = peer("pool")
     src = make_pool(peer.layout, seed=5).cuda()
-    lease = peer("grant", "r4", [10], 0.5)      # shorter than the sender's safety margin
-    target = TransferTarget("r4", lease, "d", peer.address, (10,), backend="cuda_ipc")
-    send(sender, target, src, [0])
+    t = target(peer, "r4", [10], ttl_s=0.5)     # shorter than the sender's safety margin
+    send(sender, t, src, [0])
     sender.finish("r4")
     r = wait_result(sender, "r4")
     assert not r.ok and "would expire" in r.error
@@ -103,9 +82,7 @@ def test_layout_mismatch_refuses_to_open_the_pool(peer):
     other = make_layout(peer.layout.dtype, weights_hash="w1")
     s = make_sender("cuda_ipc", other, timeout_s=10, device="cuda:0")
     try:
-        lease = peer("grant", "r5", [1], 30)
-        target = TransferTarget("r5", lease, "d", peer.address, (1,), backend="cuda_ipc")
-        send(s, target, make_pool(other, seed=6).cuda(), [0])
+        send(s, target(peer, "r5", [1]), make_pool(other, seed=6).cuda(), [0])
         s.finish("r5")
         r = wait_result(s, "r5")
         assert not r.ok and "KV layout mismatch on weights_hash" in r.error, r.error
@@ -120,8 +97,7 @@ def test_a_commit_waits_for_its_own_copies_not_a_later_steps(peer, sender):
     step's compute. The finished request's commit must not wait for them: it
     completes while the later step still runs."""
     src = make_pool(peer.layout, seed=7).cuda()
-    first, later = (TransferTarget(rid, peer("grant", rid, [blk], 30), "d", peer.address, (blk,), backend="cuda_ipc")
-                    for rid, blk in (("r6", 8), ("r7", 11)))
+    first, later = target(peer, "r6", [8]), target(peer, "r7", [11])
     sender.prepare(first)
     sender.prepare(later)
     send(sender, first, src, [0])                  # step N: r6's last pages
@@ -141,7 +117,7 @@ def test_a_commit_waits_for_its_own_copies_not_a_later_steps(peer, sender):
 @pytest.fixture(scope="module")
 def deep_peer():
     """A pool of 7 layers: copies of 3 layers each leave a last group of one."""
-    p = Peer(make_layout("bfloat16", num_layers=7), PEER)
+    p = Peer(make_layout("bfloat16", num_layers=7), PEER, backend="cuda_ipc")
     yield p
     p.stop()
 
@@ -156,16 +132,10 @@ def test_layer_wise_copies_land_every_layer(deep_peer, layers_per_copy):
         src = make_pool(deep_peer.layout, seed=10 + layers_per_copy).cuda()
         before = deep_peer("pool")
         rid = f"g{layers_per_copy}"
-        lease = deep_peer("grant", rid, [2, 9, 4], 30)
-        target = TransferTarget(rid, lease, "d", deep_peer.address, (2, 9, 4), backend="cuda_ipc")
-        s.prepare(target)
-        first, second = [5, 1], [7]                    # the prompt's blocks 0-1, then block 2
-        for layer in range(src.shape[0]):
-            s.send_layer(target, layer, src[layer], first, [0, 1])
-        s.step_done()
-        for layer in range(src.shape[0]):
-            s.send_layer(target, layer, src[layer], second, [2])
-        s.step_done()
+        t = target(deep_peer, rid, [2, 9, 4])
+        s.prepare(t)
+        send(s, t, src, [5, 1], indices=[0, 1])     # the prompt's blocks 0-1, then block 2
+        send(s, t, src, [7], indices=[2])
         s.finish(rid)
         r = wait_result(s, rid)
         assert r.ok, r.error
@@ -173,7 +143,7 @@ def test_layer_wise_copies_land_every_layer(deep_peer, layers_per_copy):
         expected = before.clone()
         expected[:, :, [2, 9, 4]] = src[:, :, [5, 1, 7]].cpu()
         assert torch.equal(deep_peer("pool"), expected)
-        assert deep_peer("close", lease) == "free"      # committed: nothing held
+        assert deep_peer("close", t.lease_id) == "free"      # committed: nothing held
     finally:
         s.close()
 
@@ -187,7 +157,7 @@ def test_the_warm_up_compiles_the_copy_a_transfer_makes():
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         pytest.skip("this Triton has no jit_post_compile_hook")
     layout = make_layout("bfloat16", head_dim=24)   # a page no other test here copies: nothing compiled yet
-    peer = Peer(layout, PEER)
+    peer = Peer(layout, PEER, backend="cuda_ipc")
     s = make_sender("cuda_ipc", layout, timeout_s=10, device="cuda:0")
     hook, compiled = runtime.jit_post_compile_hook, []
     try:
@@ -196,10 +166,9 @@ def test_the_warm_up_compiles_the_copy_a_transfer_makes():
         s.warm_up(src)
         assert torch.equal(src, before)
         runtime.jit_post_compile_hook = lambda **kw: compiled.append(f"{kw.get('repr')} key={kw.get('key')}")
-        lease = peer("grant", "w", [5, 2], 30)
-        target = TransferTarget("w", lease, "d", peer.address, (5, 2), backend="cuda_ipc")
-        s.prepare(target)
-        send(s, target, src, [33, 1])
+        t = target(peer, "w", [5, 2])
+        s.prepare(t)
+        send(s, t, src, [33, 1])
         s.finish("w")
         r = wait_result(s, "w")
         assert r.ok, r.error

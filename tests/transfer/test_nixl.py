@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from pdd.transfer import make_receiver, make_sender
-from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import PoolRegion, runs, unavailable, write_descs
 from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
-from tests.transfer.peers import Peer, SenderPeer, rss_bytes, wait_result
+from tests.transfer.peers import Peer, SenderPeer, rss_bytes, send, send_and_compare, target, wait_result
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -63,13 +62,6 @@ def make_nixl_sender():
         s.close()
 
 
-def send(sender, target, src, src_blocks, layers=None, indices=None):
-    for layer in range(src.shape[0]) if layers is None else layers:
-        sender.send_layer(target, layer, src[layer], src_blocks,
-                          list(range(len(src_blocks))) if indices is None else indices)
-    sender.step_done()
-
-
 def stalled_request(peer: Peer, sender, rid: str, dst: list[int], src: torch.Tensor, src_blocks: list[int]):
     """A request begun (its writer open on the peer), then sent whole while the
     peer is stopped (SIGSTOP: it stops answering, as a hung worker does), on a
@@ -85,27 +77,6 @@ def stalled_request(peer: Peer, sender, rid: str, dst: list[int], src: torch.Ten
         return wait_result(sender, rid), t
     finally:
         os.kill(peer.pid, signal.SIGCONT)
-
-
-def send_and_compare(peer: Peer, sender, src: torch.Tensor, rid: str, dst: list[int], src_blocks: list[int]):
-    """One whole request of src's src_blocks into the peer's dst blocks: it
-    succeeds, and the peer's pool changed in those blocks only, to the pages
-    sent. Returns its result and target."""
-    before = peer("pool")
-    t = target(peer, rid, dst)
-    sender.prepare(t)
-    send(sender, t, src, src_blocks)
-    sender.finish(rid)
-    r = wait_result(sender, rid)
-    assert r.ok, r.error
-    expected = before.clone()
-    expected[:, :, dst] = src[:, :, src_blocks]
-    assert torch.equal(peer("pool"), expected)
-    return r, t
-
-
-def target(peer: Peer, rid: str, dst: list[int], ttl_s: float = 30.0) -> TransferTarget:
-    return TransferTarget(rid, peer("grant", rid, dst, ttl_s), "d", peer.address, tuple(dst), backend="nixl")
 
 
 def test_runs_are_coalesced_into_one_descriptor_per_k_and_v():

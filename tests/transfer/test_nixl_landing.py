@@ -15,9 +15,8 @@ from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable
 from tests.e2e.cluster import _wait_for
 from tests.transfer.conftest import LAYERS, make_layout, make_pool
-from tests.transfer.peers import Peer, wait_result
-from tests.transfer.test_nixl import (GRACE_S, make_nixl_sender, own_peer, send,  # noqa: F401 (fixtures)
-                                      send_and_compare, stalled_request, target)
+from tests.transfer.peers import Peer, send, send_and_compare, target, wait_result
+from tests.transfer.test_nixl import GRACE_S, make_nixl_sender, own_peer, stalled_request  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
