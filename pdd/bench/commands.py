@@ -176,6 +176,30 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.set_defaults(func=_runner("gemv"))
 
+    b = sub.add_parser("fp8-error", help="FP8 weights / KV cache against the unquantized model: top-1 "
+                                          "agreement, KL and logits error of next-token distributions")
+    b.add_argument("--model", default=None, help="the unquantized checkpoint (default: the built-in tiny model; "
+                   "a config-only one with --load-format dummy)")
+    b.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: no weight files read (with --weights checkpoint: random Gaussian 0.02)")
+    b.add_argument("--weights", default="llm-like", choices=["llm-like", "gaussian", "checkpoint"],
+                   help="the reference's weights: llm-like (heavy-tailed, channel spread, outliers: "
+                        "pdd.bench.weight_dist), gaussian (i.i.d.), checkpoint (the model's own)")
+    b.add_argument("--variants", default="reference,w-tensor,w-channel,w-block,w-compressed,kv,kv-calibrated,"
+                   "w-channel+kv,w-block+kv", help="comma list: w-tensor|channel|block|compressed (FP8 weights as "
+                   "that checkpoint format stores them), kv / kv-calibrated (fp8_e4m3 cache, unit / amax scales), "
+                   "'+' joins two; reference: the reference against itself")
+    b.add_argument("--num-prompts", type=int, default=16, help="prompts (teacher-forced, every position compared)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens a prompt")
+    b.add_argument("--greedy-tokens", type=int, default=32, help="tokens generated greedily a prompt (0: none)")
+    b.add_argument("--target-entropy", type=float, default=2.0,
+                   help="generated weights: scale the logits to this mean next-token entropy, nats (0: leave)")
+    b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    b.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU, bfloat16 on a GPU)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.set_defaults(func=_runner("fp8_error"))
+
     b = sub.add_parser("gpu", help="decode and prefill step times against the H200 roofline")
     b.add_argument("--model", default="conf/models/llama-3.1-8b",
                    help="checkpoint (config-only is enough with dummy weights)")
