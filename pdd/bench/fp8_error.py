@@ -234,76 +234,90 @@ def _build(args, variant: Variant, num_blocks: int, logit_scale: float, kv_scale
     return llm, weight_err
 
 
-def _release(llm) -> None:
-    del llm
+def _free_device_memory() -> None:
+    """After the last reference to an engine is dropped: its model and pool go now,
+    before the next variant's are built."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def run(args) -> dict:
-    variants = [parse_variant(v) for v in args.variants.split(",") if v]
-    num_blocks = 2 + args.num_prompts * -(-(args.prompt_len + args.greedy_tokens) // 16)
-    reference = Variant("reference", None, None)
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    logits: list[torch.Tensor]          # [len(prompt), vocab] a prompt
+    greedy: list[list[int]]
+    logit_scale: float
+    kv_scales: KVScales                 # amax / 448 of K and V, a layer
+    report: dict
 
-    # The reference: its logits, the entropy calibration, the KV statistics.
+
+def measure_reference(args, num_blocks: int) -> Reference:
+    """The reference's logits and greedy tokens, after scaling its logits to the
+    target entropy (generated weights), and what its K and V look like."""
+    reference = Variant("reference", None, None)
     llm, _ = _build(args, reference, num_blocks, 1.0, None)
     prompts = _prompts(llm, args.num_prompts, args.prompt_len, args.seed)
-    ref_logits = [teacher_forced(llm, p) for p in prompts]
     scale = 1.0
     if args.weights != "checkpoint" and args.target_entropy > 0:
-        scale = logit_scale_for_entropy(ref_logits, args.target_entropy)
-        _release(llm)
+        scale = logit_scale_for_entropy([teacher_forced(llm, p) for p in prompts], args.target_entropy)
+        llm = None
+        _free_device_memory()
         llm, _ = _build(args, reference, num_blocks, scale, None)
-    k_amax = v_amax = None
-    ratios = []
-    ref_logits = []
+    logits, stats = [], []
     for p in prompts:
-        ref_logits.append(teacher_forced(llm, p))
-        k, v, ratio = _kv_stats(llm, len(p))
-        k_amax = k if k_amax is None else torch.maximum(k_amax, k)
-        v_amax = v if v_amax is None else torch.maximum(v_amax, v)
-        ratios.append(ratio)
-    ref_greedy = _greedy(llm, prompts, args.greedy_tokens)
+        logits.append(teacher_forced(llm, p))
+        stats.append(_kv_stats(llm, len(p)))   # the cache holds this prompt's K and V now
+    k_amax, v_amax, ratios = (torch.stack(s) for s in zip(*stats))
+    k_amax, v_amax = k_amax.amax(0), v_amax.amax(0)
     engine = llm.engine
     report = {
         "model": str(engine.model_dir), "weights": args.weights, "load_format": args.load_format,
         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "num_prompts": len(prompts), "prompt_len": args.prompt_len,
-        "positions": sum(len(p) for p in prompts), "greedy_tokens": args.greedy_tokens,
-        "logit_scale": scale,
+        "positions": sum(len(p) for p in prompts), "greedy_tokens": args.greedy_tokens, "logit_scale": scale,
         "reference": {
-            "entropy_mean": float(torch.cat([_entropy(x) for x in ref_logits]).mean()),
-            "top1_prob_mean": float(torch.cat([torch.softmax(x.double(), -1).amax(-1) for x in ref_logits]).mean()),
+            "entropy_mean": float(torch.cat([_entropy(x) for x in logits]).mean()),
+            "top1_prob_mean": float(torch.cat([torch.softmax(x.double(), -1).amax(-1) for x in logits]).mean()),
             "k_amax": [round(float(x), 4) for x in k_amax],
             "v_amax": [round(float(x), 4) for x in v_amax],
-            "k_channel_ratio": [round(float(x), 2) for x in torch.stack(ratios).mean(0)],
+            "k_channel_ratio": [round(float(x), 2) for x in ratios.mean(0)],
         },
         "variants": {},
     }
-    _release(llm)
-    calibrated = KVScales.from_values((k_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist(),
-                                      (v_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist())
+    kv_scales = KVScales.from_values((k_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist(),
+                                     (v_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist())
+    return Reference(prompts, logits, _greedy(llm, prompts, args.greedy_tokens), scale, kv_scales, report)
 
+
+def measure_variant(args, variant: Variant, ref: Reference, num_blocks: int) -> dict:
+    llm, weight_err = _build(args, variant, num_blocks, ref.logit_scale, ref.kv_scales)
+    per = [compare(r, teacher_forced(llm, p)) for r, p in zip(ref.logits, ref.prompts)]
+    got = _greedy(llm, ref.prompts, args.greedy_tokens)
+    cat = {k: torch.cat([m[k] for m in per]) for k in per[0]}
+    row = {
+        "weights": variant.weights, "kv_cache": "fp8_e4m3" if variant.kv_scales else None,
+        "kv_scales": variant.kv_scales, "weight_rel_err": weight_err,
+        "top1_agreement": float(cat["agree"].mean()),
+        "kl_mean": float(cat["kl"].mean()), "kl_p99": _quantile(cat["kl"], 0.99), "kl_max": float(cat["kl"].max()),
+        "logit_rel_err_mean": float(cat["rel_err"].mean()), "logit_rel_err_p99": _quantile(cat["rel_err"], 0.99),
+    }
+    if got:
+        same = [_common_prefix(a, b) for a, b in zip(ref.greedy, got)]
+        row["greedy_same_share"] = sum(same) / (len(same) * args.greedy_tokens)
+        row["greedy_identical"] = sum(s == args.greedy_tokens for s in same) / len(same)
+    return row
+
+
+def run(args) -> dict:
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    num_blocks = 2 + args.num_prompts * -(-(args.prompt_len + args.greedy_tokens) // 16)
+    ref = measure_reference(args, num_blocks)
+    _free_device_memory()
     for variant in variants:
-        llm, weight_err = _build(args, variant, num_blocks, scale, calibrated)
-        per = [compare(r, teacher_forced(llm, p)) for r, p in zip(ref_logits, prompts)]
-        got = _greedy(llm, prompts, args.greedy_tokens)
-        _release(llm)
-        cat = {k: torch.cat([m[k] for m in per]) for k in per[0]}
-        row = {
-            "weights": variant.weights, "kv_cache": "fp8_e4m3" if variant.kv_scales else None,
-            "kv_scales": variant.kv_scales, "weight_rel_err": weight_err,
-            "top1_agreement": float(cat["agree"].mean()),
-            "kl_mean": float(cat["kl"].mean()), "kl_p99": _quantile(cat["kl"], 0.99), "kl_max": float(cat["kl"].max()),
-            "logit_rel_err_mean": float(cat["rel_err"].mean()), "logit_rel_err_p99": _quantile(cat["rel_err"], 0.99),
-        }
-        if got:
-            same = [_common_prefix(a, b) for a, b in zip(ref_greedy, got)]
-            row["greedy_same_share"] = sum(same) / (len(same) * args.greedy_tokens)
-            row["greedy_identical"] = sum(s == args.greedy_tokens for s in same) / len(same)
-        report["variants"][variant.name] = row
-    return report
+        ref.report["variants"][variant.name] = measure_variant(args, variant, ref, num_blocks)
+        _free_device_memory()
+    return ref.report
 
 
 def markdown(report: dict) -> str:
