@@ -15,9 +15,9 @@ def _runner(module: str):
 
 
 def _bench_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
-    """The subcommand `name`, run by pdd.bench.<name>.main."""
+    """The subcommand `name`, run by pdd.bench.<name, dashes as underscores>.main."""
     b = sub.add_parser(name, help=help)
-    b.set_defaults(func=_runner(name))
+    b.set_defaults(func=_runner(name.replace("-", "_")))
     return b
 
 
@@ -188,6 +188,29 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
     b.add_argument("--sweep", action="store_true",
                    help="time the one-row kernel's tile configs for each layer and weight kind instead")
+    _add_json_arg(b)
+
+    b = _bench_parser(sub, "fp8-error", "FP8 weights / KV cache against the unquantized model: top-1 "
+                                        "agreement, KL and logits error of next-token distributions")
+    b.add_argument("--model", default=None, help="the unquantized checkpoint (default: the built-in tiny model; "
+                   "a config-only one with --load-format dummy)")
+    b.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: no weight files read (with --weights checkpoint: random Gaussian 0.02)")
+    b.add_argument("--weights", default="llm-like", choices=["llm-like", "gaussian", "checkpoint"],
+                   help="the reference's weights: llm-like (heavy-tailed, channel spread, outliers: "
+                        "pdd.bench.weight_dist), gaussian (i.i.d.), checkpoint (the model's own)")
+    b.add_argument("--variants", default="reference,w-tensor,w-channel,w-block,w-compressed,kv,kv-calibrated,"
+                   "w-channel+kv,w-block+kv", help="comma list: w-tensor|channel|block|compressed (FP8 weights as "
+                   "that checkpoint format stores them), kv / kv-calibrated (fp8_e4m3 cache, unit / amax scales), "
+                   "'+' joins two; reference: the reference against itself")
+    b.add_argument("--num-prompts", type=int, default=16, help="prompts (teacher-forced, every position compared)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens a prompt")
+    b.add_argument("--greedy-tokens", type=int, default=32, help="tokens generated greedily a prompt (0: none)")
+    b.add_argument("--target-entropy", type=float, default=2.0,
+                   help="generated weights: scale the logits to this mean next-token entropy, nats (0: leave)")
+    b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    b.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU, bfloat16 on a GPU)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     _add_json_arg(b)
 
     b = _bench_parser(sub, "gpu", "decode and prefill step times against the H200 roofline")

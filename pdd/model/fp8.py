@@ -54,7 +54,7 @@ def quantize_weight(w: torch.Tensor, weight: str, block: tuple[int, int] | None 
     bn, bk = block
     n, k = wf.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(nb * bn, kb * bk)
+    padded = torch.zeros(nb * bn, kb * bk, device=wf.device)
     padded[:n, :k] = wf
     s = padded.view(nb, bn, kb, bk).abs().amax((1, 3)).clamp_min(1e-12) / FP8_MAX
     q = padded.view(nb, bn, kb, bk) / s[:, None, :, None]

@@ -45,7 +45,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         raise CheckpointError(f"unknown load_format {load_format!r} (use auto, safetensors or dummy)")
     model = build_model(cfg, device, dtype)
     if cfg.quant is not None:
-        _use_fp8_linears(model, cfg.quant, device, dtype)
+        use_fp8_linears(model, cfg.quant, device, dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -54,8 +54,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     return model
 
 
-def _use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dtype: torch.dtype) -> None:
-    """FP8 GEMMs where this engine has them; else the loader dequantizes (see pdd.model.fp8)."""
+def use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 GEMMs where this engine has them: each linear `scheme` quantizes becomes an
+    empty Fp8Linear (filled by Fp8Linear.load_shard); else nothing changes and the
+    loader dequantizes (see pdd.model.fp8)."""
     why_not = fp8.fp8_gemm_unavailable(device, dtype, scheme)
     if why_not is not None:
         log.info("FP8 checkpoint (%s, %s weight scales): weights dequantized to %s at load: %s",
@@ -67,7 +69,7 @@ def _use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, d
         if packed:
             prefix = name.rsplit(".", 1)[0]
             hf_names[name] = [f"{prefix}.{frag}" for frag, _ in sorted(packed, key=lambda x: x[1])]
-            shard_sizes[name] = [_shard_slice(model, name, s).stop - _shard_slice(model, name, s).start
+            shard_sizes[name] = [shard_slice(model, name, s).stop - shard_slice(model, name, s).start
                                  for _, s in sorted(packed, key=lambda x: x[1])]
     n = fp8.swap_linears(model, scheme, hf_names, shard_sizes, device, dtype)
     log.info("FP8 checkpoint (%s, %s weight scales): %d linear layers run FP8 GEMMs",
@@ -90,7 +92,8 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _shard_slice(model: CausalLM, param_name: str, shard: int) -> slice:
+def shard_slice(model: CausalLM, param_name: str, shard: int) -> slice:
+    """The rows of packed parameter (or module) `param_name` that HF tensor `shard` fills."""
     cfg = model.config
     if "qkv_proj" in param_name:
         sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
@@ -146,7 +149,7 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
                 raise CheckpointError(f"{path}: unexpected tensor {hf_name!r} for {model.config.architecture}")
             tensor = f.get_tensor(hf_name)
             dst = params[name].data
-            rows = _shard_slice(model, name, shard) if shard is not None else slice(0, dst.shape[0])
+            rows = shard_slice(model, name, shard) if shard is not None else slice(0, dst.shape[0])
             if shard is not None:
                 dst = dst[rows]
             if tuple(dst.shape) != tuple(tensor.shape):

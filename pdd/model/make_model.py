@@ -320,21 +320,25 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, fp8: str | None = None) 
 
 
 def _fp8_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    prefix = name.rsplit(".", 1)[0]
+    q, scale = quantize_fp8(w, fmt)
+    return {name: q, f"{prefix}.{'weight_scale_inv' if fmt == 'block' else 'weight_scale'}": scale}
+
+
+def quantize_fp8(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as an FP8 checkpoint of format `fmt` (FP8_FORMATS) stores
+    it: (float8_e4m3fn weight, its scale)."""
     import torch
 
     from pdd.model.fp8 import quantize_weight
 
-    prefix = name.rsplit(".", 1)[0]
     if fmt == "block":
-        q, scale = quantize_weight(w, "block", (128, 128))
-        return {name: q, f"{prefix}.weight_scale_inv": scale}
+        return quantize_weight(w, "block", (128, 128))
     if fmt == "compressed":  # llm-compressor stores scales in the model's dtype
         _, scale = quantize_weight(w, "channel")
         scale = scale.to(torch.bfloat16)
-        q = (w / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return {name: q, f"{prefix}.weight_scale": scale}
-    q, scale = quantize_weight(w, fmt)
-    return {name: q, f"{prefix}.weight_scale": scale}
+        return (w.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    return quantize_weight(w, fmt)
 
 
 # --------------------------------------------------------------------------- public API
