@@ -11,7 +11,10 @@ from pdd.engine.args import add_kv_cache_dtype_arg
 
 
 def _runner(module: str):
-    return lambda args: importlib.import_module(f"pdd.bench.{module}").main(args)
+    def run(args):
+        return importlib.import_module(f"pdd.bench.{module}").main(args)
+    run.module = module   # tests check every subcommand's module exists
+    return run
 
 
 def _bench_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
