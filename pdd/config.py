@@ -355,9 +355,12 @@ class WorkerConfig:
     # (registered once): a request's pages are written there contiguously, two
     # NIXL descriptors per layer however scattered its blocks are in the pool,
     # then copied into its blocks on this device. None: room for one request
-    # of max_model_len tokens, at most 2 GiB; 0: none (pages go straight into
-    # the blocks: a descriptor per k|v per run of neighbouring blocks). A pool
-    # sized from free GPU memory leaves it room.
+    # of max_model_len tokens, at most 2 GiB, except with transfer_backend
+    # "auto" and data_addr on loopback: none there (no other host reaches it,
+    # and on one host auto takes cuda_ipc or tcp). 0: none (pages go straight
+    # into the blocks: a descriptor per k|v per run of neighbouring blocks).
+    # A value set wins. A pool sized from free GPU memory leaves it room; the
+    # worker's start log says the region's size and why.
     nixl_landing_bytes: int | None = None
     # An engine step running longer than this is a hung worker: the router moves
     # its requests and sends it nothing new until its steps advance again.

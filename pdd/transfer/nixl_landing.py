@@ -16,15 +16,25 @@ A range is handed out at a writer's begin and taken back only once its writer
 surely stopped: the same moment its lease's blocks come back (the writer
 ended, or its lease's deadline plus WRITER_GRACE_S passed), so a late write
 can never land in a range that another request holds.
+
+The region is taken only where a nixl writer can come (landing_size): on a
+worker that takes KV over nixl, unless it is "auto" with its data socket on
+loopback. No other host can open that socket, and on this host "auto" pairs
+take cuda_ipc (GPU) or tcp: nixl is the pair's backend there only when the
+prefill worker offers nothing else, and such a writer, granted no range,
+writes straight into the blocks. worker.nixl_landing_bytes, when set, wins.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
 from pdd import ops
+from pdd.config import WorkerConfig
 from pdd.transfer.nixl_agent import PoolRegion, device_id, mem_type
+from pdd.transfer.receiver import loopback_only
 
 _ALIGN = 256   # range starts: the copy kernel moves 16 bytes per access; a cache line is ample
 # worker.nixl_landing_bytes's default is one longest request, at most this
@@ -38,6 +48,36 @@ def landing_bytes(setting: int | None, bytes_per_token: int, max_tokens: int) ->
     if setting is not None:
         return setting
     return min(_DEFAULT_CAP, bytes_per_token * max_tokens)
+
+
+class Landing(NamedTuple):
+    nbytes: int   # 0: no region
+    why: str
+
+
+def landing_size(wc: WorkerConfig, nixl_installed: bool, bytes_per_token: int, max_tokens: int) -> Landing:
+    """The landing region a worker of `wc` reserves beside its KV pool, and
+    why (its start log line). Only where KV comes in over nixl: a decode
+    worker, or a colocated one that prefills for others (the workers the
+    router ships KV to), offering nixl. There worker.nixl_landing_bytes
+    wins; unset, "auto" with its data socket on loopback takes none (the
+    module's docstring says why) and otherwise one request of `max_tokens`."""
+    if wc.role == "prefill":
+        return Landing(0, "a prefill worker is never sent KV")
+    if wc.role == "colocated" and not wc.prefill_for_others:
+        return Landing(0, "a colocated worker that prefills for no one is never sent KV")
+    if wc.transfer_backend not in ("auto", "nixl") or not nixl_installed:
+        return Landing(0, "it takes no KV over nixl")
+    if wc.nixl_landing_bytes is not None:
+        return Landing(wc.nixl_landing_bytes, f"worker.nixl_landing_bytes = {wc.nixl_landing_bytes}")
+    if wc.transfer_backend == "auto" and loopback_only(wc.data_addr):
+        return Landing(0, f"transfer_backend auto, data socket on loopback ({wc.data_addr}): no other host "
+                          "reaches it and on this one auto takes cuda_ipc or tcp; a nixl-only prefill worker "
+                          "writes straight into the blocks; worker.nixl_landing_bytes sets one")
+    nbytes = landing_bytes(None, bytes_per_token, max_tokens)
+    capped = f", capped at {_DEFAULT_CAP >> 30} GiB" if nbytes < bytes_per_token * max_tokens else ""
+    return Landing(nbytes, f"one request of {max_tokens} tokens{capped}; transfer_backend {wc.transfer_backend}, "
+                           f"data socket {wc.data_addr}")
 
 
 class LandingArena:

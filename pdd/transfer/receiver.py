@@ -24,6 +24,7 @@ sends can stop the thread.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -335,6 +336,22 @@ def _public_endpoint(endpoint: str) -> str:
         if f"//{wildcard}:" in endpoint:
             return endpoint.replace(wildcard, _host_address(), 1)
     return endpoint
+
+
+def loopback_only(endpoint: str) -> bool:
+    """A socket bound at `endpoint` is reachable from this host only: ipc or
+    inproc, or tcp on a loopback address (127.0.0.0/8, ::1, localhost, the lo
+    interface). A wildcard, an interface or a host name count as reachable."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _host_address() -> str:

@@ -256,7 +256,8 @@ class DecodeSide:
                 "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": self.leases.num_held,
                 "ipc_writers": self.receiver.ipc.num_writers,
                 "nixl_writers": nixl.num_writers if nixl is not None else 0,
-                # Requests copied in from nixl's landing region, and its ranges out now.
+                # nixl's landing region (bytes; 0: none), requests copied in from it, and its ranges out now.
+                "nixl_landing_bytes": nixl.landing.nbytes if nixl is not None and nixl.landing is not None else 0,
                 "nixl_landed": nixl.landed_requests if nixl is not None else 0,
                 "nixl_landing_ranges": nixl.ranges_held if nixl is not None else 0}
 

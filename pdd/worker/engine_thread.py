@@ -46,7 +46,7 @@ from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer import offered_backends
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
-from pdd.transfer.nixl_landing import landing_bytes
+from pdd.transfer.nixl_landing import landing_size
 from pdd.worker.disagg import DecodeSide, PrefillSide, admit, step_messages
 from pdd.worker.records import PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
@@ -223,12 +223,15 @@ class EngineThread(threading.Thread):
             prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg))
 
     def _landing_bytes(self, spec: KVCacheSpec, max_tokens: int) -> int:
-        """nixl's landing region beside the pool, on a worker that receives over
-        nixl (pdd.transfer.nixl_landing); 0 elsewhere."""
+        """nixl's landing region beside the pool (pdd.transfer.nixl_landing.landing_size),
+        said in one line where a worker that may be sent KV offers nixl."""
         wc = self.cfg.worker
-        if self.role == "prefill" or wc.transfer_backend not in ("auto", "nixl") or nixl_unavailable():
-            return 0
-        return landing_bytes(wc.nixl_landing_bytes, spec.bytes_per_token, max_tokens)
+        installed = nixl_unavailable() is None
+        landing = landing_size(wc, installed, spec.bytes_per_token, max_tokens)
+        if self.role != "prefill" and installed and wc.transfer_backend in ("auto", "nixl"):
+            size = f"of {landing.nbytes / 2**20:.1f} MiB" if landing.nbytes else "none"
+            log.info("worker %s: nixl landing region %s (%s)", self.worker_id, size, landing.why)
+        return landing.nbytes
 
     def _serve(self) -> None:
         """The loop; returns when stopped, or drained; raises EngineFailed."""

@@ -84,8 +84,9 @@ def test_1p1d_over_nixl_matches_colocated(tmp_path, tiny_model, reference):
             _wait_for(lambda: metric(c, "pdd_kv_transfer_blocks_sent_total") > 0, 30.0, "transfers counted")
             _wait_for(lambda: c.workers()["decode-0"]["transfer"]["nixl_writers"] >= 16, 30.0, "nixl writes reported")
             workers = c.wait_idle(timeout_s=5.0)
-            # Through the decode worker's landing region (worker.nixl_landing_bytes by default),
-            # each range given back.
+            # Through the decode worker's landing region (worker.nixl_landing_bytes by default: with
+            # transfer_backend nixl, on loopback too), each range given back.
+            assert workers["decode-0"]["transfer"]["nixl_landing_bytes"] > 0
             assert workers["decode-0"]["transfer"]["nixl_landed"] >= 1
             assert workers["decode-0"]["transfer"]["nixl_landing_ranges"] == 0
             # On a GPU the landing copy's kernel was compiled at start, with the others.

@@ -189,11 +189,15 @@ def test_a_cluster_across_two_hosts_serves_what_colocated_does(two_hosts, tmp_pa
         # connection goes the other way.
         assert connections(two_hosts, "b", local_port=DATA_PORT) == {two_hosts.addr["a"]}
         assert connections(two_hosts, "b", remote_port=CONTROL_PORT) == {two_hosts.addr["a"]}
+        def transfer() -> dict:
+            return next(w for w in cluster.admin("workers") if w["worker_id"] == "decode-b")["transfer"]
         def writers() -> int:
-            decode = cluster.admin("workers")
-            return next(w for w in decode if w["worker_id"] == "decode-b")["transfer"].get("nixl_writers", 0)
+            return transfer().get("nixl_writers", 0)
         if chosen == "nixl":   # the pages were NIXL writes, over UCX's own connections across the link
             _wait_for(lambda: writers() >= 3, 30.0, "three nixl writes reported")
+            # auto with the data socket on a routable address reserved the landing region: the pages landed there.
+            _wait_for(lambda: transfer()["nixl_landed"] >= 3, 30.0, "three requests copied in from the region")
+            assert transfer()["nixl_landing_bytes"] > 0
             assert two_hosts.addr["a"] in connections(two_hosts, "b", exclude_local=DATA_PORT,
                                                       exclude_remote=CONTROL_PORT)
         else:
