@@ -95,3 +95,33 @@ def test_a_structured_output_travels_inside_sampling_params():
         with pytest.raises(ProtocolError) as e:
             decode(raw("admit", request_id="r", epoch=1, prompt_token_ids=[1], sampling=sampling[:-1] + [bad]))
         assert str(e.value).startswith(error)
+
+
+def test_an_older_workers_register_and_heartbeat_read_as_first_come_first_served():
+    """Fields added later are left out by a worker that predates them: its
+    StepLimits array of four fields and a heartbeat without the long prompts'
+    counts decode with the defaults, which the router reads as a queue in
+    arrival order (long threshold 0)."""
+    register = decode(raw("register", worker_id="w", role="prefill", host="h", pid=1, device="cpu", layout={},
+                          num_blocks=10, max_num_seqs=8, max_model_len=4096, step=[8192, 512, True, 0]))
+    assert register.step == m.StepLimits(8192, 512, True, 0) and register.step.long_threshold == 0
+    hb = decode(raw("heartbeat", worker_id="w", running=1, waiting=0, free_blocks=1, total_blocks=1,
+                    prefill_tokens_pending=500))
+    assert (hb.prefill_tokens_pending, hb.long_prefill_tokens_pending, hb.long_prefills_pending) == (500, 0, 0)
+
+
+def test_a_worker_registers_its_schedulers_long_prompt_settings():
+    from pdd.config import EngineConfig
+    limits = m.StepLimits.of(EngineConfig(max_num_batched_tokens=8192, long_prefill_token_threshold=8192,
+                                          max_long_partial_prefills=2, long_prefill_min_share=0.5))
+    assert (limits.long_threshold, limits.long_partial, limits.long_share) == (8192, 2, 0.5)
+    fcfs = EngineConfig(max_num_batched_tokens=8192, long_prefill_token_threshold=None)
+    assert m.StepLimits.of(fcfs).long_threshold == 0
+    register = m.Register("w", "prefill", "h", 1, "cpu", {}, 10, 8, 4096, step=limits)
+    hb = m.Heartbeat("w", 1, 0, 1, 1, prefill_tokens_pending=9000, long_prefill_tokens_pending=8500,
+                     long_prefills_pending=1)
+    assert decode(encode(register)) == register and decode(encode(hb)) == hb
+    bad = raw("heartbeat", worker_id="w", running=1, waiting=0, free_blocks=1, total_blocks=1,
+              long_prefills_pending="2")
+    with pytest.raises(ProtocolError, match=r"heartbeat.long_prefills_pending: expected int, got str"):
+        decode(bad)

@@ -43,11 +43,18 @@ class StepLimits:
     chunk: int = 0                         # chunk_size (0: not said)
     chunk_only_beside_decodes: bool = True
     prefill_beside_decodes: int = 0        # prefill_tokens_beside_decodes (0: the budget)
+    # Short prompts before long ones: long_prefill_token_threshold (0: first
+    # come, first served, also what a worker that does not say it is taken to
+    # do), max_long_partial_prefills, long_prefill_min_share.
+    long_threshold: int = 0
+    long_partial: int = 0
+    long_share: float = 0.0
 
     @classmethod
     def of(cls, cfg) -> "StepLimits":
         return cls(cfg.max_num_batched_tokens, cfg.chunk_size, cfg.chunk_only_beside_decodes,
-                   cfg.prefill_tokens_beside_decodes or 0)
+                   cfg.prefill_tokens_beside_decodes or 0, cfg.long_prefill_token_threshold or 0,
+                   cfg.max_long_partial_prefills, cfg.long_prefill_min_share)
 
 
 @dataclass
@@ -114,6 +121,11 @@ class Heartbeat(Message):
     # Triton kernels compiled after the worker's warm-up (each stalled every
     # request on it): should stay 0 (pdd.engine.engine.LLMEngine.watch_compiles).
     kernels_compiled_in_service: int = 0
+    # Of prefill_tokens_pending, those of long prompts (more than the worker's
+    # StepLimits.long_threshold left to compute), and how many prompts they
+    # are: its scheduler lets short prompts pass them (the router's TTFT model).
+    long_prefill_tokens_pending: int = 0
+    long_prefills_pending: int = 0
 
 
 @dataclass

@@ -66,7 +66,7 @@ class Estimator:
         """A request placed: its prompt tokens queue on the worker that computes
         them. A short prompt prefilled where it decodes is no demand on the
         prefill side (one sent to a prefill worker is)."""
-        self._worker(prefill_worker).load.placed_tokens += prompt_tokens
+        self._worker(prefill_worker).load.placed.append(prompt_tokens)
         self._worker(decode_worker).load.placed_decodes += 1
         if prompt_tokens > self.cfg.local_prefill_tokens or prefill_worker != decode_worker:
             self._demand.add(prompt_tokens, now)
@@ -100,8 +100,7 @@ class Estimator:
         it is the same GPU)."""
         w = self.workers.get(worker_id)
         if w is not None:
-            load = w.load
-            load.pending = load.decoding = load.placed_tokens = load.placed_decodes = 0
+            w.load.clear()
 
     def forget(self, worker_id: str) -> None:
         """A worker that left for good: its measurements go."""
@@ -143,12 +142,15 @@ class Estimator:
         else:
             leaning = LEAN_DECODE
         load, limits = w.load, info.step
+        long_tokens, long_prompts = load.long_pending(limits.long_threshold)
         return WorkerEstimate(
             step_base_s=a, step_token_s=b, step_decode_s=c, step_pair_s=e, pending_tokens=load.pending_tokens,
-            decoding=load.decodes, prefill_per_step=load.prefill_per_step, prefill_depth=load.prefill_depth,
+            pending_long_tokens=long_tokens, pending_long=long_prompts, decoding=load.decodes,
+            prefill_per_step=load.prefill_per_step, prefill_depth=load.prefill_depth,
             budget=limits.budget or self.costs.unreported_budget, chunk=limits.chunk or self.costs.unreported_chunk,
             beside=limits.prefill_beside_decodes, chunk_alone=not limits.chunk_only_beside_decodes,
-            leaning=leaning, samples=w.fit.n)
+            long_threshold=limits.long_threshold, long_partial=limits.long_partial or 1,
+            long_share=limits.long_share, leaning=leaning, samples=w.fit.n)
 
     def view(self, estimates: Estimates) -> dict[str, dict]:
         """Per worker, for `pdd admin status`: the fitted model, queue and leaning."""
@@ -157,7 +159,8 @@ class Estimator:
                       "step_decode_us": round(e.step_decode_s * 1e6, 3),
                       "step_pair_ps": round(e.step_pair_s * 1e12, 3),
                       "prefill_depth_tokens": round(e.prefill_depth, 1),
-                      "pending_prefill_tokens": e.pending_tokens, "decoding": e.decoding,
+                      "pending_prefill_tokens": e.pending_tokens,
+                      "pending_long_prefill_tokens": e.pending_long_tokens, "decoding": e.decoding,
                       "prefill_tokens_per_step": round(e.prefill_per_step, 1), "step_groups_measured": e.samples}
                 for wid, e in estimates.workers.items()}
 

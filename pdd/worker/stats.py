@@ -76,6 +76,8 @@ class EngineSnapshot:
     steps_completed: int = 0
     steps: JournalView = JournalView()            # StepSamples of the steps that computed tokens
     prefill_tokens_pending: int = 0
+    long_prefill_tokens_pending: int = 0       # of those, long prompts' (PromptsPending)
+    long_prefills_pending: int = 0
     recent_hashes: JournalView = JournalView()
     transfer: dict = field(default_factory=dict)
     kernels_compiled_in_service: int = 0
@@ -99,20 +101,44 @@ class EngineStats:
         hashes the prefix cache published (by steps, or by a request whose KV landed)."""
         sched, kv = engine.scheduler, engine.kv
         self.recent_hashes.extend(kv.take_recent_hashes())
+        pending = PromptsPending.of(sched)
         return EngineSnapshot(
             running=len(sched.running), decoding=sum(1 for r in sched.running if r.decoding),
             waiting=sched.num_waiting(), free_blocks=kv.num_free_blocks,
             total_blocks=kv.pool.num_usable_blocks, prefix_hit_rate=kv.hit_rate(),
             prefix_hit_tokens=kv.num_hit_tokens, prefix_query_tokens=kv.num_queried_tokens,
             num_preemptions=sched.num_preemptions, steps_completed=self.steps_completed,
-            steps=self.steps.view(), prefill_tokens_pending=_prompt_tokens_pending(sched),
+            steps=self.steps.view(), prefill_tokens_pending=pending.tokens,
+            long_prefill_tokens_pending=pending.long_tokens, long_prefills_pending=pending.long_prompts,
             recent_hashes=self.recent_hashes.view(),
             transfer=transfer, kernels_compiled_in_service=ops.compiles_reported())
 
 
-def _prompt_tokens_pending(sched) -> int:
-    """Prompt tokens this engine has yet to compute: the router's queue-wait estimate."""
-    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for q in (sched.waiting, sched.running) for r in q)
+@dataclass(frozen=True)
+class PromptsPending:
+    """Prompt tokens this engine has yet to compute, and of them the long
+    prompts' (more than engine.long_prefill_token_threshold left, as the
+    scheduler tells them apart): the router's queue-wait estimate. A waiting
+    prompt counts whole, prefix-cache hits included (they are found only when
+    it is admitted)."""
+    tokens: int = 0
+    long_tokens: int = 0
+    long_prompts: int = 0
+
+    @classmethod
+    def of(cls, sched) -> PromptsPending:
+        """One pass over the queues, made per snapshot (while busy at most
+        every engine_thread.SNAPSHOT_PERIOD_S, not every step)."""
+        threshold = sched.cfg.long_prefill_token_threshold or 0
+        tokens = long_tokens = long_prompts = 0
+        for q in (sched.waiting, sched.running):
+            for r in q:
+                left = max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                tokens += left
+                if threshold and left > threshold:
+                    long_tokens += left
+                    long_prompts += 1
+        return cls(tokens, long_tokens, long_prompts)
 
 
 class HeartbeatReader:
@@ -133,4 +159,6 @@ class HeartbeatReader:
             steps=self._steps.take(snap.steps), prefill_tokens_pending=snap.prefill_tokens_pending,
             decoding=snap.decoding, recent_hashes=self._hashes.take(snap.recent_hashes), transfer=snap.transfer,
             draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,
-            faults=faults or {}, kernels_compiled_in_service=snap.kernels_compiled_in_service)
+            faults=faults or {}, kernels_compiled_in_service=snap.kernels_compiled_in_service,
+            long_prefill_tokens_pending=snap.long_prefill_tokens_pending,
+            long_prefills_pending=snap.long_prefills_pending)

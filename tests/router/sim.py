@@ -55,6 +55,7 @@ class SimWorker:
     worker_id: str
     role: str
     num_blocks: int = 64
+    step: m.StepLimits = field(default_factory=m.StepLimits)   # its scheduler's limits, as registered
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     inbox: deque = field(default_factory=deque)
     holds: dict = field(default_factory=dict)     # (request id, epoch) -> Hold
@@ -63,7 +64,7 @@ class SimWorker:
     def register_message(self) -> m.Register:
         return m.Register(self.worker_id, self.role, "host", 1, "cpu", LAYOUT.to_dict(), self.num_blocks, 8,
                           10_000, data_addr=f"tcp://{self.worker_id}:1" if self.role != "prefill" else "",
-                          transfer_backends=["tcp"], incarnation=self.incarnation)
+                          transfer_backends=["tcp"], incarnation=self.incarnation, step=self.step)
 
     @property
     def free_blocks(self) -> int:
@@ -101,8 +102,9 @@ class SimCluster:
         if w is not None:     # a dead process's messages are lost
             w.inbox.append(msg)
 
-    def add_worker(self, worker_id: str, role: str, num_blocks: int = 64) -> SimWorker:
-        w = self.workers[worker_id] = SimWorker(worker_id, role, num_blocks)
+    def add_worker(self, worker_id: str, role: str, num_blocks: int = 64,
+                   step: m.StepLimits | None = None) -> SimWorker:
+        w = self.workers[worker_id] = SimWorker(worker_id, role, num_blocks, step or m.StepLimits())
         self.control.handle(worker_id, w.register_message())
         reply = w.inbox.popleft()
         assert isinstance(reply, m.RegisterReply) and reply.ok, reply
@@ -115,7 +117,7 @@ class SimCluster:
     def restart(self, worker_id: str) -> SimWorker:
         """A new process under the same id, registering before the old one expired."""
         old = self.workers.pop(worker_id)
-        return self.add_worker(worker_id, old.role, old.num_blocks)
+        return self.add_worker(worker_id, old.role, old.num_blocks, old.step)
 
     def submit(self, max_tokens: int = 4, n: int = 1):
         """A request (its first choice's state when n > 1)."""

@@ -60,3 +60,17 @@ def test_a_router_that_does_not_answer_is_told_in_the_log_and_the_worker_goes_on
     assert code == 0 and warnings == 1
     assert tokens == offline.generate([prompt], greedy(5, ignore_eos=True))[0].token_ids
     assert said("the router answers again") >= 1
+
+
+def test_a_worker_registers_how_its_scheduler_orders_long_prompts(tiny_model):
+    """The router predicts a prompt's wait in the order this worker's scheduler
+    keeps (short prompts before long ones): the worker's own settings travel in
+    its Register, an unset threshold as 0 (first come, first served)."""
+    async def scenario(router):
+        return (await router.registered("prefill-0")).step
+
+    shape = dict(long_prefill_token_threshold=300, max_long_partial_prefills=2, long_prefill_min_share=0.5)
+    step, code = run_worker(worker_config(tiny_model, role="prefill", **shape), scenario)
+    assert code == 0 and (step.long_threshold, step.long_partial, step.long_share) == (300, 2, 0.5)
+    step, code = run_worker(worker_config(tiny_model, role="prefill", long_prefill_token_threshold=None), scenario)
+    assert code == 0 and step.long_threshold == 0

@@ -39,7 +39,7 @@ def test_views_are_immutable_snapshots():
     assert view.items == (1,) and view.end == 1
 
 
-def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace:
+def fake_engine(published: list[int], running=(), waiting=(), long_threshold: int | None = 0) -> SimpleNamespace:
     """Just what EngineStats.snapshot reads; `published`: hashes the prefix cache publishes."""
     def take_recent_hashes():
         out = published[:]
@@ -48,7 +48,8 @@ def fake_engine(published: list[int], running=(), waiting=()) -> SimpleNamespace
     kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.25,
                          num_hit_tokens=32, num_queried_tokens=128, take_recent_hashes=take_recent_hashes)
     scheduler = SimpleNamespace(running=list(running), waiting=list(waiting), num_preemptions=0,
-                                num_waiting=lambda: len(waiting))
+                                num_waiting=lambda: len(waiting),
+                                cfg=SimpleNamespace(long_prefill_token_threshold=long_threshold))
     return SimpleNamespace(kv=kv, scheduler=scheduler)
 
 
@@ -79,6 +80,21 @@ def test_heartbeats_count_the_prompt_tokens_not_computed_yet():
     hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(engine, {}), 0.0, False)
     assert hb.prefill_tokens_pending == 40 + 50
     assert (hb.running, hb.decoding) == (2, 1)     # the prompt being computed is no decode load
+    assert (hb.long_prefill_tokens_pending, hb.long_prefills_pending) == (0, 0)   # first come, first served
+
+
+def test_heartbeats_count_the_long_prompts_tokens_apart():
+    """As the scheduler tells them apart: more than long_prefill_token_threshold
+    tokens left to compute (a long prompt mostly computed is short again)."""
+    def req(prompt, computed):
+        return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed, decoding=computed >= prompt)
+    queues = dict(running=[req(10_000, 2_000), req(10_000, 8_000), req(10, 14)],
+                  waiting=[req(300, 0), req(5_000, 0), req(1_000, 0)])
+    for threshold, expected in ((2_000, (8_000 + 5_000, 2)), (None, (0, 0)), (0, (0, 0))):
+        engine = fake_engine([], long_threshold=threshold, **queues)
+        hb = HeartbeatReader("w").heartbeat(EngineStats().snapshot(engine, {}), 0.0, False)
+        assert hb.prefill_tokens_pending == 8_000 + 2_000 + 300 + 5_000 + 1_000
+        assert (hb.long_prefill_tokens_pending, hb.long_prefills_pending) == expected
 
 
 def test_heartbeats_carry_the_prefix_caches_totals():

@@ -1,6 +1,7 @@
 """What a worker has to do, and what the cluster is asked for: queues and demand.
 
-Per worker: prompt tokens admitted and not computed, requests decoding, and
+Per worker: prompt tokens admitted and not computed (and of them the long
+prompts', which its scheduler lets short ones pass), requests decoding, and
 the prompt tokens its recent steps carried (and how deep in their prompts) —
 from the last heartbeat, plus what the router placed there since. For the
 cluster: the prefill demand, prompt tokens/s placed on prefill work.
@@ -8,7 +9,7 @@ cluster: the prefill demand, prompt tokens/s placed on prefill work.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdd.protocol import messages as m
 
@@ -16,15 +17,30 @@ from pdd.protocol import messages as m
 @dataclass
 class WorkerLoad:
     pending: int = 0                  # from the last heartbeat ...
+    pending_long: int = 0             #    of which long prompts' tokens
+    long_prompts: int = 0             #    and how many long prompts
     decoding: int = 0
-    placed_tokens: int = 0            # ... plus what was placed here since
+    placed: list[int] = field(default_factory=list)   # ... plus the prompts placed here since (tokens each)
     placed_decodes: int = 0
     prefill_per_step: float = 0.0     # prompt tokens per step, smoothed
     prefill_depth: float = 0.0        # query-key pairs per prompt token, smoothed
 
     @property
     def pending_tokens(self) -> int:
-        return self.pending + self.placed_tokens
+        return self.pending + sum(self.placed)
+
+    def long_pending(self, threshold: int) -> tuple[int, int]:
+        """Of pending_tokens, the tokens of prompts longer than `threshold` (the
+        worker's; 0: none is long) and how many prompts they are."""
+        if not threshold:
+            return 0, 0
+        placed = [tokens for tokens in self.placed if tokens > threshold]
+        return self.pending_long + sum(placed), self.long_prompts + len(placed)
+
+    def clear(self) -> None:
+        """Nothing queued or decoding (the worker left; what it measured stays)."""
+        self.pending = self.pending_long = self.long_prompts = self.decoding = self.placed_decodes = 0
+        self.placed.clear()
 
     @property
     def decodes(self) -> int:
@@ -42,7 +58,9 @@ class WorkerLoad:
         # placed since counts again from here (a placement in flight at that
         # moment is missed until the next one, 0.5 s later).
         self.pending, self.decoding = hb.prefill_tokens_pending, hb.decoding
-        self.placed_tokens = self.placed_decodes = 0
+        self.pending_long, self.long_prompts = hb.long_prefill_tokens_pending, hb.long_prefills_pending
+        self.placed.clear()
+        self.placed_decodes = 0
 
 
 class Demand:
