@@ -26,7 +26,11 @@ from pdd.engine.args import add_engine_args, engine_kwargs
 def cmd_make_model(args) -> int:
     from pdd.model.make_model import dequantized_copy, make_model
 
-    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, fp8=args.fp8)
+    try:
+        out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, fp8=args.fp8,
+                         kv_scales=args.kv_scales, kv_scale_naming=args.kv_scale_names)
+    except ValueError as e:  # e.g. --kv-scales without --fp8
+        raise SystemExit(f"pdd make-model: {e}") from None
     print(out)
     if args.dequantized_copy:
         print(dequantized_copy(out, args.dequantized_copy))
@@ -113,6 +117,19 @@ def cmd_keys_generate(args) -> int:
     return 0
 
 
+def _kv_scales_arg(value: str) -> float | str:
+    """An argparse type: a finite number > 0, or "random"."""
+    if value == "random":
+        return value
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if not (0 < scale < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0 or 'random', got {value!r}")
+    return scale
+
+
 def _add_log_level(p: argparse.ArgumentParser, help: str) -> None:
     # SUPPRESS: given after the command it wins, else the one before it (pdd --log-level X serve) holds.
     p.add_argument("--log-level", type=log_level_type, default=argparse.SUPPRESS, metavar="LEVEL", help=help)
@@ -137,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", choices=["tensor", "channel", "block", "compressed"], default=None,
                    help="write an FP8 checkpoint: quant_method fp8 with per-tensor, per-channel or 128x128 "
                         "block scales, or compressed-tensors (per-channel weights, dynamic per-token activations)")
+    p.add_argument("--kv-scales", type=_kv_scales_arg, default=None, metavar="VALUE|random",
+                   help="with --fp8: also write per-layer FP8 KV-cache scales, all VALUE or seeded random "
+                        "values near what calibrating the tiny model gives")
+    p.add_argument("--kv-scale-names", choices=["attn", "proj", "output", "legacy"], default=None,
+                   help="with --kv-scales: named as llm-compressor (self_attn.k_scale), ModelOpt (k_proj.k_scale), "
+                        "AutoFP8 (k_proj.output_scale) or early AutoFP8 (one self_attn.kv_scale for both); "
+                        "default: output for the fp8 method, attn for compressed")
     p.add_argument("--dequantized-copy", metavar="DIR", default=None,
                    help="with --fp8: also write the same weights dequantized to bfloat16 (a plain checkpoint) in DIR")
     p.set_defaults(func=cmd_make_model)

@@ -108,9 +108,12 @@ class ModelRunner:
     def _kv_scales(self) -> KVScales | None:
         """An FP8 cache's scales: the checkpoint's, else 1.0 (pdd.kv.scales says
         what that risks); None for a cache in the model's dtype."""
-        if not is_fp8(self.kv_spec.dtype):
-            return None
         scales = self.model.kv_scales
+        if not is_fp8(self.kv_spec.dtype):
+            if scales is not None:
+                log.info("the checkpoint's FP8 KV scales are unused: engine.kv_cache_dtype is %s (a %s cache)",
+                         self.cfg.kv_cache_dtype, str(self.kv_spec.dtype).removeprefix("torch."))
+            return None
         if scales is None:
             log.info("FP8 KV cache: the checkpoint has no KV scales, using 1.0 "
                      "(K/V values beyond +-448 saturate)")
@@ -118,6 +121,8 @@ class ModelRunner:
         if scales.num_layers != self.model_cfg.num_layers:
             raise ValueError(f"the checkpoint's KV scales cover {scales.num_layers} layers, "
                              f"the model has {self.model_cfg.num_layers}")
+        log.info("FP8 KV cache: K and V scales from the checkpoint (%s; K %.4g..%.4g, V %.4g..%.4g)",
+                 scales.identity(), min(scales.k), max(scales.k), min(scales.v), max(scales.v))
         return scales
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:

@@ -3,8 +3,10 @@ of an FP8 cache: one for K and one for V per layer.
 
 An FP8 (e4m3) cache stores fp8(clamp(x / scale, -448, 448)) and reads
 stored * scale. The scales are static: they come from the checkpoint (its
-`k_scale` / `v_scale` tensors, which the loader puts on `CausalLM.kv_scales`)
-or are 1.0. Static scales keep every step's arguments the same, so CUDA graphs
+per-layer K and V scale tensors, under the names published FP8 checkpoints use,
+which the loader reads onto `CausalLM.kv_scales`: pdd.model.kv_scale_tensors,
+where each tool's convention is checked to be this one) or are 1.0 when it has
+none. A checkpoint's scales go unused by a cache in the model's dtype. Static scales keep every step's arguments the same, so CUDA graphs
 captured once stay valid, and two workers agree on what a page means as long
 as they hold the same scales: the layout descriptor carries their identity
 (`KVScales.identity`), and a peer with other scales is refused.
@@ -17,8 +19,9 @@ defaults to as well; a model with outlier channels beyond 448 wants a
 calibrated checkpoint.
 
 Per-layer, not per-head: published FP8 checkpoints (compressed-tensors'
-`kv_cache_scheme` with the "tensor" strategy, the `fp8` method) carry one K
-and one V scale per layer, so per-head scales would have no source; and a
+`kv_cache_scheme` with the "tensor" strategy, the `fp8` method's) carry one K
+and one V scale per layer (llm-compressor's per-head "attn_head" strategy is
+refused at load, naming it); and a
 per-layer scale folds into the kernels' existing scalars (K's into the softmax
 scale, V's into the output), costing no work per element.
 """

@@ -15,6 +15,7 @@ import torch
 
 from pdd.model import fp8
 from pdd.model.config import CheckpointError, ModelConfig
+from pdd.model.kv_scale_tensors import is_kv_scale, read_kv_scales
 from pdd.model.llama import PACKED_MODULES, CausalLM
 from pdd.model.quant_config import Fp8Scheme
 from pdd.ops.fp8_linear import FP8_DTYPE
@@ -135,8 +136,10 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
                 raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
             f = stack.enter_context(handle)
             index.update((hf_name, (path, f)) for hf_name in f.keys())
+        model.kv_scales = read_kv_scales(list(index), lambda n: (index[n][0], index[n][1].get_tensor(n)),
+                                         model.config.num_layers, scheme.kv_cache if scheme else "", str(model_dir))
         for hf_name, (path, f) in index.items():
-            if hf_name.endswith(_IGNORED_SUFFIXES):
+            if hf_name.endswith(_IGNORED_SUFFIXES) or is_kv_scale(hf_name):
                 continue
             if scheme is not None and hf_name.endswith(_SCALE_SUFFIXES):
                 if hf_name.rsplit(".", 1)[0] + ".weight" not in index:

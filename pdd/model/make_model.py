@@ -51,6 +51,15 @@ PRESETS: dict[str, dict] = {
 # published checkpoints of each format do (pdd.model.quant_config reads them).
 FP8_FORMATS = ("tensor", "channel", "block", "compressed")
 
+# make-model --kv-scales: the names each format's KV-cache scales get by default,
+# as the tool that writes such checkpoints names them (AutoFP8 for the fp8
+# method, llm-compressor for compressed-tensors; pdd.model.kv_scale_tensors
+# lists every naming read).
+KV_SCALE_NAMING = {"tensor": "output", "channel": "output", "block": "output", "compressed": "attn"}
+# --kv-scales random: per-layer K and V scales drawn in this range, around what
+# calibration gives the tiny presets (K/V amax ~4, so amax / 448 ~ 0.009).
+KV_SCALE_RANGE = (0.01, 0.04)
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 # Family-specific config.json keys, as real checkpoints of each family write them.
@@ -211,11 +220,14 @@ def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
     return cfg
 
 
-def fp8_quantization_config(fmt: str) -> dict[str, Any]:
+def fp8_quantization_config(fmt: str, kv_scales: bool = False) -> dict[str, Any]:
+    """`quantization_config` of format `fmt`; `kv_scales`: the checkpoint carries KV-cache scales."""
+    kv_static = {"kv_cache_scheme": "static"} if kv_scales else {}  # AutoFP8's mark
     if fmt in ("tensor", "channel"):
-        return {"activation_scheme": "dynamic", "quant_method": "fp8"}
+        return {"activation_scheme": "dynamic", "quant_method": "fp8", **kv_static}
     if fmt == "block":  # DeepSeek-V3 / Qwen3-*-FP8
-        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+                **kv_static}
     fp8_args = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8,
                 "observer_kwargs": {}, "symmetric": True, "type": "float"}
     return {  # llm-compressor's FP8_DYNAMIC scheme
@@ -228,7 +240,8 @@ def fp8_quantization_config(fmt: str) -> dict[str, Any]:
         "format": "float-quantized",
         "global_compression_ratio": None,
         "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": ({**fp8_args, "dynamic": False, "observer": "minmax", "strategy": "tensor"}
+                            if kv_scales else None),
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
         "sparsity_config": {},
@@ -319,6 +332,31 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, fp8: str | None = None) 
     return out
 
 
+def kv_scale_values(num_layers: int, kv_scales: float | str, seed: int) -> tuple[list[float], list[float]]:
+    """(K, V) scales per layer: `kv_scales` for all, or "random" ones in KV_SCALE_RANGE
+    (from their own generator: the weights do not change)."""
+    import torch
+
+    if kv_scales != "random":
+        return [float(kv_scales)] * num_layers, [float(kv_scales)] * num_layers
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    lo, hi = KV_SCALE_RANGE
+    k, v = (lo + (hi - lo) * torch.rand((2, num_layers), generator=gen, dtype=torch.float64)).tolist()
+    return k, v
+
+
+def _kv_scale_tensors(cfg: dict[str, Any], fmt: str, kv_scales: float | str, naming: str,
+                      seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    from pdd.model.kv_scale_tensors import kv_scale_tensors
+
+    k, v = kv_scale_values(cfg["num_hidden_layers"], kv_scales, seed)
+    if fmt == "compressed":  # llm-compressor: a [1] tensor in the model's dtype
+        return kv_scale_tensors(k, v, naming, torch.bfloat16, (1,))
+    return kv_scale_tensors(k, v, naming, torch.float32, ())
+
+
 def _fp8_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     prefix = name.rsplit(".", 1)[0]
     q, scale = quantize_fp8(w, fmt)
@@ -357,18 +395,32 @@ def _json_bytes(obj: Any, sort_keys: bool = True) -> bytes:
 
 
 def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
-               fp8: str | None = None) -> Path:
+               fp8: str | None = None, kv_scales: float | str | None = None,
+               kv_scale_naming: str | None = None) -> Path:
     """Write a random-weight HF checkpoint for (preset, arch, seed) into out_dir and return it.
     `fp8` (one of FP8_FORMATS): the same weights as an FP8 checkpoint of that format, in
-    bfloat16 apart from the quantized linear layers, as published FP8 checkpoints are."""
+    bfloat16 apart from the quantized linear layers, as published FP8 checkpoints are.
+    `kv_scales` (with `fp8`): also per-layer FP8 KV-cache scales, all this value or
+    "random" (kv_scale_values), named as `kv_scale_naming` (default: KV_SCALE_NAMING)."""
+    from pdd.model.kv_scale_tensors import NAMINGS
+
     _check(preset, arch)
     if fp8 is not None and fp8 not in FP8_FORMATS:
         raise ValueError(f"unknown FP8 format {fp8!r}; choose from {FP8_FORMATS}")
+    if kv_scales is not None:
+        if fp8 is None:
+            raise ValueError("KV scales are written into FP8 checkpoints only: give an FP8 format too")
+        if kv_scales != "random" and not (isinstance(kv_scales, (int, float)) and 0 < kv_scales < float("inf")):
+            raise ValueError(f"KV scales {kv_scales!r}: expected a finite number > 0 or 'random'")
+        kv_scale_naming = kv_scale_naming or KV_SCALE_NAMING[fp8]
+        if kv_scale_naming not in NAMINGS:
+            raise ValueError(f"unknown KV scale naming {kv_scale_naming!r}; choose from {tuple(NAMINGS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model_config(preset, arch)
     if fp8 is not None:
-        cfg.update(dtype="bfloat16", torch_dtype="bfloat16", quantization_config=fp8_quantization_config(fp8))
+        cfg.update(dtype="bfloat16", torch_dtype="bfloat16",
+                   quantization_config=fp8_quantization_config(fp8, kv_scales is not None))
 
     # tokenizer.json keeps its own key order (the vocab must stay in id order).
     tok_json = _json_bytes(_tokenizer_json(preset), sort_keys=False)
@@ -384,14 +436,17 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
         (out / name).write_bytes(data)
     from safetensors.torch import save_file
 
-    save_file(_weights(cfg, arch, seed, fp8), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = _weights(cfg, arch, seed, fp8)
+    if kv_scales is not None:
+        tensors.update(_kv_scale_tensors(cfg, fp8, kv_scales, kv_scale_naming, seed))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
 def dequantized_copy(fp8_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the FP8 checkpoint in fp8_dir as a plain one in out_dir: each FP8 weight
     dequantized (pdd.model.fp8.dequantize) and rounded to the checkpoint's dtype,
-    scales dropped, every other tensor and file as it is. pdd serving fp8_dir on the
+    scales (KV-cache scales too) dropped, every other tensor and file as it is. pdd serving fp8_dir on the
     CPU computes what serving out_dir computes."""
     import torch
     from safetensors import safe_open
@@ -399,6 +454,7 @@ def dequantized_copy(fp8_dir: str | Path, out_dir: str | Path) -> Path:
 
     from pdd.model.config import ModelConfig
     from pdd.model.fp8 import dequantize
+    from pdd.model.kv_scale_tensors import is_kv_scale
 
     src, out = Path(fp8_dir), Path(out_dir)
     scheme = ModelConfig.from_dir(src).quant
@@ -420,7 +476,7 @@ def dequantized_copy(fp8_dir: str | Path, out_dir: str | Path) -> Path:
         for path, f in handles.items():
             tensors = {}
             for name in f.keys():
-                if name.endswith(scale_names):
+                if name.endswith(scale_names) or is_kv_scale(name):
                     continue
                 t = f.get_tensor(name)
                 if t.dtype == torch.float8_e4m3fn:

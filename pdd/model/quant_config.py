@@ -7,11 +7,16 @@ Two published formats are read:
   `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], or without it one scale per
   tensor (`weight_scale_inv` or `weight_scale`; per output channel [N] / [N, 1]
   is read too); `activation_scheme` dynamic, or static with an `input_scale`
-  (`activation_scale`) per layer.
+  (`activation_scale`) per layer. AutoFP8 marks a checkpoint with KV-cache
+  scales `kv_cache_scheme: "static"`.
 - `quant_method: "compressed-tensors"` (llm-compressor's FP8 checkpoints): one
   config group of `type: float, num_bits: 8` weights with strategy tensor,
   channel or block (`weight_scale`), and FP8 input activations, dynamic per
-  token or static per tensor (`input_scale`).
+  token or static per tensor (`input_scale`); and optionally a `kv_cache_scheme`:
+  FP8 K and V with one static scale per layer (strategy tensor).
+
+A declared KV-cache scheme makes the checkpoint's KV scales required (the
+tensors and their names: pdd.model.kv_scale_tensors).
 
 Anything else is refused with the field and value named: serving a checkpoint
 whose numbers mean something we do not compute is silent garbage. torch-free
@@ -34,6 +39,9 @@ class Fp8Scheme:
     block: tuple[int, int] | None        # (rows, cols) of a weight block, for "block"
     static_input: bool                   # activations quantized with the checkpoint's input_scale
     ignore: tuple[str, ...] = ()         # module names (or "re:" patterns) kept in high precision
+    # The config's KV-cache scheme, when it declares one ("" when not): then
+    # every layer must carry its K and V scales.
+    kv_cache: str = ""
 
     @property
     def weight_scale_names(self) -> tuple[str, ...]:
@@ -109,8 +117,12 @@ def _parse_fp8(qc: dict, source: str) -> Fp8Scheme:
             raise _field(source, "activation_scheme", scheme, "block-wise weights need dynamic activations")
     ignore = _names(source, "modules_to_not_convert", qc.get("modules_to_not_convert"))
     ignore += _names(source, "ignored_layers", qc.get("ignored_layers"))
+    kv_cache = qc.get("kv_cache_scheme")
+    if kv_cache not in (None, "static"):
+        raise _field(source, "kv_cache_scheme", kv_cache, "null or 'static' (per-layer K and V scales)")
     return Fp8Scheme(method="fp8", weight="block" if block else "tensor",
-                     block=tuple(block) if block else None, static_input=scheme == "static", ignore=ignore)
+                     block=tuple(block) if block else None, static_input=scheme == "static", ignore=ignore,
+                     kv_cache="quantization_config.kv_cache_scheme 'static'" if kv_cache else "")
 
 
 def _parse_compressed(qc: dict, source: str) -> Fp8Scheme:
@@ -122,9 +134,7 @@ def _parse_compressed(qc: dict, source: str) -> Fp8Scheme:
         raise _field(source, "quantization_status", status, "compressed or frozen")
     if qc.get("sparsity_config"):
         raise _field(source, "sparsity_config", qc["sparsity_config"], "no sparsity")
-    if qc.get("kv_cache_scheme") is not None:
-        raise _field(source, "kv_cache_scheme", qc["kv_cache_scheme"],
-                     "checkpoint KV-cache scales are not read; set engine.kv_cache_dtype instead")
+    kv_cache = _kv_cache_scheme(qc.get("kv_cache_scheme"), source)
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise _field(source, "config_groups", groups, "exactly one group")
@@ -168,7 +178,24 @@ def _parse_compressed(qc: dict, source: str) -> Fp8Scheme:
     if block and not dynamic:
         raise _field(source, f"{path}.input_activations.dynamic", dynamic, "block weights need dynamic activations")
     return Fp8Scheme(method="compressed-tensors", weight=strategy, block=block, static_input=dynamic is False,
-                     ignore=_names(source, "ignore", qc.get("ignore")))
+                     ignore=_names(source, "ignore", qc.get("ignore")), kv_cache=kv_cache)
+
+
+def _kv_cache_scheme(args, source: str) -> str:
+    """A compressed-tensors kv_cache_scheme pdd honours (FP8 e4m3 K and V, one
+    static symmetric scale per layer, read into an FP8 KV cache's scales), as
+    the reason its scales are required; "" when there is none."""
+    if args is None:
+        return ""
+    _fp8_args(args, source, "kv_cache_scheme")
+    # compressed-tensors reads a missing strategy without group size as "tensor".
+    strategy = args.get("strategy", "tensor")
+    if strategy != "tensor":
+        raise _field(source, "kv_cache_scheme.strategy", strategy,
+                     "only tensor: pdd's FP8 KV cache has one K and one V scale per layer")
+    if args.get("dynamic", False) is not False:
+        raise _field(source, "kv_cache_scheme.dynamic", args["dynamic"], "only false: static scales")
+    return "quantization_config.kv_cache_scheme is set"
 
 
 def _fp8_args(args, source: str, path: str, group_size: int | None = None) -> dict:

@@ -146,7 +146,9 @@ def test_unsupported_compressed_tensors_group_is_refused(compressed_dir, tmp_pat
 
 @pytest.mark.parametrize("edit, named", [
     (dict(format="pack-quantized"), r"quantization_config\.format 'pack-quantized'"),
-    (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme"),
+    (dict(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
+     r"kv_cache_scheme\.strategy 'attn_head'"),
+    (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme is set, but the checkpoint has no KV"),
     (dict(sparsity_config={"format": "sparse-24"}), r"sparsity_config"),
 ])
 def test_unsupported_compressed_tensors_fields_are_refused(compressed_dir, tmp_path, edit, named):

@@ -1,7 +1,10 @@
 """An FP8 (e4m3) KV cache in the engine on the CPU (the torch reference ops):
 greedy output is deterministic, close to a float32 cache's, and unchanged by
-prefix-cache hits and chunking; the checkpoint's scales reach every layer."""
+prefix-cache hits and chunking; the checkpoint's scales reach every layer, and
+a checkpoint's KV scales serve as the same scales set by hand do."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 from pdd import LLM
 from pdd.api import SamplingParams
 from pdd.kv.scales import KVScales
+from pdd.model.make_model import make_model
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 FP8 = dict(kv_cache_dtype="fp8_e4m3", num_blocks=256)
@@ -69,8 +73,8 @@ def test_fp8_kv_prefix_cache_hits_and_chunks_keep_output(tiny_model):
 
 
 def with_checkpoint_scales(monkeypatch, scales: KVScales) -> None:
-    """Stands in for an FP8 checkpoint's loader (which puts its k_scale/v_scale
-    tensors on CausalLM.kv_scales): the tiny checkpoint has none."""
+    """Puts `scales` on CausalLM.kv_scales by hand, where the loader puts an FP8
+    checkpoint's k_scale/v_scale tensors: the tiny checkpoint has none."""
     from pdd.engine import model_runner
 
     real = model_runner.load_model
@@ -101,3 +105,33 @@ def test_checkpoint_scales_must_cover_every_layer(tiny_model, monkeypatch):
     with_checkpoint_scales(monkeypatch, KVScales.unit(3))
     with pytest.raises(ValueError, match="KV scales cover 3 layers, the model has 4"):
         LLM(str(tiny_model), **FP8)
+
+
+def test_a_checkpoints_kv_scales_serve_as_the_same_scales_set_by_hand(tmp_path, monkeypatch, caplog):
+    """An FP8 checkpoint with KV scales (llm-compressor's kv_cache_scheme) generates
+    what the same weights without them generate with those scales put on the
+    model by hand; its layout identity is theirs, not "unit"."""
+    scaled = make_model(tmp_path / "scaled", "tiny", "llama", fp8="compressed", kv_scales="random")
+    plain = make_model(tmp_path / "plain", "tiny", "llama", fp8="compressed")  # the same weights
+    prompts = random_prompts([5, 40, 100], seed=7)
+    with caplog.at_level(logging.INFO, logger="pdd.engine.model_runner"):
+        llm = LLM(str(scaled), **FP8)
+    assert "K and V scales from the checkpoint" in caplog.text
+    scales = llm.engine.runner.kv_scales
+    assert scales == llm.engine.runner.model.kv_scales and scales.k != (1.0,) * 4
+    assert scales.identity().startswith("b2:")
+    got = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True))]
+    with_checkpoint_scales(monkeypatch, scales)
+    by_hand = LLM(str(plain), **FP8)
+    assert by_hand.engine.runner.kv_scales.identity() == scales.identity()
+    assert [o.token_ids for o in by_hand.generate(prompts, greedy(24, ignore_eos=True))] == got
+    assert_all_blocks_free(llm)
+
+
+def test_a_checkpoints_kv_scales_are_unused_by_a_cache_in_the_model_dtype(tmp_path, caplog):
+    scaled = make_model(tmp_path / "scaled", "tiny", "llama", fp8="tensor", kv_scales=0.5)
+    with caplog.at_level(logging.INFO, logger="pdd.engine.model_runner"):
+        llm = LLM(str(scaled), num_blocks=64)
+    assert llm.engine.runner.kv_scales is None and llm.engine.runner.model.kv_scales is not None
+    assert "the checkpoint's FP8 KV scales are unused: engine.kv_cache_dtype is auto" in caplog.text
+    assert llm.generate(random_prompts([9], seed=1), greedy(4))[0].token_ids

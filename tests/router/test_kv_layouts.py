@@ -44,3 +44,16 @@ def test_a_descriptor_without_kv_fields_is_a_cache_in_the_model_dtype():
     assert not decode.ok and "kv_cache_dtype" in decode.error
     prefill, decode, workers = register_pair(BF16, old)
     assert prefill.ok and decode.ok and workers == ["decode-0", "prefill-0"]
+
+
+def test_a_worker_on_a_checkpoint_with_kv_scales_refuses_one_with_unit_scales(tmp_path):
+    """The scales' identity in a descriptor is what the engine loaded from the checkpoint."""
+    from pdd import LLM
+    from pdd.model.make_model import make_model
+
+    scaled = make_model(tmp_path / "scaled", "tiny", "llama", fp8="compressed", kv_scales="random")
+    identity = LLM(str(scaled), kv_cache_dtype="fp8_e4m3", num_blocks=16).engine.runner.kv_scales.identity()
+    prefill, decode, workers = register_pair(dataclasses.replace(FP8, kv_scales=identity), FP8.to_dict())
+    assert prefill.ok and not decode.ok
+    assert f"mismatch on kv_scales: '{identity}' vs 'unit'" in decode.error and identity.startswith("b2:")
+    assert workers == ["prefill-0"]
