@@ -190,7 +190,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--m", default="1,4,16", help="comma list of token counts (rows of x)")
     b.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
     b.add_argument("--sweep", action="store_true",
-                   help="time the one-row kernel's tile configs for each layer and weight kind instead")
+                   help="time one kernel's tile configs for each layer and weight kind instead")
+    b.add_argument("--sweep-rows", type=int, default=1, choices=[1, 16],
+                   help="--sweep: 1: the one-row kernel; 16: the 2..16-row kernel (timed at 4 and 16 rows)")
     _add_json_arg(b)
 
     b = _bench_parser(sub, "fp8-error", "FP8 weights / KV cache against the unquantized model: top-1 "

@@ -15,7 +15,7 @@ captured decode step), cycling over enough weight copies that they do not fit
 in L2: every call reads its weights from HBM, as a decode step's layers do.
 
     pdd bench gemv --m 1,4,16 [--json FILE]     # on the device
-    pdd bench gemv --sweep [--json FILE]        # the one-row kernel's tile configs
+    pdd bench gemv --sweep [--sweep-rows 1|16] [--json FILE]   # a kernel's tile configs
 """
 from __future__ import annotations
 
@@ -149,20 +149,37 @@ def main(args) -> int:
 
 
 # ---------------------------------------------------------------------------
-# --sweep: the row kernel's (M == 1) tile configs, each layer and weight kind
+# --sweep: tile configs of one kernel (--sweep-rows 1: the row kernel; 16: the
+# dot kernel of 2..16 rows, timed at 4 and 16), each layer and weight kind
 # ---------------------------------------------------------------------------
 
+_SWEEP_KINDS = ("bf16", "fp8-block", "fp8-channel")
 _SWEEP_BLOCK_N = (4, 8, 16)
 _SWEEP_TILE_BYTES = (8 << 10, 16 << 10, 32 << 10)
 _SWEEP_WARPS = (4, 8)
 _SWEEP_STAGES = (1, 3)
+_SWEEP_DOT_BLOCK_N = (16, 32, 64)
+_SWEEP_DOT_BLOCK_K = (64, 128, 256)
+_SWEEP_DOT_STAGES = (2, 4, 6)
+_SWEEP_DOT_MAX_TILE = 32768   # W elements of a step (gate and up together): more spills
 
 
-def _sweep_configs(n: int, k: int, silu: bool, w_bytes: int):
+def _sweep_configs(n: int, k: int, silu: bool, w_bytes: int, bucket: int = 1, block_scales: bool = False):
+    from pdd.ops import GEMV_MAX_M
     from pdd.ops.triton_gemv import GemvConfig
 
     tiles = 2 if silu else 1
     out_n = n // 2 if silu else n
+    if bucket != 1:
+        for block_n in _SWEEP_DOT_BLOCK_N:
+            # Block scales: one scale column a K step, every program inside one block row.
+            for block_k in (128,) if block_scales else _SWEEP_DOT_BLOCK_K:
+                if out_n % block_n or tiles * block_n * block_k > _SWEEP_DOT_MAX_TILE:
+                    continue
+                for warps in _SWEEP_WARPS:
+                    for stages in _SWEEP_DOT_STAGES:
+                        yield GemvConfig(GEMV_MAX_M, block_n, block_k, warps, stages)
+        return
     for block_n in _SWEEP_BLOCK_N:
         if out_n % block_n:
             continue
@@ -173,11 +190,14 @@ def _sweep_configs(n: int, k: int, silu: bool, w_bytes: int):
                     yield GemvConfig(1, block_n, block_k, warps, stages)
 
 
-def _sweep_cases():
-    kinds = ("bf16", "fp8-block", "fp8-channel")
-    for kind in kinds:
+def _kind_configs(kind: str, n: int, k: int, silu: bool, bucket: int):
+    return _sweep_configs(n, k, silu, 2 if kind == "bf16" else 1, bucket, kind == "fp8-block")
+
+
+def _sweep_cases(bucket: int):
+    for kind in _SWEEP_KINDS:
         for name, (n, k, silu) in SHAPES_8B.items():
-            for cfg in _sweep_configs(n, k, silu, 2 if kind == "bf16" else 1):
+            for cfg in _kind_configs(kind, n, k, silu, bucket):
                 yield kind, name, n, k, silu, cfg
 
 
@@ -186,7 +206,8 @@ def _compile_some(cases: list) -> int:
     failed = 0
     x_cache = {}
     for kind, name, n, k, silu, cfg in cases:
-        x = x_cache.setdefault(k, torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+        m = 1 if cfg.block_m == 1 else 4
+        x = x_cache.setdefault((m, k), torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         w, s, b = _weights(kind, n, k, 1)[0]
         try:
             _gemv_call_cfg(x, w, s, b, silu, cfg)()
@@ -208,43 +229,46 @@ def sweep(args) -> int:
     from pdd.ops import triton_gemv
     from pdd.ops.triton_common import _num_sms
 
-    cases = list(_sweep_cases())
+    bucket = args.sweep_rows
+    ms = (1,) if bucket == 1 else (4, 16)
+    cases = list(_sweep_cases(bucket))
     procs = max(1, min(14, (mp.cpu_count() or 2) - 2))
     t0 = time.monotonic()
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_some, [cases[i::procs] for i in range(procs)]))
     print(f"compiled {len(cases)} variants in {time.monotonic() - t0:.0f} s on {procs} processes "
-          f"({failed} did not build)", flush=True)
+          f"({failed} did not build); timed at M = {', '.join(map(str, ms))}, us summed over those", flush=True)
     rows = []
     sms = _num_sms(torch.device("cuda"))
-    for kind in ("bf16", "fp8-block", "fp8-channel"):
+    for kind in _SWEEP_KINDS:
         for name, (n, k, silu) in SHAPES_8B.items():
             w_bytes = n * k * (2 if kind == "bf16" else 1)
             weights = _weights(kind, n, k, max(2, -(-_COLD_BYTES // w_bytes)))
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            table = triton_gemv.gemv_config(1, n // 2 if silu else n, k, 2 if kind == "bf16" else 1, 2, silu,
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms]
+            table = triton_gemv.gemv_config(bucket, n // 2 if silu else n, k, 2 if kind == "bf16" else 1, 2, silu,
                                             weights[0][2], sms)
             results = []
-            for cfg in [table, *_sweep_configs(n, k, silu, 2 if kind == "bf16" else 1)]:
+            for cfg in [table, *_kind_configs(kind, n, k, silu, bucket)]:
                 if cfg is None:
                     continue
                 try:
-                    calls = [_gemv_call_cfg(x, w, s, b, silu, cfg) for w, s, b in weights]
-                    us = _graph_us(calls * max(1, -(-args.reps // len(calls))), rounds=5)
+                    per_m = [_graph_us([_gemv_call_cfg(x, w, s, b, silu, cfg) for w, s, b in weights]
+                                       * max(1, -(-args.reps // len(weights))), rounds=5) for x in xs]
                 except Exception as e:   # noqa: BLE001
                     print(f"  {kind} {name} {cfg}: {type(e).__name__}", flush=True)
                     continue
+                us = sum(per_m)
                 results.append((us, cfg))
-                rows.append({"kind": kind, "layer": name, "config": cfg._asdict(), "table": cfg is table, "us": us,
-                             "gb_s": w_bytes / us / 1e3})
+                rows.append({"kind": kind, "layer": name, "config": cfg._asdict(), "table": cfg is table,
+                             "m": list(ms), "us_per_m": per_m, "us": us})
             results.sort(key=lambda r: r[0])
             table_us = next((us for us, cfg in results if cfg is table), float("nan"))
-            best = ", ".join(f"{us:.1f} us {w_bytes / us / 1e3:.0f} GB/s n{c.block_n} k{c.block_k} w{c.num_warps} "
-                             f"s{c.num_stages}" for us, c in results[:3])
+            best = ", ".join(f"{us:.1f} us n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+                             for us, c in results[:3])
             print(f"{kind:<12} {name:<13} table {table_us:6.1f} us | best: {best}", flush=True)
             del weights
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-                                               "rows": rows}, indent=2))
+                                               "rows_bucket": bucket, "rows": rows}, indent=2))
     return 0

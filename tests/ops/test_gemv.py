@@ -100,12 +100,18 @@ def test_fused_silu_and_mul(kind, m, xdtype):
 
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
 @pytest.mark.parametrize("kind", ["plain", "block"])
-def test_one_row_under_the_tile_configs_a_sweep_tries(kind, silu):
-    # `pdd bench gemv --sweep` passes its own configs; K not a multiple of BLOCK_K.
+@pytest.mark.parametrize("m", [1, 5])
+def test_the_tile_configs_a_sweep_tries(kind, silu, m):
+    # `pdd bench gemv --sweep` passes its own configs (row kernel at 1 row, dot kernel
+    # at 2..16); K not a multiple of BLOCK_K where block scales allow it.
     n, k = 192, 320
     w, s, block, w_deq = weights(kind, n, k, seed=8, dtype=torch.bfloat16)
-    x = rand(1, k, seed=9).to(torch.bfloat16).to(DEVICE)
-    for cfg in (tg.GemvConfig(1, 4, 128, 8, 1), tg.GemvConfig(1, 16, 64, 4, 3)):
+    x = rand(m, k, seed=9).to(torch.bfloat16).to(DEVICE)
+    if m == 1:
+        configs = (tg.GemvConfig(1, 4, 128, 8, 1), tg.GemvConfig(1, 16, 64, 4, 3))
+    else:
+        configs = (tg.GemvConfig(16, 32, 128, 4, 2), tg.GemvConfig(16, 16, 128 if block else 64, 8, 4))
+    for cfg in configs:
         out = tg.gemv(x, w, s, block, silu=silu, config=cfg)
         close(out, expected(x, w_deq, silu=silu), torch.bfloat16)
 
