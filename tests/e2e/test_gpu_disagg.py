@@ -1,7 +1,8 @@
-"""1 prefill + 1 decode worker over cuda_ipc on the GPUs (one each when there
-are two, both on one otherwise) produce what a colocated cluster produces,
-token for token: the built-in tiny model, and the Llama-3-8B shape with dummy
-weights. Runs only where CUDA is available (the lent H200 machines)."""
+"""1 prefill + 1 decode worker over cuda_ipc (and the 8B shape over nixl too)
+on the GPUs (one each when there are two, both on one otherwise) produce what a
+colocated cluster produces, token for token: the built-in tiny model, and the
+Llama-3-8B shape with dummy weights. Runs only where CUDA is available (the
+lent H200 machines)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ import torch
 
 from pdd import SamplingParams
 from pdd.model.tokenizer import servable_copy
+from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from tests.e2e.cluster import UpCluster
 from tests.e2e.test_disagg import complete, metric, mixed_workload, run_all
 from tests.engine.helpers import random_prompts
@@ -43,18 +45,23 @@ def run_in_order(cluster, prompts, params) -> list[tuple[str, str]]:
     return asyncio.run(main())
 
 
-def compare(tmp: Path, model: Path, env: dict, workload, layouts=("disagg", "colocated")) -> None:
-    """Each layout's outputs equal the last one's (colocated)."""
+def compare(tmp: Path, model: Path, env: dict, workload, layouts=("disagg", "colocated"),
+            backend: str = "cuda_ipc") -> None:
+    """Each layout's outputs equal the last one's (colocated); the
+    disaggregated one's pages over `backend`."""
     results = {}
     for mode in layouts:
-        c = up(tmp, model, mode, {**env, "PDD_WORKER__TRANSFER_BACKEND": "cuda_ipc"})
+        c = up(tmp, model, mode, {**env, "PDD_WORKER__TRANSFER_BACKEND": backend})
         try:
             results[mode] = workload(c)
             if mode == "disagg":
                 assert metric(c, "pdd_kv_transfer_blocks_sent_total") > 0
                 assert metric(c, "pdd_disagg_fallbacks_total", '{reason="transfer_failed"}') == 0
-                assert "through CUDA IPC" in c.logs(), c.logs()
                 workers = c.wait_idle(timeout_s=10)
+                if backend == "cuda_ipc":
+                    assert "through CUDA IPC" in c.logs(), c.logs()
+                else:
+                    assert workers["prefill-0"]["transfer_to"]["decode-0"]["backend"] == backend, workers
                 assert all(w["free_blocks"] == w["num_blocks"] for w in workers.values()), workers
         finally:
             assert c.stop() == 0, c.logs()
@@ -79,6 +86,18 @@ def test_llama_8b_shape_over_cuda_ipc_matches_colocated(tmp_path):
     env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
            "PDD_ENGINE__KV_CACHE_BYTES": str(8 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
     compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params))
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_llama_8b_shape_over_nixl_matches_colocated(tmp_path):
+    """The same over nixl (UCX between the two processes; through the decode
+    worker's landing region, transfer_backend nixl keeping it on loopback)."""
+    model = servable_copy(REPO / "conf/models/llama-3.1-8b", tmp_path / "llama-3.1-8b")
+    prompts = random_prompts([700, 1500, 33, 4000], seed=10, vocab=128000)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    env = {"PDD_ENGINE__LOAD_FORMAT": "dummy", "PDD_ENGINE__DTYPE": "bfloat16",
+           "PDD_ENGINE__KV_CACHE_BYTES": str(8 << 30), "PDD_ENGINE__MAX_MODEL_LEN": "8192"}
+    compare(tmp_path, model, env, lambda c: run_in_order(c, prompts, params), backend="nixl")
 
 
 def compare_8b(tmp: Path, checkpoint: str, seed: int, layouts=("disagg", "colocated")) -> None:
