@@ -127,21 +127,33 @@ def test_a_worker_started_under_a_live_connections_id_takes_it_over(tmp_path, ti
 
 
 def test_a_stalled_router_loses_no_worker(one_worker, offline):
-    """The router process stopped for longer than the heartbeat timeout (1.5 s),
-    then continued: the heartbeats of that time wait unread in its socket, so
-    its own stall is no worker's fault. One worker: had it been declared lost,
-    every stream would have failed."""
+    """The router and its worker stopped together for longer than the heartbeat
+    timeout (a host paused: a suspended VM, say), the router continued first:
+    its loop finds itself late and moves liveness on by the stall before it
+    looks for lost workers, so the worker, which could not beat meanwhile, is
+    not declared lost before its next heartbeat. One worker: had it been
+    declared lost, every stream would have failed."""
     c = one_worker
-    router = c.child_pid("router")
+    router, worker = c.child_pid("router"), c.child_pid("colocated")
+    router_log = c.run_dir / "router.log"
     prompts = random_prompts([6, 25, 14], seed=12)
     params = [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)] * len(prompts)
     expected = [e.text for e in offline.generate(prompts, params)]
     migrations = metric(c, "pdd_request_migrations_total")
+    stalls = router_log.read_text().count("its loop stalled")
 
     def stall():
+        os.kill(worker, signal.SIGSTOP)
         os.kill(router, signal.SIGSTOP)
-        time.sleep(4 * c.cfg.router.heartbeat_interval_s * c.cfg.router.heartbeat_misses)
-        os.kill(router, signal.SIGCONT)
+        try:
+            time.sleep(4 * c.cfg.router.heartbeat_interval_s * c.cfg.router.heartbeat_misses)
+            os.kill(router, signal.SIGCONT)
+            # The worker stays stopped until the router has looked at its liveness.
+            _wait_for(lambda: router_log.read_text().count("its loop stalled") > stalls, 60.0,
+                      "the router saw its own stall")
+        finally:
+            os.kill(router, signal.SIGCONT)
+            os.kill(worker, signal.SIGCONT)
     results = stream_all(c, prompts, params, while_running=stall)
     assert [(t, r, e) for t, r, e in results] == [(t, "length", []) for t in expected]
     assert metric(c, "pdd_request_migrations_total") == migrations
