@@ -78,7 +78,7 @@ def cmd_serve(args) -> int:
 
 
 def _serve_config(args):
-    from pdd.config import load_cluster_config
+    from pdd.config_loader import load_cluster_config
 
     overrides = {"worker": {"role": args.role if args.role != "router" else "colocated"}}
     if args.worker_id:

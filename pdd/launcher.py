@@ -35,7 +35,8 @@ import urllib.request
 from pathlib import Path
 
 from pdd import sdnotify
-from pdd.config import EXIT_REFUSED, ClusterConfig, dump_toml, load_cluster_config
+from pdd.config import EXIT_REFUSED, ClusterConfig
+from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.lifetime import SUPERVISOR_ENV
 from pdd.run_dir import RunDirBusy, RunDirRefused, claim_run_dir, run_dir_keys
 from pdd.security import admin_token_problem, read_secret_file, write_private

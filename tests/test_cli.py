@@ -50,7 +50,7 @@ def test_workers_on_the_cpu_share_the_cores(monkeypatch):
     GPU workers and a setting the user made are left alone."""
     import dataclasses
 
-    from pdd.config import load_cluster_config
+    from pdd.config_loader import load_cluster_config
     from pdd.launcher import cpu_threads_each
 
     monkeypatch.delenv("PDD_ENGINE__CPU_THREADS", raising=False)
@@ -74,7 +74,7 @@ def test_workers_sharing_a_gpu_split_its_memory_target():
     the operator fixed is left as it is."""
     import dataclasses
 
-    from pdd.config import load_cluster_config
+    from pdd.config_loader import load_cluster_config
     from pdd.launcher import worker_envs
 
     cfg = load_cluster_config()
@@ -94,7 +94,7 @@ def test_pdd_up_keeps_the_routers_state_in_its_run_dir(tmp_path):
     unless the config names one."""
     import dataclasses
 
-    from pdd.config import load_cluster_config
+    from pdd.config_loader import load_cluster_config
     from pdd.launcher import Cluster
 
     cfg = load_cluster_config()

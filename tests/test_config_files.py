@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from pdd import logs
-from pdd.config import ConfigError, load_cluster_config
+from pdd.config import ConfigError
+from pdd.config_loader import load_cluster_config
 
 
 @pytest.fixture

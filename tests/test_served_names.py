@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdd.cli import build_parser
-from pdd.config import ConfigError, dump_toml, load_cluster_config
+from pdd.config import ConfigError
+from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.launcher import build_cluster
 
 

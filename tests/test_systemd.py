@@ -25,7 +25,8 @@ import pytest
 
 from pdd.admin.client import call_with_config
 from pdd.bench.layouts import interrupt
-from pdd.config import EXIT_REFUSED, ConfigError, load_cluster_config
+from pdd.config import EXIT_REFUSED, ConfigError
+from pdd.config_loader import load_cluster_config
 from pdd.launcher import free_port
 from pdd.sdnotify import Notifier
 from pdd.security import generate_keys

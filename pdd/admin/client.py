@@ -103,7 +103,7 @@ def _connection(args) -> tuple[str, str, Curve | None]:
     addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
     keys_dir, insecure = args.keys or os.environ.get("PDD_SECURITY__KEYS_DIR", ""), False
     if args.config:
-        from pdd.config import load_cluster_config
+        from pdd.config_loader import load_cluster_config
         cfg = load_cluster_config(args.config)
         addr = addr or cfg.router.admin_addr
         token = token or cfg.router.admin_token

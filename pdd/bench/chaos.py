@@ -49,7 +49,7 @@ class Chaos:
     """The running cluster, as a scenario's actions see it."""
 
     def __init__(self, run_dir: Path, target: Target, items: list):
-        from pdd.config import load_cluster_config
+        from pdd.config_loader import load_cluster_config
         self.target, self.items = target, items
         self.cfg = load_cluster_config(run_dir / "cluster.toml")
         self.burst: list[RequestRecord] = []

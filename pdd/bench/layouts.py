@@ -140,7 +140,7 @@ class UpProcess:
         status`: the fitted step model, queue, leaning), by worker id; empty if
         the admin socket does not answer."""
         from pdd.admin.client import call_with_config
-        from pdd.config import load_cluster_config
+        from pdd.config_loader import load_cluster_config
 
         try:
             cfg = load_cluster_config(self.run_dir / "cluster.toml")

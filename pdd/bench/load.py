@@ -38,7 +38,7 @@ def one_at_a_time(url: str, model: str, prompts: list[list[int]], max_tokens: in
 def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]], model: str | None = None,
                   mode: str = "auto", engine: dict | None = None, worker: dict | None = None):
     """A cluster on fresh loopback ports, ready; the caller stops it."""
-    from pdd.config import load_cluster_config
+    from pdd.config_loader import load_cluster_config
     from pdd.launcher import Cluster, free_port
     from pdd.model.make_model import resolve_model_dir
 

@@ -2,9 +2,10 @@
 
 Handlers parse (schemas.py), tokenize, hand the request to the router core and
 turn its token events into text (TextStream: incremental detokenization and
-stop strings) and then into SSE chunks or one JSON body. Whatever way a
-handler ends — finished, stop string, client gone, error — `finally` makes
-sure the router forgets the request and the worker frees its blocks.
+stop strings) and then into SSE chunks or one JSON body (responses.py).
+Whatever way a handler ends — finished, stop string, client gone, error —
+`finally` makes sure the router forgets the request and the worker frees its
+blocks.
 
 Access (pdd.http.access): with API keys every path but `open_paths` needs
 `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); without,
@@ -36,6 +37,7 @@ from aiohttp import web
 from pdd import security, tracing
 from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
+from pdd.http import responses as r
 from pdd.http import schemas as s
 from pdd.http import structured
 from pdd.http.access import ApiKeys, KeylessChecks
@@ -254,7 +256,7 @@ class OpenAIServer:
                           include_stop_str=req.include_stop_str_in_output)
         lp = None
         if req.logprobs is not None:
-            lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
+            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
         echo = None
         if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
             as_given = given is not None and req.truncate_prompt_tokens is None
@@ -274,7 +276,7 @@ class OpenAIServer:
         state = group[0].state
         if req.prompt_logprobs is None or state.prompt_logprobs is None:
             return None
-        return s.prompt_logprobs_json(self.tokenizer, state.prompt_token_ids, state.prompt_logprobs,
+        return r.prompt_logprobs_json(self.tokenizer, state.prompt_token_ids, state.prompt_logprobs,
                                       req.prompt_logprobs)
 
     async def _complete(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> web.Response:
@@ -287,23 +289,23 @@ class OpenAIServer:
         if req.kind == "chat":
             (group,) = groups
             body = [self._chat_choice(req, c) for c in group]
-            return json_response(s.response(req, body, usage, self._prompt_logprobs(req, group)))
+            return json_response(r.response(req, body, usage, self._prompt_logprobs(req, group)))
         body = []
         for group in groups:
             prompt_lps = self._prompt_logprobs(req, group)
-            body += [s.completion_choice(c.index, c.full_text, c.finish_reason,
+            body += [r.completion_choice(c.index, c.full_text, c.finish_reason,
                                          c.logprobs.result() if c.logprobs else None, prompt_lps) for c in group]
-        return json_response(s.response(req, body, usage))
+        return json_response(r.response(req, body, usage))
 
     @staticmethod
     def _chat_choice(req: s.GenerateRequest, c: Choice) -> dict:
         """A whole chat answer; with tools, the calls read from its text (pdd.http.tools)."""
         logprobs = c.logprobs.result() if c.logprobs else None
         if req.tool_format is None:
-            return s.chat_choice(c.index, c.text.text, c.finish_reason, logprobs)
+            return r.chat_choice(c.index, c.text.text, c.finish_reason, logprobs)
         content, calls = ToolCallReader.read(req.tool_format, c.text.text)
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return s.chat_choice(c.index, content, finish, logprobs, calls)
+        return r.chat_choice(c.index, content, finish, logprobs, calls)
 
     async def _stream(self, request: web.Request, req: s.GenerateRequest, groups: list[list[Choice]]):
         resp = await _open_stream(request)
@@ -318,19 +320,19 @@ class OpenAIServer:
             if reader is not None:   # the text goes through the tool-call reader
                 deltas = reader.feed(delta) + (reader.finish() if reason else [])
                 reason = "tool_calls" if reason == "stop" and reader.ids else reason
-                out = [s.chat_chunk(req, d, None, frag if k == 0 else None, so_far(), i) for k, d in enumerate(deltas)]
+                out = [r.chat_chunk(req, d, None, frag if k == 0 else None, so_far(), i) for k, d in enumerate(deltas)]
                 if reason or (frag and not deltas):
-                    out.append(s.chat_chunk(req, {}, reason, None if deltas else frag, so_far(), i))
-                return b"".join(map(s.sse, out))
+                    out.append(r.chat_chunk(req, {}, reason, None if deltas else frag, so_far(), i))
+                return b"".join(map(r.sse, out))
             if chat:
-                return s.sse(s.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far(), i))
-            return s.sse(s.completion_chunk(req, delta, reason, frag, so_far(), i))
+                return r.sse(r.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far(), i))
+            return r.sse(r.completion_chunk(req, delta, reason, frag, so_far(), i))
 
         # Each choice's text goes through its own tool-call reader (chat with tools).
         tool_calls = {c.index: ToolCallReader(req.tool_format) for c in choices} if req.tool_format is not None else {}
 
         if chat:
-            await resp.write(b"".join(s.sse(s.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,
+            await resp.write(b"".join(r.sse(r.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,
                                                          so_far(), c.index)) for c in choices))
         try:
             async with self._merged(req, groups) as pieces_of:
@@ -341,27 +343,27 @@ class OpenAIServer:
                         await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
-            await resp.write(s.sse(APIError(500, str(e), type="server_error").body()))
+            await resp.write(r.sse(APIError(500, str(e), type="server_error").body()))
         else:
             if req.include_usage:
-                await resp.write(s.sse(s.usage_chunk(req, self._usage(req, groups))))
+                await resp.write(r.sse(r.usage_chunk(req, self._usage(req, groups))))
         return await _end_stream(resp)
 
     async def _prompts_only(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
         """max_tokens 0 without echo: nothing to compute, no worker asked; every
         choice empty, ended by the length limit, the usage the prompts'."""
-        total = s.usage(sum(len(ids) for ids in prompts), 0, 0)
+        total = r.usage(sum(len(ids) for ids in prompts), 0, 0)
         indices = range(len(prompts) * req.n)
         lp = None
         if req.logprobs is not None:   # those of no token
-            lp = s.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs).result()
+            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs).result()
         if not req.stream:
-            return json_response(s.response(req, [s.completion_choice(i, "", "length", lp) for i in indices], total))
+            return json_response(r.response(req, [r.completion_choice(i, "", "length", lp) for i in indices], total))
         resp = await _open_stream(request)
         so_far = total if req.continuous_usage else None
-        await resp.write(b"".join(s.sse(s.completion_chunk(req, "", "length", lp, so_far, i)) for i in indices))
+        await resp.write(b"".join(r.sse(r.completion_chunk(req, "", "length", lp, so_far, i)) for i in indices))
         if req.include_usage:
-            await resp.write(s.sse(s.usage_chunk(req, total)))
+            await resp.write(r.sse(r.usage_chunk(req, total)))
         return await _end_stream(resp)
 
 
@@ -372,7 +374,7 @@ async def _open_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def _end_stream(resp: web.StreamResponse) -> web.StreamResponse:
-    await resp.write(s.SSE_DONE)
+    await resp.write(r.SSE_DONE)
     await resp.write_eof()
     return resp
 

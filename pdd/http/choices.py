@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdd.http import schemas as s
+from pdd.http import responses as r
 from pdd.http.text_stream import TextStream
 from pdd.router.requests import RequestState
 
@@ -20,7 +20,7 @@ class Choice:
     index: int
     state: RequestState
     text: TextStream
-    logprobs: s.LogprobsBuilder | None
+    logprobs: r.LogprobsBuilder | None
     # Completions with echo: the prompt's text, shown before the generated text
     # (None: no echo), and the prompt's token ids its logprobs cover.
     echo_text: str | None = None
@@ -43,7 +43,7 @@ def usage(groups: list[list[Choice]], echo_only: bool = False) -> dict:
     prompt = sum(len(group[0].state.prompt_token_ids) for group in groups)
     completion = 0 if echo_only else sum(c.text.num_tokens for group in groups for c in group)
     cached = sum(max(c.state.num_cached_tokens for c in group) for group in groups)
-    return s.usage(prompt, completion, cached)
+    return r.usage(prompt, completion, cached)
 
 
 async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

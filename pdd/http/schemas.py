@@ -1,6 +1,7 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions: request parsing
-and validation, and response builders. Pure functions, no I/O: the aiohttp
-handlers read the body, call `parse_*`, and serialise what the builders return.
+"""OpenAI-compatible /v1/completions and /v1/chat/completions requests: parsing
+and validation into a GenerateRequest. Pure functions, no I/O: the aiohttp
+handlers read the body, call `parse_*`, and answer with what pdd.http.responses
+builds from the GenerateRequest.
 
 Field names and shapes follow the OpenAI API (checked in the tests against the
 official `openai` client's types), with vLLM's extra fields where they exist
@@ -16,22 +17,17 @@ them in X-Pdd-Ignored-Fields).
 A request with n > 1 has n choices, each a request of its own at the router
 (pdd.router.control.ControlPlane.submit_choices); a completions request may
 give a list of prompts, each with its n choices (prompt i's choice j has
-index i * n + j, as OpenAI); the builders here take the choice's index.
-Completions with `echo` start each choice's text with its prompt, and with
-`logprobs` its logprobs cover the prompt's tokens first (the first one's null,
-as OpenAI), computed by the engine as prompt logprobs
-(SamplingParams.prompt_logprobs).
+index i * n + j, as OpenAI). Completions with `echo` start each choice's text
+with its prompt, and with `logprobs` its logprobs cover the prompt's tokens
+first, computed by the engine as prompt logprobs (SamplingParams.prompt_logprobs).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import orjson
 
 from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
@@ -41,10 +37,8 @@ from pdd.http.validate import (APIError, Fields, bad, json_type, load_object, re
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
 
 __all__ = [
-    "APIError", "GenerateRequest", "parse_completion_request", "parse_chat_request",
-    "usage", "completion_chunk", "chat_chunk", "usage_chunk", "completion_response",
-    "chat_response", "completion_choice", "chat_choice", "response", "prompt_logprobs_json",
-    "LogprobsBuilder", "Prompt", "sse", "SSE_DONE", "served_model", "parse_messages", "chat_template_args",
+    "APIError", "GenerateRequest", "Prompt", "parse_completion_request", "parse_chat_request",
+    "served_model", "parse_messages", "chat_template_args",
 ]
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -117,8 +111,6 @@ class GenerateRequest:
     # Top-level fields of the body no parser read: accepted and ignored (said, never silently).
     ignored_fields: tuple[str, ...] = ()
 
-
-# ---------------------------------------------------------------- requests
 
 def parse_completion_request(body: bytes, served_models: Sequence[str], max_tokens_default: int = 16,
                              vocab_size: int | None = None) -> GenerateRequest:
@@ -448,211 +440,3 @@ def _finish(sampling: SamplingParams, *, unset: bool) -> None:
         sampling.validate()
     except InvalidRequest as e:
         raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
-
-
-# ---------------------------------------------------------------- responses
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:
-        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return u
-
-
-def _envelope(req: GenerateRequest, obj: str, choices: list[dict]) -> dict:
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": choices}
-
-
-def _stream_envelope(req: GenerateRequest, choice: dict, usage: dict | None) -> dict:
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    out = _envelope(req, obj, [choice])
-    if req.include_usage:
-        # OpenAI: with include_usage every chunk carries "usage": null except the last
-        # (with continuous usage, the usage so far).
-        out["usage"] = usage
-    return out
-
-
-def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
-    return _stream_envelope(req, completion_choice(index, text, finish_reason, logprobs), usage)
-
-
-def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
-    return _stream_envelope(req, {"index": index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}, usage)
-
-
-def usage_chunk(req: GenerateRequest, usage: dict) -> dict:
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {**_envelope(req, obj, []), "usage": usage}
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                      prompt_logprobs: list | None = None) -> dict:
-    """prompt_logprobs: vLLM's, in its shape (prompt_logprobs_json), when asked for."""
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs
-    return choice
-
-
-def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def response(req: GenerateRequest, choices: list[dict], usage: dict, prompt_logprobs: list | None = None) -> dict:
-    """The whole (non-streamed) answer: its choices in index order. Chat carries
-    vLLM's prompt_logprobs beside them, completions in each choice."""
-    out = {**_envelope(req, "chat.completion" if req.kind == "chat" else "text_completion", choices),
-           "usage": usage}
-    if req.kind == "chat" and prompt_logprobs is not None:
-        out["prompt_logprobs"] = prompt_logprobs
-    return out
-
-
-def completion_response(req: GenerateRequest, text: str, finish_reason: str, usage: dict,
-                        logprobs: dict | None) -> dict:
-    return response(req, [completion_choice(0, text, finish_reason, logprobs)], usage)
-
-
-def chat_response(req: GenerateRequest, text: str | None, finish_reason: str, usage: dict,
-                  logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
-    return response(req, [chat_choice(0, text, finish_reason, logprobs, tool_calls)], usage)
-
-
-def prompt_logprobs_json(tokenizer, prompt_ids: list[int], entries: list, num_top: int) -> list:
-    """vLLM's prompt_logprobs: null for the first prompt token, then per token
-    {token id (a string, as JSON keys are): {"logprob", "rank", "decoded_token"}}
-    for the token itself and the top num_top. entries: the engine's
-    (logprob, rank, [(token id, logprob), ...]) per prompt token but the first."""
-    def one(tid: int, lp: float, rank: int) -> dict:
-        return {"logprob": _finite(lp), "rank": rank,
-                "decoded_token": tokenizer.decode([tid], skip_special_tokens=False)}
-    out: list = [None]
-    for tid, (lp, rank, top) in zip(prompt_ids[1:], entries):
-        position = {str(tid): one(tid, lp, rank)}
-        for k, (t, tlp) in enumerate(top[:num_top]):
-            position.setdefault(str(t), one(t, tlp, k + 1))
-        out.append(position)
-    return out
-
-
-class LogprobsBuilder:
-    """Accumulates per-token logprobs into the OpenAI shape for the request kind.
-
-    completions: {"tokens", "token_logprobs", "top_logprobs": [{token: lp}], "text_offset"};
-      as OpenAI, a top dict also holds the sampled token, so it has up to num_top + 1 entries.
-    chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
-    """
-
-    def __init__(self, kind: str, tokenizer, num_top: int, prev_token: int | None = None):
-        """prev_token: the prompt's last token, the context of the first token's text."""
-        if kind not in ("completion", "chat"):
-            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
-        self.kind = kind
-        self.tokenizer = tokenizer
-        self.num_top = num_top
-        self._follow(prev_token)
-        self._acc = self._empty()
-
-    def _follow(self, token_id: int | None) -> None:
-        """The token the next one's text is decoded after (decoded once, not per alternative)."""
-        self.prev = token_id
-        self.prev_text = None if token_id is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _empty(self) -> dict:
-        if self.kind == "chat":
-            return {"content": []}
-        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-    def _token(self, token_id: int) -> str:
-        """The text the token adds after the one before it. Decoded alone, a
-        SentencePiece token loses its leading space ("▁Paris" -> "Paris").
-        Special tokens too: the sampled token is reported whether or not it is shown."""
-        decode, before = self.tokenizer.decode, self.prev_text
-        if before is not None and not before.endswith("\ufffd"):
-            both = decode([self.prev, token_id], skip_special_tokens=False)
-            if both.startswith(before):
-                return both[len(before):]
-        return decode([token_id], skip_special_tokens=False)
-
-    def add_prompt(self, prompt_ids: list[int], entries: list | None) -> dict:
-        """Completions with echo: the prompt's tokens, before any generated one.
-        The first has no logprob (null, as OpenAI); the others the engine's
-        prompt logprobs (entries: (logprob, rank, top) per token but the first).
-        Offsets count from the start of the prompt's text. Returns the fragment
-        (also accumulated)."""
-        frag, offset = self._empty(), 0
-        self._follow(None)
-        for i, tid in enumerate(prompt_ids):
-            if i == 0 or entries is None or i > len(entries):
-                entry = {"tokens": [self._token(tid)], "token_logprobs": [None], "top_logprobs": [None],
-                         "text_offset": [offset]}
-            else:
-                lp, _, top = entries[i - 1]
-                entry = self._completion_entry(tid, lp, top[:self.num_top], offset)
-            for key, values in entry.items():
-                frag[key].extend(values)
-            offset += len(entry["tokens"][0])
-            self._follow(tid)
-        for key, values in frag.items():
-            self._acc[key].extend(values)
-        return frag
-
-    def add(self, token_id: int, logprob: float, top: list[tuple[int, float]],
-            text_offset: int) -> dict:
-        """The fragment for one token (for a stream chunk); it is also accumulated."""
-        top = top[:self.num_top]
-        if self.kind == "chat":
-            frag = {"content": [self._chat_entry(token_id, logprob, top)]}
-        else:
-            frag = self._completion_entry(token_id, logprob, top, text_offset)
-        for key, values in frag.items():
-            self._acc[key].extend(values)
-        self._follow(token_id)
-        return frag
-
-    def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        def one(tid: int, lp: float) -> dict:
-            tok = self._token(tid)
-            return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode("utf-8"))}
-        return {**one(token_id, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
-
-    def _completion_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]],
-                          text_offset: int) -> dict:
-        tok = self._token(token_id)
-        top_dict: dict[str, float] = {}
-        for t, lp in top:
-            # Distinct ids can decode to the same string; keep the likelier (first).
-            top_dict.setdefault(self._token(t), _finite(lp))
-        top_dict.setdefault(tok, _finite(logprob))
-        return {"tokens": [tok], "token_logprobs": [_finite(logprob)],
-                "top_logprobs": [top_dict], "text_offset": [text_offset]}
-
-    def result(self) -> dict:
-        """The whole response's logprobs (a copy: later adds do not change it)."""
-        return {key: list(values) for key, values in self._acc.items()}
-
-
-def _finite(lp: float) -> float:
-    # JSON has no -inf (orjson writes null, which clients reject as a float);
-    # vLLM clamps the same way.
-    lp = float(lp)
-    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
-
-
-# ---------------------------------------------------------------- server-sent events
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

@@ -14,7 +14,7 @@ import zmq
 
 from pdd.admin.client import call_with_config
 from pdd.bench.layouts import interrupt
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.launcher import free_port
 from pdd.security import control_security
 

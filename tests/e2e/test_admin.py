@@ -22,7 +22,7 @@ import pytest
 
 import pdd
 from pdd.admin.client import call_with_config
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.launcher import Cluster, free_port
 from tests.e2e import http_util
 from tests.e2e.cluster import _wait_for

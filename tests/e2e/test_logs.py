@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdd.admin.client import AdminError
-from pdd.config import dump_toml, load_cluster_config
+from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.launcher import free_port
 from pdd.security import write_private
 from tests.e2e import http_util

@@ -9,7 +9,8 @@ import pytest
 
 from pdd import LLM, SamplingParams
 from pdd.api import InvalidRequest
-from pdd.config import ConfigError, EngineConfig, build
+from pdd.config import ConfigError, EngineConfig
+from pdd.config_loader import build
 from pdd.engine import model_runner
 from pdd.kv.hashing import block_hashes
 from pdd.model.config import CheckpointError

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from pdd import security
-from pdd.config import ConfigError, load_cluster_config
+from pdd.config import ConfigError
+from pdd.config_loader import load_cluster_config
 from pdd.http.access import host_name
 from pdd.http.app import build_app, serve_http
 from tests.security.conftest import StubRouter

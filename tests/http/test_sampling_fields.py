@@ -1,6 +1,6 @@
 """Penalties, n, best_of, echo, max_tokens 0 and prompt_logprobs: how requests
-parse (pdd.http.schemas) and how their answers are shaped, checked against the
-official openai client's types."""
+parse (pdd.http.schemas) and how their answers are shaped (pdd.http.responses),
+checked against the official openai client's types."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +12,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from pdd.http.choices import merged
-from pdd.http.schemas import (LogprobsBuilder, completion_choice, parse_chat_request, parse_completion_request,
-                              prompt_logprobs_json, response, usage)
+from pdd.http.responses import LogprobsBuilder, completion_choice, prompt_logprobs_json, response, usage
+from pdd.http.schemas import parse_chat_request, parse_completion_request
 from pdd.model.tokenizer import Tokenizer
 
 MODELS = ["tiny"]

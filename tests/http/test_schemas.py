@@ -1,4 +1,4 @@
-"""OpenAI request parsing/validation and response builders (pdd.http.schemas)."""
+"""OpenAI request parsing/validation (pdd.http.schemas) and response builders (pdd.http.responses)."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from openai._models import construct_type
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pdd.http.schemas import (SSE_DONE, APIError, LogprobsBuilder, Prompt, chat_chunk, chat_response,
-                              completion_chunk, completion_response, parse_chat_request,
-                              parse_completion_request, sse, usage, usage_chunk)
+from pdd.http.responses import (SSE_DONE, LogprobsBuilder, chat_chunk, chat_response, completion_chunk,
+                                completion_response, sse, usage, usage_chunk)
+from pdd.http.schemas import APIError, Prompt, parse_chat_request, parse_completion_request
 from pdd.model.tokenizer import Tokenizer
 
 MODELS = ["tiny", "other"]

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 import pdd
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.http.app import build_app, serve_http
 from pdd.http.schemas import APIError, parse_chat_request
 from pdd.http.utility import parse_tokenize

@@ -93,7 +93,7 @@ def test_first_output_token_keeps_its_space_after_the_prompt(spm):
 
 
 def test_logprob_tokens_are_the_text_each_token_adds(spm):
-    from pdd.http.schemas import LogprobsBuilder
+    from pdd.http.responses import LogprobsBuilder
     prompt, output = words(spm, "w1"), words(spm, "w3", "w4")
     lp = LogprobsBuilder("completion", spm, 0, prev_token=prompt[-1])
     for t in output:

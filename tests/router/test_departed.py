@@ -87,7 +87,8 @@ def test_a_router_stall_does_not_count_against_a_departed_worker():
 
 
 def test_the_settings_are_checked_naming_the_key():
-    from pdd.config import ConfigError, load_cluster_config
+    from pdd.config import ConfigError
+    from pdd.config_loader import load_cluster_config
     with pytest.raises(ConfigError, match="router.forget_after_s: must be >= 0"):
         load_cluster_config(env={"PDD_ROUTER__FORGET_AFTER_S": "-1"})
     with pytest.raises(ConfigError, match="worker.worker_id: must be 1 to 200 bytes, got 201"):

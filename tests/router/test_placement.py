@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from pdd.config import ROUTER_MODES, ConfigError, RouterConfig, ThresholdConfig, build
+from pdd.config import ROUTER_MODES, ConfigError, RouterConfig, ThresholdConfig
+from pdd.config_loader import build
 from pdd.protocol import messages as m
 from pdd.router.placement import (DISAGG, LOCAL_PREFILL, ClusterView, PlaceRequest, ThresholdPolicy, place,
                                   policy_for)

@@ -14,7 +14,7 @@ import msgpack
 from pdd import logs
 from pdd.admin.client import call
 from pdd.admin.server import AdminServer
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.http.app import build_app, serve_http
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel

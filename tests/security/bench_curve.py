@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pdd.api import SamplingParams
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel, RouterChannel
 from pdd.security import control_security, data_security, generate_keys

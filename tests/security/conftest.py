@@ -12,7 +12,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdd import security
-from pdd.config import ClusterConfig, load_cluster_config
+from pdd.config import ClusterConfig
+from pdd.config_loader import load_cluster_config
 from pdd.metrics import RouterMetrics
 from pdd.security import generate_keys
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pdd.config import ConfigError, load_cluster_config
+from pdd.config import ConfigError
+from pdd.config_loader import load_cluster_config
 from pdd.security import (KeyDir, admin_token_problem, check_start, control_security, data_security,
                           generate_keys, worker_public_key, write_private)
 from tests.security.conftest import secure_config

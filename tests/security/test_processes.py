@@ -29,7 +29,8 @@ import zmq.asyncio
 
 from pdd.admin.client import AdminError, call, call_with_config
 from pdd.bench.layouts import interrupt
-from pdd.config import EXIT_REFUSED, dump_toml, load_cluster_config
+from pdd.config import EXIT_REFUSED
+from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.kv.layout import KVLayout
 from pdd.launcher import free_port
 from pdd.protocol import messages as m

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdd.config import load_cluster_config
+from pdd.config_loader import load_cluster_config
 from pdd.security import read_secret_file
 
 

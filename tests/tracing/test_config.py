@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.config import ConfigError, load_cluster_config
+from pdd.config import ConfigError
+from pdd.config_loader import load_cluster_config
 
 
 def test_off_by_default():

@@ -236,7 +236,8 @@ def test_copy_out_writes_exactly_the_written_pages_of_each_layer():
 
 
 def test_the_setting_is_validated_and_its_default_is_one_longest_request():
-    from pdd.config import ConfigError, WorkerConfig, load_cluster_config
+    from pdd.config import ConfigError, WorkerConfig
+    from pdd.config_loader import load_cluster_config
     from pdd.transfer.nixl_landing import landing_bytes
 
     for bad in (-1, 1.5, True):
