@@ -69,7 +69,8 @@ from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
 from pdd.transfer.nixl_landing import landing_region
 from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, RequestTable,
-                                 Tombstones, handshake_refused, index_tensor)
+                                 Tombstones, handshake_refused)
+from pdd.transfer.staging import index_tensor
 from pdd.transfer.wire import encode_write_notif, layout_digest
 
 log = logging.getLogger(__name__)

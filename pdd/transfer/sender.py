@@ -1,7 +1,8 @@
 """What every sender backend shares.
 
-For all (local too): argument checks, page staging, per-request progress,
-tombstones of failed requests, and the result queue behind poll().
+For all (local too): per-request progress, tombstones of failed requests,
+and the result queue behind poll(). (A layer's pages, checked and staged:
+pdd.transfer.staging.)
 
 For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O thread
 owns every socket (zmq sockets are not thread-safe). The engine thread hands
@@ -32,10 +33,9 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdd import ops
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVSender, TransferResult, TransferTarget
-from pdd.transfer.receiver import pool_mismatch
+from pdd.transfer.staging import dst_blocks_for
 from pdd.transfer.wire import WireError, decode_reply, encode_control
 
 log = logging.getLogger(__name__)
@@ -51,64 +51,6 @@ def handshake_refused(addr: str) -> str:
     """Why a request fails when the decode worker's data socket refused our handshake."""
     return (f"CURVE handshake with the decode worker at {addr} failed: this worker's key is not authorized "
             "there, or the key it registered is not the one it serves with")
-
-
-def dst_blocks_for(layout: KVLayout, target: TransferTarget, src_layer: torch.Tensor,
-                   src_block_ids: list[int], block_indices: list[int]) -> list[int]:
-    """The destination block of each source block; ValueError on a caller's mistake."""
-    err = pool_mismatch(src_layer, layout, "source layer")
-    if err:
-        raise ValueError(err)
-    if len(src_block_ids) != len(block_indices):
-        raise ValueError(f"{len(src_block_ids)} source blocks but {len(block_indices)} block indices")
-    n = len(target.dst_block_ids)
-    bad = [i for i in block_indices if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"block index {bad[0]} outside the target's {n} destination blocks")
-    return [int(target.dst_block_ids[i]) for i in block_indices]
-
-
-def index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids as a long tensor on `device`, without a host sync: a plain
-    torch.tensor(..., device="cuda") copies from pageable memory and waits for
-    the whole stream, which would stall the engine behind its own forward pass."""
-    if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.long)
-    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
-
-
-@dataclass
-class Staged:
-    """One layer's pages in memory the sender owns, plus how to know they are ready."""
-
-    pages: torch.Tensor
-    ready: "torch.cuda.Event | None" = None
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-def stage_pages(src_layer: torch.Tensor, src_block_ids: list[int], to_host: bool) -> Staged:
-    """Gather pages into a fresh contiguous tensor (on the host if `to_host`).
-
-    On CUDA the gather and the device->host copy are queued on the current
-    stream, so the engine's later writes to those blocks are ordered after
-    them; the copy lands in pinned memory and an event says when it is done.
-    """
-    pages = ops.gather_blocks(src_layer, index_tensor(src_block_ids, src_layer.device))
-    if not to_host or not pages.is_cuda:
-        return Staged(pages.contiguous())
-    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
-    host.copy_(pages, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return Staged(host, event)
-
-
-def warm_up_staging(kv_cache: torch.Tensor, to_host: bool) -> None:
-    """stage_pages once (the null block of one layer): its gather compiled now."""
-    stage_pages(kv_cache[0], [0], to_host).wait()
 
 
 @dataclass

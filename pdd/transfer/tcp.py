@@ -30,7 +30,8 @@ from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, RequestTable,
-                                 Staged, Tombstones, handshake_refused, stage_pages, warm_up_staging)
+                                 Tombstones, handshake_refused)
+from pdd.transfer.staging import Staged, stage_pages, warm_up_staging
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)
