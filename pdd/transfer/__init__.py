@@ -6,7 +6,8 @@ backend name (the interface is pdd.transfer.base).
     leases.py        which blocks a sender may write, until when; what landed
     receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
     staging.py       a layer's pages on their way out: destination blocks checked, gathered into sender memory
-    sender.py        what senders share: progress, the I/O-thread base (IoSender)
+    progress.py      a sender's record of its requests: delivered so far, stalled when, failed before finish
+    sender.py        what senders share: the result queue, the I/O-thread base (IoSender)
     tcp.py           the tcp sender
     writers.py       the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
     cuda_ipc.py      the cuda_ipc sender (one-sided page copies into a peer's pool)
