@@ -7,7 +7,8 @@ backend name (the interface is pdd.transfer.base).
     receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
     staging.py       a layer's pages on their way out: destination blocks checked, gathered into sender memory
     progress.py      a sender's record of its requests: delivered so far, stalled when, failed before finish
-    sender.py        what senders share: the result queue, the I/O-thread base (IoSender)
+    sender.py        the senders' base classes: the result queue, the I/O thread (IoSender, ControlSender)
+    dest.py          one decode worker's data socket as a sender's I/O thread holds it (Dest)
     tcp.py           the tcp sender
     writers.py       the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
     cuda_ipc.py      the cuda_ipc sender (one-sided page copies into a peer's pool)

@@ -66,10 +66,11 @@ import zmq
 
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
+from pdd.transfer.dest import HANDSHAKE_FAILED, Dest, DestKey, handshake_refused
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
 from pdd.transfer.nixl_landing import landing_region
 from pdd.transfer.progress import Progress, Tombstones
-from pdd.transfer.sender import HANDSHAKE_FAILED, ControlSender, Dest, DestKey, RequestTable, handshake_refused
+from pdd.transfer.sender import ControlSender, RequestTable
 from pdd.transfer.staging import index_tensor
 from pdd.transfer.wire import encode_write_notif, layout_digest
 

@@ -1,20 +1,21 @@
-"""What every sender backend shares.
+"""The base classes of the sender backends.
 
-For all (local too): the result queue behind poll(). (A layer's pages,
-checked and staged: pdd.transfer.staging; each request's progress and the
-requests that failed before finish(): pdd.transfer.progress.)
+For all (local too), `SenderBase`: the result queue behind poll(). What else
+they share has a module of its own: a layer's pages, checked and staged
+(pdd.transfer.staging); each request's progress, and the requests that
+failed before finish() (pdd.transfer.progress).
 
-For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O thread
-owns every socket (zmq sockets are not thread-safe). The engine thread hands
-it commands through a `Mailbox`; the thread keeps one `Dest` per decode
-worker (a DEALER dialing its data socket, with the frames zmq could not take
-yet and a monitor of the connection), polls them with the mailbox, sleeps
-until the backend's next deadline, and reports results. A backend says what
-its commands, incoming frames, connection events and deadlines mean. The
-one-sided backends (cuda_ipc, nixl) ask the decode worker's data socket
-control messages (pdd.transfer.writers) through `ControlSender`. The backends
-that keep a state per request on the I/O thread (tcp, nixl) make it, and meet
-its finish, through `RequestTable`.
+For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O
+thread owns every socket (zmq sockets are not thread-safe). The engine thread
+hands it commands through a `Mailbox`; the thread keeps one `Dest` per decode
+worker (pdd.transfer.dest: a DEALER dialing its data socket, with the frames
+zmq could not take yet and a monitor of the connection), polls them with the
+mailbox, sleeps until the backend's next deadline, and reports results. A
+backend says what its commands, incoming frames, connection events and
+deadlines mean. The one-sided backends (cuda_ipc, nixl) ask the decode
+worker's data socket control messages (pdd.transfer.writers) through
+`ControlSender`. The backends that keep a state per request on the I/O thread
+(tcp, nixl) make it, and meet its finish, through `RequestTable`.
 """
 from __future__ import annotations
 
@@ -24,17 +25,15 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVSender, TransferResult, TransferTarget
+from pdd.transfer.dest import Dest, DestKey, Outgoing
 from pdd.transfer.progress import Progress, Tombstones
 from pdd.transfer.staging import dst_blocks_for
 from pdd.transfer.wire import WireError, decode_reply, encode_control
@@ -42,16 +41,6 @@ from pdd.transfer.wire import WireError, decode_reply, encode_control
 log = logging.getLogger(__name__)
 
 _MAX_WAIT_MS = 1000  # longest poll when nothing is due
-
-# Connection events of a data socket that refused our CURVE handshake.
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-def handshake_refused(addr: str) -> str:
-    """Why a request fails when the decode worker's data socket refused our handshake."""
-    return (f"CURVE handshake with the decode worker at {addr} failed: this worker's key is not authorized "
-            "there, or the key it registered is not the one it serves with")
 
 
 class Mailbox:
@@ -138,79 +127,6 @@ class SenderBase(KVSender):
         with self._results_lock:
             self._results.append(result)
         self._wake()
-
-
-@dataclass
-class Outgoing:
-    """Frames for a destination, from when they are queued until zmq takes them."""
-
-    request_id: str
-    frames: list
-
-    def ready(self) -> float | None:
-        """Make sure the frames' memory holds what they send (a backend's
-        staging); None if they may go now, else the time (perf_counter) before
-        which they must not (an injected delay: the I/O thread serves on meanwhile)."""
-        return None
-
-
-class Dest:
-    """One DEALER dialing one decode worker's data socket, the frames zmq
-    could not take yet, and (if `monitor_events`) a monitor of the connection."""
-
-    def __init__(self, ctx: zmq.Context, addr: str, security=None, server_key: str = "", monitor_events: int = 0):
-        self.addr = addr
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # Queue only onto a live connection: with no receiver, sends fail with
-        # Again and the frames stay in `pending`, where a deadline can drop them.
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)   # bounded by what we hold anyway
-        if security is not None:
-            security.dial(self.sock, server_key)
-        self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
-        self.sock.connect(addr)
-        self.pending: deque[Outgoing] = deque()
-
-    def events(self) -> set[int]:
-        """The monitor's events since the last look."""
-        seen = set()
-        while True:
-            try:
-                seen.add(recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)["event"])
-            except zmq.Again:
-                return seen
-
-    def flush(self, poller: zmq.Poller) -> float | None:
-        """Hand zmq what it takes now; poll for writability while frames wait.
-        Returns when frames held back may go (None: none are)."""
-        held = None
-        while self.pending:
-            out = self.pending[0]
-            held = out.ready()
-            if held is not None:
-                break
-            try:
-                self.sock.send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            self.pending.popleft()
-        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if self.pending and held is None else 0))
-        return held
-
-    def drop(self, request_id: str) -> None:
-        """Forget the request's frames zmq has not taken."""
-        if self.pending:
-            self.pending = deque(out for out in self.pending if out.request_id != request_id)
-
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-        self.sock.close(linger=0)
-
-
-DestKey = tuple[str, str]   # (address, the server key dialed: "" without security)
 
 
 class IoSender(SenderBase):

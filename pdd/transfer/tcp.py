@@ -29,9 +29,9 @@ import torch
 from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
+from pdd.transfer.dest import HANDSHAKE_FAILED, Dest, DestKey, Outgoing, handshake_refused
 from pdd.transfer.progress import Progress, Tombstones
-from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, RequestTable,
-                                 handshake_refused)
+from pdd.transfer.sender import IoSender, RequestTable
 from pdd.transfer.staging import Staged, stage_pages, warm_up_staging
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
