@@ -5,7 +5,10 @@ backend name (the interface is pdd.transfer.base).
     wire.py          frames on the data socket: pages, done, acks, one-sided control; nixl's notifications
     leases.py        which blocks a sender may write, until when; what landed
     receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
-    sender.py        what senders share: staging, progress, the I/O-thread base (IoSender)
+    staging.py       a layer's pages on their way out: destination blocks checked, gathered into sender memory
+    progress.py      a sender's record of its requests: delivered so far, stalled when, failed before finish
+    sender.py        the senders' base classes: the result queue, the I/O thread (IoSender, ControlSender)
+    dest.py          one decode worker's data socket as a sender's I/O thread holds it (Dest)
     tcp.py           the tcp sender
     writers.py       the decode side of one-sided writes (cuda_ipc, nixl): open, begin, commit, end
     cuda_ipc.py      the cuda_ipc sender (one-sided page copies into a peer's pool)

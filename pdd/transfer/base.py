@@ -19,7 +19,7 @@ first token), and the decode worker starts the request from that report,
 with no relay through the router. The sender's result is that acceptance.
 
 A transfer never hangs: it completes, fails with a reason, or times out
-(the sender's timeout_s after its last progress: pdd.transfer.sender.Progress).
+(the sender's timeout_s after its last progress: pdd.transfer.progress.Progress).
 
 With keys (pdd.security.data_security) every data socket runs CURVE: a
 receiver lets in only authorized worker keys, and a sender talks only to the

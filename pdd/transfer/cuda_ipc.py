@@ -44,9 +44,12 @@ import zmq
 from pdd.ops.triton_pages import copy_blocks_unchecked
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
+from pdd.transfer.dest import Dest, DestKey
 from pdd.transfer.ipc import PoolOpenError, open_pool
+from pdd.transfer.progress import Progress, Tombstones
 from pdd.transfer.receiver import pool_mismatch
-from pdd.transfer.sender import ControlSender, Dest, DestKey, Progress, Tombstones, dst_blocks_for, index_tensor
+from pdd.transfer.sender import ControlSender
+from pdd.transfer.staging import dst_blocks_for, index_tensor
 
 log = logging.getLogger(__name__)
 # Stop launching copies this long before the lease the decode worker granted

@@ -16,8 +16,10 @@ import torch
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVReceiver, TransferTarget
 from pdd.transfer.leases import LeaseTable
+from pdd.transfer.progress import Progress, Tombstones
 from pdd.transfer.receiver import PageWriter
-from pdd.transfer.sender import Progress, SenderBase, Tombstones, dst_blocks_for, stage_pages, warm_up_staging
+from pdd.transfer.sender import SenderBase
+from pdd.transfer.staging import dst_blocks_for, stage_pages, warm_up_staging
 from pdd.transfer.wire import encode_done, encode_pages_header
 
 _PREFIX = "local://"

@@ -46,7 +46,7 @@ the blocks, one descriptor per k|v per run.
 Results: a request succeeds when its commit is accepted. It fails when the
 pool cannot be opened, the lease is refused or would expire, a write fails
 (the decode worker went away: NIXL reports the disconnect), or nothing
-progressed for `timeout_s` while something was owed (pdd.transfer.sender.
+progressed for `timeout_s` while something was owed (pdd.transfer.progress.
 Progress: each completed write restarts the clock; a control message not
 answered in `timeout_s` fails too). Writes still running when a request
 fails are let finish before nixl_end; a stalled one is cancelled, and then no
@@ -66,10 +66,12 @@ import zmq
 
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
+from pdd.transfer.dest import HANDSHAKE_FAILED, Dest, DestKey, handshake_refused
 from pdd.transfer.nixl_agent import Agent, PoolRegion, StagingArena, device_id, mem_type, write_descs
 from pdd.transfer.nixl_landing import landing_region
-from pdd.transfer.sender import (HANDSHAKE_FAILED, ControlSender, Dest, DestKey, Progress, RequestTable,
-                                 Tombstones, handshake_refused, index_tensor)
+from pdd.transfer.progress import Progress, Tombstones
+from pdd.transfer.sender import ControlSender, RequestTable
+from pdd.transfer.staging import index_tensor
 from pdd.transfer.wire import encode_write_notif, layout_digest
 
 log = logging.getLogger(__name__)

@@ -1,19 +1,21 @@
-"""What every sender backend shares.
+"""The base classes of the sender backends.
 
-For all (local too): argument checks, page staging, per-request progress,
-tombstones of failed requests, and the result queue behind poll().
+For all (local too), `SenderBase`: the result queue behind poll(). What else
+they share has a module of its own: a layer's pages, checked and staged
+(pdd.transfer.staging); each request's progress, and the requests that
+failed before finish() (pdd.transfer.progress).
 
-For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O thread
-owns every socket (zmq sockets are not thread-safe). The engine thread hands
-it commands through a `Mailbox`; the thread keeps one `Dest` per decode
-worker (a DEALER dialing its data socket, with the frames zmq could not take
-yet and a monitor of the connection), polls them with the mailbox, sleeps
-until the backend's next deadline, and reports results. A backend says what
-its commands, incoming frames, connection events and deadlines mean. The
-one-sided backends (cuda_ipc, nixl) ask the decode worker's data socket
-control messages (pdd.transfer.writers) through `ControlSender`. The backends
-that keep a state per request on the I/O thread (tcp, nixl) make it, and meet
-its finish, through `RequestTable`.
+For the backends with sockets (tcp, cuda_ipc, nixl), `IoSender`: one I/O
+thread owns every socket (zmq sockets are not thread-safe). The engine thread
+hands it commands through a `Mailbox`; the thread keeps one `Dest` per decode
+worker (pdd.transfer.dest: a DEALER dialing its data socket, with the frames
+zmq could not take yet and a monitor of the connection), polls them with the
+mailbox, sleeps until the backend's next deadline, and reports results. A
+backend says what its commands, incoming frames, connection events and
+deadlines mean. The one-sided backends (cuda_ipc, nixl) ask the decode
+worker's data socket control messages (pdd.transfer.writers) through
+`ControlSender`. The backends that keep a state per request on the I/O thread
+(tcp, nixl) make it, and meet its finish, through `RequestTable`.
 """
 from __future__ import annotations
 
@@ -23,160 +25,22 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from pdd import ops
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVSender, TransferResult, TransferTarget
-from pdd.transfer.receiver import pool_mismatch
+from pdd.transfer.dest import Dest, DestKey, Outgoing
+from pdd.transfer.progress import Progress, Tombstones
+from pdd.transfer.staging import dst_blocks_for
 from pdd.transfer.wire import WireError, decode_reply, encode_control
 
 log = logging.getLogger(__name__)
 
 _MAX_WAIT_MS = 1000  # longest poll when nothing is due
-
-# Connection events of a data socket that refused our CURVE handshake.
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-def handshake_refused(addr: str) -> str:
-    """Why a request fails when the decode worker's data socket refused our handshake."""
-    return (f"CURVE handshake with the decode worker at {addr} failed: this worker's key is not authorized "
-            "there, or the key it registered is not the one it serves with")
-
-
-def dst_blocks_for(layout: KVLayout, target: TransferTarget, src_layer: torch.Tensor,
-                   src_block_ids: list[int], block_indices: list[int]) -> list[int]:
-    """The destination block of each source block; ValueError on a caller's mistake."""
-    err = pool_mismatch(src_layer, layout, "source layer")
-    if err:
-        raise ValueError(err)
-    if len(src_block_ids) != len(block_indices):
-        raise ValueError(f"{len(src_block_ids)} source blocks but {len(block_indices)} block indices")
-    n = len(target.dst_block_ids)
-    bad = [i for i in block_indices if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"block index {bad[0]} outside the target's {n} destination blocks")
-    return [int(target.dst_block_ids[i]) for i in block_indices]
-
-
-def index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids as a long tensor on `device`, without a host sync: a plain
-    torch.tensor(..., device="cuda") copies from pageable memory and waits for
-    the whole stream, which would stall the engine behind its own forward pass."""
-    if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.long)
-    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
-
-
-@dataclass
-class Staged:
-    """One layer's pages in memory the sender owns, plus how to know they are ready."""
-
-    pages: torch.Tensor
-    ready: "torch.cuda.Event | None" = None
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-def stage_pages(src_layer: torch.Tensor, src_block_ids: list[int], to_host: bool) -> Staged:
-    """Gather pages into a fresh contiguous tensor (on the host if `to_host`).
-
-    On CUDA the gather and the device->host copy are queued on the current
-    stream, so the engine's later writes to those blocks are ordered after
-    them; the copy lands in pinned memory and an event says when it is done.
-    """
-    pages = ops.gather_blocks(src_layer, index_tensor(src_block_ids, src_layer.device))
-    if not to_host or not pages.is_cuda:
-        return Staged(pages.contiguous())
-    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
-    host.copy_(pages, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return Staged(host, event)
-
-
-def warm_up_staging(kv_cache: torch.Tensor, to_host: bool) -> None:
-    """stage_pages once (the null block of one layer): its gather compiled now."""
-    stage_pages(kv_cache[0], [0], to_host).wait()
-
-
-@dataclass
-class Progress:
-    """What has been delivered of one request so far, and when its transfer
-    counts as stalled.
-
-    The transfer deadline runs only while the data plane owes the request
-    something (a backend's message handed over and not yet acknowledged), and
-    counts from the transfer's last progress: the handover that started the
-    wait, or the latest acknowledgement. While nothing is owed the transfer
-    waits on the prompt's compute, which is no stall (a hung engine step is
-    the router's hang detection's to see); so a long prefill whose pages keep
-    landing is never cut off, however long it runs.
-    """
-
-    request_id: str
-    t_first: float = field(default_factory=time.perf_counter)
-    bytes: int = 0
-    blocks: set[int] = field(default_factory=set)
-    t_last: float = 0.0
-    moved_at: float | None = None   # last progress while something is owed; None: nothing owed
-
-    def owe(self, since: float) -> None:
-        """Something was handed to the data plane at `since` (perf_counter): the
-        deadline starts then, unless an earlier handover already runs it."""
-        if self.moved_at is None:
-            self.moved_at = since
-
-    def delivered(self, nbytes: int, dst: list[int], now: float | None = None, still_owed: bool = False) -> None:
-        """An acknowledgement: progress. `still_owed`: other handovers await theirs."""
-        self.bytes += nbytes
-        self.blocks.update(dst)
-        self.t_last = time.perf_counter() if now is None else now
-        self.moved_at = self.t_last if still_owed else None
-
-    def deadline(self, timeout_s: float) -> float | None:
-        """When the transfer stalled (`timeout_s` after its last progress), or
-        None while the data plane owes it nothing."""
-        return None if self.moved_at is None else self.moved_at + timeout_s
-
-    def result(self, ok: bool, error: str = "", blocks_skipped: int = 0) -> TransferResult:
-        end = self.t_last if ok and self.t_last else time.perf_counter()
-        return TransferResult(self.request_id, ok, error, self.bytes, max(0.0, end - self.t_first),
-                              len(self.blocks), blocks_skipped)
-
-
-class Tombstones:
-    """Requests that already failed before finish(): their later pages are
-    dropped and finish() reports nothing more. Bounded, oldest forgotten first."""
-
-    def __init__(self, cap: int = 10_000):
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._cap = cap
-
-    def add(self, request_id: str) -> None:
-        self._ids[request_id] = None
-        while len(self._ids) > self._cap:
-            self._ids.popitem(last=False)
-
-    def discard(self, request_id: str) -> bool:
-        if request_id not in self._ids:
-            return False
-        del self._ids[request_id]
-        return True
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
 
 
 class Mailbox:
@@ -263,79 +127,6 @@ class SenderBase(KVSender):
         with self._results_lock:
             self._results.append(result)
         self._wake()
-
-
-@dataclass
-class Outgoing:
-    """Frames for a destination, from when they are queued until zmq takes them."""
-
-    request_id: str
-    frames: list
-
-    def ready(self) -> float | None:
-        """Make sure the frames' memory holds what they send (a backend's
-        staging); None if they may go now, else the time (perf_counter) before
-        which they must not (an injected delay: the I/O thread serves on meanwhile)."""
-        return None
-
-
-class Dest:
-    """One DEALER dialing one decode worker's data socket, the frames zmq
-    could not take yet, and (if `monitor_events`) a monitor of the connection."""
-
-    def __init__(self, ctx: zmq.Context, addr: str, security=None, server_key: str = "", monitor_events: int = 0):
-        self.addr = addr
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # Queue only onto a live connection: with no receiver, sends fail with
-        # Again and the frames stay in `pending`, where a deadline can drop them.
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)   # bounded by what we hold anyway
-        if security is not None:
-            security.dial(self.sock, server_key)
-        self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
-        self.sock.connect(addr)
-        self.pending: deque[Outgoing] = deque()
-
-    def events(self) -> set[int]:
-        """The monitor's events since the last look."""
-        seen = set()
-        while True:
-            try:
-                seen.add(recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)["event"])
-            except zmq.Again:
-                return seen
-
-    def flush(self, poller: zmq.Poller) -> float | None:
-        """Hand zmq what it takes now; poll for writability while frames wait.
-        Returns when frames held back may go (None: none are)."""
-        held = None
-        while self.pending:
-            out = self.pending[0]
-            held = out.ready()
-            if held is not None:
-                break
-            try:
-                self.sock.send_multipart(out.frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            self.pending.popleft()
-        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if self.pending and held is None else 0))
-        return held
-
-    def drop(self, request_id: str) -> None:
-        """Forget the request's frames zmq has not taken."""
-        if self.pending:
-            self.pending = deque(out for out in self.pending if out.request_id != request_id)
-
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-        self.sock.close(linger=0)
-
-
-DestKey = tuple[str, str]   # (address, the server key dialed: "" without security)
 
 
 class IoSender(SenderBase):

@@ -10,7 +10,7 @@ before it was written under the still live lease; the decode worker then
 starts the request. The transfer succeeds when the done message is acked.
 
 A request whose messages go unacknowledged for `timeout_s` after its last
-progress fails (pdd.transfer.sender.Progress: the clock runs only while a
+progress fails (pdd.transfer.progress.Progress: the clock runs only while a
 message awaits its ack, and each ack restarts it, so a slow but moving
 transfer goes on). The I/O thread keeps that clock, so it must not block:
 an injected send delay holds the message, not the thread. With
@@ -29,8 +29,10 @@ import torch
 from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
-from pdd.transfer.sender import (HANDSHAKE_FAILED, Dest, DestKey, IoSender, Outgoing, Progress, RequestTable,
-                                 Staged, Tombstones, handshake_refused, stage_pages, warm_up_staging)
+from pdd.transfer.dest import HANDSHAKE_FAILED, Dest, DestKey, Outgoing, handshake_refused
+from pdd.transfer.progress import Progress, Tombstones
+from pdd.transfer.sender import IoSender, RequestTable
+from pdd.transfer.staging import Staged, stage_pages, warm_up_staging
 from pdd.transfer.wire import decode_ack, encode_done, encode_pages_header, tensor_bytes
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """The transfer deadline: a transfer fails once the data plane has owed it
 something for the timeout without progress, and every acknowledgement is
-progress. The tcp sender keeps it (pdd.transfer.sender.Progress)."""
+progress. The tcp sender keeps it (pdd.transfer.progress.Progress)."""
 from __future__ import annotations
 
 import pytest
 
 from pdd import faults
-from pdd.transfer.sender import Progress
+from pdd.transfer.progress import Progress
 
 
 @pytest.fixture
