@@ -106,6 +106,7 @@ class Scheduler:
         blocks = self.kv.allocate_slots(req, req.num_tokens - num_cached, computed)
         if blocks is None:
             return None
+        self.kv.count_lookup(req, num_cached)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
@@ -214,7 +215,8 @@ class Scheduler:
             # computed here after all (compute_locally) has its blocks, and cached
             # blocks appended after them would be attended and written as its own.
             # One collecting prompt logprobs computes every prompt position.
-            if req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None:
+            looked_up = req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None
+            if looked_up:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             wanted = req.num_tokens - req.num_computed_tokens - num_cached
             long = self._is_long(wanted)
@@ -229,6 +231,8 @@ class Scheduler:
             if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
                 break
             del self.waiting[i]
+            if looked_up:
+                self.kv.count_lookup(req, num_cached)
             if num_cached:
                 req.num_computed_tokens += num_cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(num_cached, req.num_prompt_tokens))

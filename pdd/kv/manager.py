@@ -3,6 +3,7 @@ prefix is already cached, and when its full blocks become cache entries.
 
 The scheduler talks only to this class (never to `BlockPool`):
     get_computed_blocks(req) -> (blocks, num_tokens)   prefix-cache lookup
+    count_lookup(req, num_tokens)                      ... counted once its request is admitted
     allocate_slots(req, n, computed) -> blocks | None  room for n more tokens
     cache_blocks(req, num_computed)                    publish full blocks
     free(req)
@@ -60,9 +61,15 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.num_queried_tokens += req.num_tokens
-        self.num_hit_tokens += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def count_lookup(self, req, num_hit_tokens: int) -> None:
+        """The hit statistics of the lookup a request was admitted with: a
+        request looked up on every step it waits (out of blocks, or held back
+        behind long prompts) counts once."""
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += req.num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, req, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` beyond req.num_computed_tokens (plus the

@@ -266,3 +266,19 @@ def test_engine_outputs_are_the_same_and_short_prompts_start_sooner(tiny_model, 
     assert sum(policy_first[r] for r in short) < sum(fcfs_first[r] for r in short)
     behind_first_long = [str(i) for i in range(1, 7)]
     assert all(policy_first[r] < fcfs_first[r] for r in behind_first_long)
+
+
+def test_a_prompt_held_back_counts_its_prefix_lookup_once():
+    """A long prompt waiting behind another (max_long_partial_prefills 1) is looked
+    up in the prefix cache on every step it waits; the hit statistics count the
+    lookup it was admitted with, once per request."""
+    sched = _scheduler()
+    first, second = random_prompts([1000, 900], seed=33)
+    _add(sched, "a", first)
+    _add(sched, "b", second)
+    _step(sched)
+    assert sched.kv.num_queried_tokens == len(first)   # b waits: looked up, not counted
+    while sched.has_unfinished():
+        _step(sched)
+    assert sched.kv.num_queried_tokens == len(first) + len(second)
+    assert sched.kv.num_hit_tokens == 0
