@@ -46,7 +46,7 @@ from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http import request_log
 from pdd.http.responses import error_response, json_response
-from pdd.http.schemas import APIError
+from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.tools import ToolCallReader, tool_format
 from pdd.http.utility import IGNORED_FIELDS_HEADER, IGNORED_FIELDS_KEY, UtilityEndpoints

@@ -37,7 +37,7 @@ from pdd.http.validate import (APIError, Fields, bad, json_type, load_object, re
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
 
 __all__ = [
-    "APIError", "GenerateRequest", "Prompt", "parse_completion_request", "parse_chat_request",
+    "GenerateRequest", "Prompt", "parse_completion_request", "parse_chat_request",
     "served_model", "parse_messages", "chat_template_args",
 ]
 

@@ -12,7 +12,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pdd.http.responses import (SSE_DONE, LogprobsBuilder, chat_chunk, chat_response, completion_chunk,
                                 completion_response, sse, usage, usage_chunk)
-from pdd.http.schemas import APIError, Prompt, parse_chat_request, parse_completion_request
+from pdd.http.schemas import Prompt, parse_chat_request, parse_completion_request
+from pdd.http.validate import APIError
 from pdd.model.tokenizer import Tokenizer
 
 MODELS = ["tiny", "other"]

@@ -14,7 +14,8 @@ import pytest
 import pdd
 from pdd.config_loader import load_cluster_config
 from pdd.http.app import build_app, serve_http
-from pdd.http.schemas import APIError, parse_chat_request
+from pdd.http.schemas import parse_chat_request
+from pdd.http.validate import APIError
 from pdd.http.utility import parse_tokenize
 from pdd.model.tokenizer import Tokenizer
 from tests.security.conftest import StubRouter
