@@ -3,7 +3,7 @@
 One reference model (the checkpoint's weights, or random weights of
 pdd.bench.weight_dist's distributions, in the engine's dtype) against variants
 of it, all run by pdd's engine code:
-- `w-FMT` (FMT in pdd.model.make_model.FP8_FORMATS: tensor, channel, block,
+- `w-FMT` (FMT in pdd.model.make_fp8.FP8_FORMATS: tensor, channel, block,
   compressed): every linear that an FP8 checkpoint of that format quantizes is
   quantized from the reference's weights as `pdd make-model --fp8 FMT` writes it
   (quantize_fp8), then loaded as the loader loads such a checkpoint: into
@@ -47,7 +47,7 @@ from pdd.bench import weight_dist
 from pdd.kv.scales import FP8_E4M3_MAX, KVScales
 from pdd.model import fp8
 from pdd.model.loader import use_fp8_linears
-from pdd.model.make_model import FP8_FORMATS, fp8_quantization_config, quantize_fp8
+from pdd.model.make_fp8 import FP8_FORMATS, fp8_quantization_config, quantize_fp8
 from pdd.model.quant_config import parse_quantization
 from pdd.ops.metadata import AttentionMetadata
 

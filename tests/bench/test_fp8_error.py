@@ -15,7 +15,8 @@ from pdd.cli import main
 from pdd.model import fp8
 from pdd.model.llama import PACKED_MODULES
 from pdd.model.loader import shard_slice
-from pdd.model.make_model import FP8_FORMATS, make_model
+from pdd.model.make_fp8 import FP8_FORMATS
+from pdd.model.make_model import make_model
 from pdd.model.quant_config import parse_quantization
 
 E4M3_REL_STEP = 2 ** -4   # 3 mantissa bits: rounding moves a normal value by at most this share

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from pdd import LLM
 from pdd.model.config import CheckpointError
-from pdd.model.make_model import FP8_FORMATS, dequantized_copy, make_model
+from pdd.model.make_fp8 import FP8_FORMATS
+from pdd.model.make_model import dequantized_copy, make_model
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 from tests.engine.test_hf_equivalence import hf_greedy
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pdd.model.fp8 import Fp8Linear
-from pdd.model.make_model import FP8_FORMATS, dequantized_copy, fp8_quantization_config, make_model, model_config
+from pdd.model.make_fp8 import FP8_FORMATS, fp8_quantization_config
+from pdd.model.make_model import dequantized_copy, make_model, model_config
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
