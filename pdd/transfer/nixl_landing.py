@@ -52,7 +52,7 @@ def landing_bytes(setting: int | None, bytes_per_token: int, max_tokens: int) ->
 
 class Landing(NamedTuple):
     nbytes: int   # 0: no region
-    why: str
+    why: str      # "": nixl never brings KV to this worker (nothing to say at its start)
 
 
 def landing_size(wc: WorkerConfig, nixl_installed: bool, bytes_per_token: int, max_tokens: int) -> Landing:
@@ -62,12 +62,9 @@ def landing_size(wc: WorkerConfig, nixl_installed: bool, bytes_per_token: int, m
     router ships KV to), offering nixl. There worker.nixl_landing_bytes
     wins; unset, "auto" with its data socket on loopback takes none (the
     module's docstring says why) and otherwise one request of `max_tokens`."""
-    if wc.role == "prefill":
-        return Landing(0, "a prefill worker is never sent KV")
-    if wc.role == "colocated" and not wc.prefill_for_others:
-        return Landing(0, "a colocated worker that prefills for no one is never sent KV")
-    if wc.transfer_backend not in ("auto", "nixl") or not nixl_installed:
-        return Landing(0, "it takes no KV over nixl")
+    sent_kv = wc.role == "decode" or (wc.role == "colocated" and wc.prefill_for_others)
+    if not sent_kv or wc.transfer_backend not in ("auto", "nixl") or not nixl_installed:
+        return Landing(0, "")
     if wc.nixl_landing_bytes is not None:
         return Landing(wc.nixl_landing_bytes, f"worker.nixl_landing_bytes = {wc.nixl_landing_bytes}")
     if wc.transfer_backend == "auto" and loopback_only(wc.data_addr):

@@ -225,10 +225,8 @@ class EngineThread(threading.Thread):
     def _landing_bytes(self, spec: KVCacheSpec, max_tokens: int) -> int:
         """nixl's landing region beside the pool (pdd.transfer.nixl_landing.landing_size),
         said in one line where a worker that may be sent KV offers nixl."""
-        wc = self.cfg.worker
-        installed = nixl_unavailable() is None
-        landing = landing_size(wc, installed, spec.bytes_per_token, max_tokens)
-        if self.role != "prefill" and installed and wc.transfer_backend in ("auto", "nixl"):
+        landing = landing_size(self.cfg.worker, nixl_unavailable() is None, spec.bytes_per_token, max_tokens)
+        if landing.why:
             size = f"of {landing.nbytes / 2**20:.1f} MiB" if landing.nbytes else "none"
             log.info("worker %s: nixl landing region %s (%s)", self.worker_id, size, landing.why)
         return landing.nbytes
