@@ -57,6 +57,11 @@ def _graph_us(calls: list, rounds: int) -> float:
     return start.elapsed_time(end) * 1e3 / (rounds * len(calls))
 
 
+def _elem_bytes(kind: str) -> int:
+    """Bytes of one weight element of a kind: bf16, or FP8 (fp8-channel, fp8-block)."""
+    return 2 if kind == "bf16" else 1
+
+
 def _weights(kind: str, n: int, k: int, copies: int) -> list[tuple]:
     """`copies` random (weight, scale, block) of one kind: bf16, fp8-channel, fp8-block."""
     from pdd.ops.fp8_linear import FP8_DTYPE
@@ -103,7 +108,7 @@ def bench_shape(name: str, n: int, k: int, silu: bool, m: int, kinds: list[str],
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out_n = n // 2 if silu else n
     for kind in kinds:
-        w_bytes = n * k * (2 if kind == "bf16" else 1)
+        w_bytes = n * k * _elem_bytes(kind)
         copies = max(2, -(-_COLD_BYTES // w_bytes))
         weights = _weights(kind, n, k, copies)
         scale_bytes = weights[0][1].numel() * 4 if weights[0][1] is not None else 0
@@ -191,7 +196,7 @@ def _sweep_configs(n: int, k: int, silu: bool, w_bytes: int, bucket: int = 1, bl
 
 
 def _kind_configs(kind: str, n: int, k: int, silu: bool, bucket: int):
-    return _sweep_configs(n, k, silu, 2 if kind == "bf16" else 1, bucket, kind == "fp8-block")
+    return _sweep_configs(n, k, silu, _elem_bytes(kind), bucket, kind == "fp8-block")
 
 
 def _sweep_cases(bucket: int):
@@ -242,10 +247,10 @@ def sweep(args) -> int:
     sms = _num_sms(torch.device("cuda"))
     for kind in _SWEEP_KINDS:
         for name, (n, k, silu) in SHAPES_8B.items():
-            w_bytes = n * k * (2 if kind == "bf16" else 1)
+            w_bytes = n * k * _elem_bytes(kind)
             weights = _weights(kind, n, k, max(2, -(-_COLD_BYTES // w_bytes)))
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms]
-            table = triton_gemv.gemv_config(bucket, n // 2 if silu else n, k, 2 if kind == "bf16" else 1, 2, silu,
+            table = triton_gemv.gemv_config(bucket, n // 2 if silu else n, k, _elem_bytes(kind), 2, silu,
                                             weights[0][2], sms)
             results = []
             for cfg in [table, *_kind_configs(kind, n, k, silu, bucket)]:
