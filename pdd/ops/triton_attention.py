@@ -8,7 +8,8 @@ import triton.language as tl
 
 from pdd.ops.metadata import AttentionMetadata
 from pdd.ops.triton_common import (_FLOAT_DTYPES, _LOG2E, _check_index, _check_kv_layer, _dot_mode,
-                                   _kv_scales, _num_sms, _on_gpu, _pow2)
+                                   _kv_scales, _let_next_launch, _num_sms, _on_gpu, _pow2, _wait_for_inputs,
+                                   pdl_options)
 
 # ---------------------------------------------------------------------------
 # paged attention: shared tile step
@@ -108,7 +109,9 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                    stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, v_scale,
                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL)
+    _let_next_launch(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,10 +163,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, m_part, l_part, acc_part, num_splits, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         S_PAD: tl.constexpr):
+                         S_PAD: tl.constexpr, PDL: tl.constexpr):
     """One output row and head from its split-KV partials ([rows, heads, splits]
     for m and l, [..., HEAD_DIM] for acc): decodes, and prefill chunks over a deep
     context alike."""
+    _wait_for_inputs(PDL)
+    _let_next_launch(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -230,7 +235,7 @@ def _decode(q, kv_layer, meta: AttentionMetadata, scale: float, out, k_scale: fl
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0), scale * k_scale * _LOG2E, v_scale,
         NUM_HEADS=h, GQA=gqa, HEAD_DIM=d, D_PAD=d_pad, M_PAD=max(16, _pow2(gqa)), BLOCK_SIZE=bs,
-        BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg)
+        BLOCK_N=block_n, SPLIT=splits > 1, DOT=_dot_mode(q), **cfg, **pdl_options(q.device, q.shape[0]))
     if splits > 1:
         _merge_splits(out, m_part, l_part, acc_part, splits, d)
 
@@ -243,7 +248,7 @@ def _merge_splits(out, m_part, l_part, acc_part, splits: int, head_dim: int, max
     _merge_splits_kernel[(rows, h)](
         out, m_part, l_part, acc_part, splits, out.stride(0), out.stride(1),
         NUM_HEADS=h, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), S_PAD=max_splits or _pow2(splits),
-        num_warps=4 if _on_gpu(out) else 1)
+        num_warps=4 if _on_gpu(out) else 1, **pdl_options(out.device, out.shape[0]))
 
 
 def decode_split_pads(kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> list[int]:
@@ -271,10 +276,12 @@ def warm_up_merges(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     block_n = _decode_config(head_dim, dtype, device.type != "cpu")["BLOCK_N"]
     pads = sorted(set(decode_split_pads(kv_heads, max_seq_len, block_n, device)) | {PREFILL_MAX_SPLITS})
     for pad in pads:
-        out = torch.empty((1, num_heads, head_dim), dtype=dtype, device=device)
-        m_part = torch.zeros((1, num_heads, pad), dtype=torch.float32, device=device)
-        acc_part = torch.zeros((1, num_heads, pad, head_dim), dtype=torch.float32, device=device)
-        _merge_splits(out, m_part, torch.ones_like(m_part), acc_part, pad, head_dim, pad)
+        # One row and two: a one-token step launches it under PDL (pdl_options), a variant of its own.
+        for rows in (1, 2):
+            out = torch.empty((rows, num_heads, head_dim), dtype=dtype, device=device)
+            m_part = torch.zeros((rows, num_heads, pad), dtype=torch.float32, device=device)
+            acc_part = torch.zeros((rows, num_heads, pad, head_dim), dtype=torch.float32, device=device)
+            _merge_splits(out, m_part, torch.ones_like(m_part), acc_part, pad, head_dim, pad)
     return len(pads)
 
 

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import _check_kv_write, _kv_scales, _to_kv_cache
+from pdd.ops.triton_common import (_check_kv_write, _kv_scales, _let_next_launch, _to_kv_cache, _wait_for_inputs,
+                                   pdl_options)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL)
+    _let_next_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -55,7 +58,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
                                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                         num_warps=4 if n <= 4096 else 8)
+                                         num_warps=4 if n <= 4096 else 8, **pdl_options(x.device, x2.shape[0]))
     return out.view(x.shape)
 
 
@@ -120,10 +123,12 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_ca
                    stride_cb, stride_cs, stride_ch, inv_k_scale, inv_v_scale,
                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """One token: rotate all its q and k heads in place and, with STORE_KV, write
     the rotated k and its v into the token's cache slot (store_kv's layout;
     FP8: quantized with the layer's scales)."""
+    _wait_for_inputs(PDL)
+    _let_next_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
@@ -187,7 +192,8 @@ def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mappin
         q, k, v, positions, cos, sin, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, KV_HEADS=kvh, HALF=dim // 2, H_PAD=h_pad, KVH_PAD=kvh_pad, HALF_PAD=half_pad,
-        BLOCK_SIZE=bs, STORE_KV=store, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1)
+        BLOCK_SIZE=bs, STORE_KV=store, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1,
+        **pdl_options(q.device, t))
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -65,3 +65,28 @@ def test_gpu_bf16_with_fp8_kv_prefix_cache_hits(model_factory):
     again = gpu.generate([base], greedy(16))[0]
     assert again.num_cached_tokens == 192 and again.token_ids == first.token_ids
     assert_all_blocks_free(gpu)
+
+
+def test_gpu_pdl_launches_give_stream_order_results_bit_for_bit(model_factory, monkeypatch):
+    """Kernels launched with programmatic dependent launch (Hopper) start while
+    their predecessor still runs and wait for its results (the GEMV issues its
+    first weight loads before the wait): the step computes exactly what
+    ordinary stream order computes. bf16, so every linear at decode sizes is the
+    GEMV, under the captured decode graphs and eagerly (short prefills)."""
+    from pdd.ops import triton_common
+
+    def run(pdl: str):
+        monkeypatch.setenv("PDD_PDL", pdl)
+        triton_common.pdl_launch.cache_clear()
+        llm = LLM(str(model_factory("llama")), device="cuda", dtype="bfloat16", chunk_size=64,
+                  kv_cache_bytes=256 * 2**20)
+        assert llm.engine.runner.graphs is not None, "decode CUDA graphs were not captured"
+        outs = llm.generate(random_prompts([1, 7, 16, 33, 100, 300], seed=4), greedy(40, logprobs=3))
+        assert_all_blocks_free(llm)
+        return triton_common.pdl_launch(torch.device("cuda")), [(o.token_ids, o.logprobs) for o in outs]
+
+    used, with_pdl = run("on")
+    if not used:
+        pytest.skip("PDL needs Hopper or newer and a Triton with grid dependency control")
+    assert run("off") == (False, with_pdl)
+    triton_common.pdl_launch.cache_clear()

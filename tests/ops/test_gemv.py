@@ -269,19 +269,22 @@ for n, k, silu in json.loads(sys.argv[1]):
                          SCALE_BK=block[1] if block else 1, HAS_BIAS=False, SILU=silu, EVEN_K=k % cfg.block_k == 0)
             if bucket != 1:
                 const.update(BLOCK_M=cfg.block_m, UPCAST=False)
+            else:
+                const.update(PDL=True)
             types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": f"*{wty}", "b_ptr": f"*{wty}",
                      "s_ptr": "*fp32" if scale else f"*{wty}"}
             sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED if a in sig}
             built = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=bucket == 1))
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(built.asm["cubin"])
                 f.flush()
                 usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
             stack = int(re.search(r"STACK:(\\d+)", usage).group(1))
             out.append(dict(n=n, k=k, silu=silu, w=wty, scale=scale, bucket=bucket, stack=stack,
-                            pipelined="cp.async" in built.asm["ptx"]))
+                            pipelined="cp.async" in built.asm["ptx"],
+                            waits="griddepcontrol.wait" in built.asm["ptx"]))
 print("BUILT " + json.dumps(out))
 """
 
@@ -289,8 +292,8 @@ print("BUILT " + json.dumps(out))
 def test_the_8b_variants_build_for_sm90_without_spills(tmp_path):
     """What the interpreter cannot show: each GEMV variant of the 8B shapes is
     accepted by Triton's GPU compiler (layouts, the tl.dot of FP8 tiles
-    converted in registers, the cp.async pipeline of the dot kernel) and its
-    tiles fit in registers. Built for sm_90 with the ptxas Triton ships; skipped
+    converted in registers, the cp.async pipeline of the dot kernel, the one-row
+    kernel's wait for the previous kernel under PDL) and its tiles fit in registers. Built for sm_90 with the ptxas Triton ships; skipped
     where that is missing."""
     import glob
     import json
@@ -309,3 +312,5 @@ def test_the_8b_variants_build_for_sm90_without_spills(tmp_path):
     assert len(built) == len(SHAPES_8B) * 3 * 2
     assert [b for b in built if b["stack"]] == []
     assert all(b["pipelined"] for b in built if b["bucket"] != 1)   # the dot kernel's W tiles stream via cp.async
+    # The one-row kernel, launched with PDL, waits for its predecessor's results.
+    assert all(b["waits"] == (b["bucket"] == 1) for b in built)

@@ -55,6 +55,7 @@ triton, tk = _import_kernels()
 
 from pdd.ops import reference  # noqa: E402
 from pdd.ops import triton_attention as ta  # noqa: E402  (internals: split counts, tile configs)
+from pdd.ops import triton_common as tc  # noqa: E402
 from pdd.ops.metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -476,10 +477,14 @@ def test_merge_warm_up_launches_each_split_axis(monkeypatch):
     monkeypatch.setattr(ta, "_merge_splits_kernel", launches)
     dev = torch.device("cuda" if CUDA else "cpu")
     n = ta.warm_up_merges(8, 1, 32, torch.float32, 10_000, dev)
-    s_pads = sorted(kw["S_PAD"] for _, kw in launches.calls)
     bn = ta._decode_config(32, torch.float32, CUDA)["BLOCK_N"]
-    assert s_pads == sorted({*ta.decode_split_pads(1, 10_000, bn, dev), ta.PREFILL_MAX_SPLITS}) and n == len(s_pads)
-    assert len(launches.variants()) == n   # one compiled variant each, the decode's and the prefill's
+    pads = sorted({*ta.decode_split_pads(1, 10_000, bn, dev), ta.PREFILL_MAX_SPLITS})
+    assert n == len(pads)
+    # Each with one row and with two: a one-token step launches the merge under PDL.
+    assert sorted(kw["S_PAD"] for _, kw in launches.calls) == sorted(pads * 2)
+    assert sorted({kw["PDL"] for _, kw in launches.calls}) == ([False, True] if tc.pdl_launch(dev) else [False])
+    # one compiled variant each, the decode's and the prefill's (twice under PDL)
+    assert len(launches.variants()) == n * (2 if tc.pdl_launch(dev) else 1)
 
 
 # ---------------------------------------------------------------------------
