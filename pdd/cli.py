@@ -84,12 +84,18 @@ def _serve_config(args):
     if args.worker_id:
         overrides["worker"]["worker_id"] = args.worker_id
     for item in args.set or []:
-        key, _, value = item.partition("=")
-        table, _, name = key.partition(".")
-        if not name or not _:
-            raise ValueError(f"--set {item!r}: expected TABLE.KEY=VALUE")
-        overrides.setdefault(table, {})[name] = value
-    return load_cluster_config(args.config, overrides=overrides)
+        key, eq, value = item.partition("=")
+        *tables, name = key.split(".")
+        if not eq or not tables or not all(tables) or not name:
+            raise ValueError(f"--set {item!r}: expected TABLE.KEY=VALUE (a table inside one: "
+                             "TABLE.SUBTABLE.KEY=VALUE, e.g. router.breaker.window_s=10)")
+        node = overrides
+        for table in tables:   # router.breaker.window_s: the [router.breaker] table's key
+            node = node.setdefault(table, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {'.'.join(tables)} is a key, not a table")
+        node[name] = value
+    return load_cluster_config(args.config, overrides=overrides, overrides_origin="--set")
 
 
 def cmd_up(args) -> int:

@@ -71,3 +71,34 @@ def exposed_series(scrape: str) -> set[str]:
     including families with no series yet (a labelled counter before its first event)."""
     return {family.name + suffix for family in text_string_to_metric_families(scrape)
             for suffix in _SUFFIXES.get(family.type, ("",))}
+
+
+DOCS = [ROOT / "README.md", ROOT / "docs" / "design.md"]
+# Exported by the router only while tracing is on (tests/e2e/test_tracing.py reads them there).
+TRACING_FAMILIES = ("pdd_trace_spans_exported_total", "pdd_trace_spans_dropped_total")
+
+
+def documented_metrics() -> list[tuple[str, frozenset[str] | None, bool]]:
+    """(series name, label names or None, whether they are all of its labels) of every
+    `pdd_...` metric README.md and docs/design.md name in backticks, outside tables (the
+    README's table of renamed families holds old names). `a_{x,y}_b` is a_x_b and a_y_b;
+    a trailing `{l1,l2}` lists the labels, `{l="v"}` one of them; `pdd_process_*`: a prefix."""
+    out = []
+    for path in DOCS:
+        text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("|"))
+        for item in re.findall(r"`(pdd_[^`]+)`", text):
+            item = re.sub(r"\s+", "", item)
+            m = re.fullmatch(r"(pdd_[a-z0-9_{},*]*?)(\{([a-z_]+(?:=\"[^\"]*\"[|\"a-z_]*)?(?:,[a-z_]+)*)\})?", item)
+            if m is None:
+                raise AssertionError(f"{path.name}: cannot read the metric {item!r}")
+            names = [m.group(1)]
+            while any("{" in n for n in names):
+                n = next(n for n in names if "{" in n)
+                head, alternatives, tail = re.fullmatch(r"([^{]*)\{([^}]*)\}(.*)", n).groups()
+                names.remove(n)
+                names += [head + a + tail for a in alternatives.split(",")]
+            labels = m.group(3)
+            exact = labels is not None and "=" not in labels
+            label_set = None if labels is None else frozenset(re.findall(r"([a-z_]+)(?:=|,|$)", labels))
+            out += [(n, label_set, exact) for n in names if n != "pdd_"]
+    return out

@@ -38,6 +38,22 @@ def test_admin_without_keys_says_what_to_pass(tmp_path):
     assert "--keys DIR" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_admin_names_the_keys_directory_it_was_given(tmp_path):
+    """--keys, PDD_SECURITY__KEYS_DIR or the config's security.keys_dir: the one line names
+    the one the operator gave, not a setting they did not write."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
+    missing = tmp_path / "nope"
+    config = tmp_path / "c.toml"
+    config.write_text(f'[security]\nkeys_dir = "{missing}"\n')
+    for args, named in ((["--keys", str(missing)], f"--keys {missing}: "),
+                        (["--config", str(config)], f"{config}: security.keys_dir: ")):
+        r = pdd("admin", *args, "status", env=env)
+        assert r.returncode == 1 and r.stderr.startswith(f"pdd admin: {named}cannot read the key file"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = pdd("admin", "status", env={**env, "PDD_SECURITY__KEYS_DIR": str(missing)})
+    assert r.returncode == 1 and r.stderr.startswith("pdd admin: PDD_SECURITY__KEYS_DIR: cannot read"), r.stderr
+
+
 def test_keys_generate_refuses_to_overwrite(tmp_path):
     assert pdd("keys", "generate", str(tmp_path / "k")).returncode == 0
     r = pdd("keys", "generate", str(tmp_path / "k"))

@@ -34,3 +34,46 @@ def test_the_dashboard_and_the_rules_query_only_series_the_router_exposes():
             "pdd_scheduler_iteration_latency_seconds_bucket", "pdd_kv_cache_page_free_pages",
             "pdd_kv_transfer_bytes_total", "pdd_breaker_state", "pdd_placement_total"} <= wanted
     assert wanted - monitoring.exposed_series(simulated_scrape()) == set()
+
+
+def exposed_families() -> dict[str, tuple[str, frozenset[str]]]:
+    """Series name as a query writes it (a counter with `_total`) -> (type, label names)
+    of every family the router's metrics have, those with no series yet included."""
+    from prometheus_client.metrics import MetricWrapperBase
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = SimCluster()
+    for wid, role in (("p0", "prefill"), ("d0", "decode")):
+        c.add_worker(wid, role)
+        c.control.handle(wid, m.Heartbeat(wid, 0, 0, 60, 64))
+    metrics = RouterMetrics(c.registry)
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        labels = frozenset(k for s in family.samples for k in s.labels) - {"le", "quantile"}
+        out[family.name + ("_total" if family.type == "counter" else "")] = (family.type, labels)
+    for metric in vars(metrics).values():   # labelled families before their first series
+        if isinstance(metric, MetricWrapperBase) and metric._labelnames:
+            name = metric._name + ("_total" if metric._type == "counter" else "")
+            out[name] = (metric._type, frozenset(metric._labelnames))
+    return out
+
+
+def test_every_metric_the_docs_name_is_exposed_with_its_labels():
+    exposed = exposed_families()
+    wrong = []
+    for name, labels, exact in monitoring.documented_metrics():
+        if name in monitoring.TRACING_FAMILIES:
+            continue
+        if name.endswith("*"):
+            if not any(n.startswith(name[:-1]) for n in exposed):
+                wrong.append((name, "no such family"))
+            continue
+        if name not in exposed:
+            wrong.append((name, "no such family"))
+            continue
+        kind, has = exposed[name]
+        if name.endswith("_total") != (kind == "counter"):
+            wrong.append((name, f"a {kind}"))
+        if labels is not None and (labels != has if exact else not labels <= has):
+            wrong.append((name, f"labels {sorted(has)}, documented {sorted(labels)}"))
+    assert wrong == []

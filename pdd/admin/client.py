@@ -34,6 +34,7 @@ from pdd import build_info
 from pdd.admin import tables
 from pdd.admin.commands import BY_NAME, DEFAULT_ADDR
 from pdd.argparsing import EXIT_USAGE, error_document
+from pdd.config import ConfigError
 from pdd.security import Curve, admin_client_security, read_secret_file
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -102,16 +103,22 @@ def _connection(args) -> tuple[str, str, Curve | None]:
     """(address, token, CURVE identity or None) from the flags, the config and the environment."""
     addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
     keys_dir, insecure = args.keys or os.environ.get("PDD_SECURITY__KEYS_DIR", ""), False
+    # What the operator gave, named in an error about the keys (the loader names the setting).
+    keys_from = f"--keys {args.keys}" if args.keys else "PDD_SECURITY__KEYS_DIR" if keys_dir else None
     if args.config:
         from pdd.config_loader import load_cluster_config
         cfg = load_cluster_config(args.config)
         addr = addr or cfg.router.admin_addr
         token = token or cfg.router.admin_token
         keys_dir = keys_dir or cfg.security.keys_dir
+        keys_from = keys_from or f"{args.config}: security.keys_dir"
         insecure = cfg.security.insecure
     addr = addr or DEFAULT_ADDR
     if keys_dir:
-        return addr, token, admin_client_security(keys_dir)
+        try:
+            return addr, token, admin_client_security(keys_dir)
+        except ConfigError as e:
+            raise AdminError(str(e).replace("security.keys_dir", keys_from, 1), "local") from None
     if insecure:
         return addr, token, None
     raise AdminError("no keys: pass --keys DIR (holding admin.key_secret and router.key) or --config FILE "

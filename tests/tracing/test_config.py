@@ -37,7 +37,7 @@ def test_the_standard_variables_fill_what_pdd_settings_leave_unset(tmp_path):
     ("SERVICE_NAME", "", "tracing.service_name"),
 ])
 def test_a_bad_value_is_refused_naming_its_key(key, value, named):
-    with pytest.raises(ConfigError, match=rf"^{named.replace('[', '.').replace(']', '.')}"):
+    with pytest.raises(ConfigError, match=rf"^PDD_TRACING__{key}: {named.replace('[', '.').replace(']', '.')}"):
         load_cluster_config(env={f"PDD_TRACING__{key}": value})
 
 

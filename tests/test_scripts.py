@@ -1,0 +1,40 @@
+"""The scripts an operator runs from a checkout: `--help` says how to use each,
+and a wrong argument is one line on stderr, never a traceback. (scripts/up and
+scripts/test pass their arguments on to `pdd up` and pytest after making .venv;
+scripts/device-* are for the GPU machines.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run(name: str, *args: str) -> subprocess.CompletedProcess:
+    path = SCRIPTS / name
+    # The Python ones under this interpreter: their shebang's python3 may lack torch.
+    command = [sys.executable, str(path)] if path.read_text().startswith("#!/usr/bin/env python3") else [str(path)]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["bench-clients", "cpu-ab", "gguf-to-hf", "install-systemd"])
+def test_help_says_how_to_use_the_script(name):
+    r = run(name, "--help")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stdout.splitlines()) >= 3, r.stdout
+
+
+@pytest.mark.parametrize("name, args, says", [
+    ("bench-clients", ["--bogus"], "unknown option --bogus"),
+    ("bench-clients", ["http://127.0.0.1:9"], "no model list at http://127.0.0.1:9/v1/models"),
+    ("gguf-to-hf", ["/nonexistent/model.gguf", "/nonexistent/out"], "/nonexistent/model.gguf"),
+    ("gguf-to-hf", ["--bogus"], "usage: scripts/gguf-to-hf MODEL.gguf OUT_DIR"),
+    ("install-systemd", ["--bogus"], "unknown option --bogus"),
+])
+def test_a_wrong_argument_is_one_line(name, args, says):
+    r = run(name, *args)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert says in r.stderr
