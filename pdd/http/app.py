@@ -236,6 +236,9 @@ class OpenAIServer:
                     frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
                     if text.stopped:
                         pieces.append((delta, frag, "stop"))
+                        # Its answer is complete: its worker stops now, not when the
+                        # whole response ends (other choices may run on for long).
+                        await self.router.abort(state, "stop")
                         yield pieces
                         return
                     pieces.append((delta, frag, None))

@@ -1,0 +1,45 @@
+"""The OpenAI API where real clients meet its edges, on real clusters of each
+layout (colocated, and 1 prefill + 1 decode): choices that end apart, errors
+named by the field the client sent, logprobs whose bytes rebuild the text."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e import http_util
+from tests.e2e.cluster import UpCluster
+
+LAYOUTS = {"colocated": ("--mode", "colocated", "--workers", "1"),
+           "disagg": ("--mode", "disagg", "--prefill", "1", "--decode", "1")}
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request, tmp_path_factory, tiny_model):
+    with UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]) as c:
+        c.layout = request.param
+        yield c
+
+
+def completions(cluster, headers: dict | None = None, **body) -> dict:
+    reply = http_util.post(cluster.url + "/v1/completions", {"model": cluster.model_name, **body},
+                           headers=headers)
+    assert reply.status == 200, reply.body
+    return reply.json()
+
+
+def test_a_choice_ended_by_a_stop_string_stops_its_worker_while_the_others_run_on(layout):
+    """n = 2: choice 0 meets a stop string in its first tokens, choice 1 never
+    does and runs to max_tokens. Choice 0's request ends there, by the stop,
+    not at max_tokens when the whole response is done."""
+    body = dict(prompt=PROMPT, max_tokens=200, temperature=1.0, seed=42, n=2, ignore_eos=True)
+    first, second = (c["text"] for c in completions(layout, **body)["choices"])
+    stop = next(first[i:i + 4] for i in range(min(40, len(first) - 4))
+                if first[i:i + 4] not in second and "\ufffd" not in first[i:i + 4])
+    rid = f"stop-apart-{layout.layout}"
+    choices = completions(layout, headers={"X-Request-Id": rid}, stop=[stop], **body)["choices"]
+    assert [c["finish_reason"] for c in choices] == ["stop", "length"]
+    assert choices[0]["text"] == first[:first.index(stop)] and choices[1]["text"] == second
+    traced, = layout.admin("trace", f"{rid}-0")
+    assert traced["finish_reason"] == "stop"
+    assert traced["output_tokens"] < body["max_tokens"]
