@@ -165,10 +165,10 @@ class OpenAIServer:
             except InvalidRequest as e:
                 raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
         elif num_prompt + req.sampling.max_tokens > max_len:
-            raise APIError(400, f"max_tokens: {num_prompt} prompt tokens + max_tokens "
-                                f"{req.sampling.max_tokens} exceed this model's context of {max_len} "
-                                "tokens; lower max_tokens or shorten the prompt",
-                           param="max_tokens", code="context_length_exceeded")
+            name = req.max_tokens_param
+            raise APIError(400, f"{name}: {num_prompt} prompt tokens + {name} {req.sampling.max_tokens} "
+                                f"exceed this model's context of {max_len} tokens; lower {name} or shorten "
+                                "the prompt", param=name, code="context_length_exceeded")
 
     async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
         """Every prompt's choices (token ids; completions may give several prompts)."""

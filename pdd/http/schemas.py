@@ -82,6 +82,8 @@ class GenerateRequest:
     # sampling.max_tokens is 0 and sampling is not validated yet; the router
     # sets max_tokens and calls sampling.validate().
     max_tokens_unset: bool = False
+    # The field max_tokens came from, as errors name it (chat: max_completion_tokens when given).
+    max_tokens_param: str = "max_tokens"
     # How token ids become text (vLLM's fields): special tokens left out, and
     # whether a matched stop string or stop token is part of the text.
     skip_special_tokens: bool = True
@@ -175,7 +177,9 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; both are
     # type-checked, and the newer one wins when both are given.
     max_tokens = f.integer("max_tokens", lo=1)
-    max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
+    newer = f.integer("max_completion_tokens", lo=1)
+    max_tokens_param = "max_tokens" if newer is None else "max_completion_tokens"
+    max_tokens = max_tokens if newer is None else newer
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
     wanted = _prompt_logprobs(f)
@@ -204,7 +208,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         kind="chat", model=model, prompts=[], messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset, template_args=template_args, continuous_usage=continuous,
+        max_tokens_unset=unset, max_tokens_param=max_tokens_param, template_args=template_args, continuous_usage=continuous,
         n=n, prompt_logprobs=wanted, tool_format=fmt, structured_param=structured_param, **text_options)
     req.ignored_fields = f.unread()
     return req

@@ -43,3 +43,17 @@ def test_a_choice_ended_by_a_stop_string_stops_its_worker_while_the_others_run_o
     traced, = layout.admin("trace", f"{rid}-0")
     assert traced["finish_reason"] == "stop"
     assert traced["output_tokens"] < body["max_tokens"]
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_answer_longer_than_the_context_is_refused_naming_the_field_the_client_sent(layout, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(layout).chat.completions.create(model=layout.model_name, messages=[{"role": "user", "content": "hi"}],
+                                               **{field: 100_000})
+    error = refused.value.body
+    assert error["param"] == field and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(f"{field}: ") and "100000" in error["message"]
