@@ -208,8 +208,9 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         kind="chat", model=model, prompts=[], messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset, max_tokens_param=max_tokens_param, template_args=template_args, continuous_usage=continuous,
-        n=n, prompt_logprobs=wanted, tool_format=fmt, structured_param=structured_param, **text_options)
+        max_tokens_unset=unset, max_tokens_param=max_tokens_param, template_args=template_args,
+        continuous_usage=continuous, n=n, prompt_logprobs=wanted, tool_format=fmt,
+        structured_param=structured_param, **text_options)
     req.ignored_fields = f.unread()
     return req
 
