@@ -57,3 +57,20 @@ def test_a_chat_answer_longer_than_the_context_is_refused_naming_the_field_the_c
     error = refused.value.body
     assert error["param"] == field and error["code"] == "context_length_exceeded"
     assert error["message"].startswith(f"{field}: ") and "100000" in error["message"]
+
+
+SPLIT = "日本語 😀 ok"   # its characters are several byte tokens each: each piece's text is U+FFFD
+
+
+def test_chat_logprob_bytes_rebuild_the_answer_where_characters_are_split_over_tokens(layout):
+    """OpenAI's "bytes" are there for exactly this: joined, they are the answer's UTF-8."""
+    ask = dict(model=layout.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+               temperature=0, logprobs=True, top_logprobs=2, extra_body={"guided_choice": [SPLIT]})
+    answer = client(layout).chat.completions.create(**ask).choices[0]
+    assert answer.message.content == SPLIT
+    entries = answer.logprobs.content
+    assert any(e.token == "\ufffd" for e in entries)
+    assert bytes(b for e in entries for b in e.bytes).decode() == SPLIT
+    streamed = [e for chunk in client(layout).chat.completions.create(stream=True, **ask)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in entries]
