@@ -149,11 +149,11 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation
 
-    def _check_length(self, req: s.GenerateRequest, num_prompt: int) -> None:
+    def _check_length(self, req: s.GenerateRequest, num_prompt: int, field: str) -> None:
+        """field: the prompt's, as errors name it ("messages", "prompt", "prompt[2]" in a list)."""
         max_len = self.router.max_model_len()
         if max_len is None:
             raise Unavailable("no worker is available")
-        field = "messages" if req.kind == "chat" else "prompt"
         if num_prompt >= max_len:
             raise APIError(400, f"{field}: the prompt has {num_prompt} tokens but this model's context is "
                                 f"{max_len} tokens; shorten the prompt", param=field,
@@ -166,7 +166,7 @@ class OpenAIServer:
                 raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
         elif num_prompt + req.sampling.max_tokens > max_len:
             name = req.max_tokens_param
-            raise APIError(400, f"{name}: {num_prompt} prompt tokens + {name} {req.sampling.max_tokens} "
+            raise APIError(400, f"{name}: {num_prompt} prompt tokens ({field}) + {name} {req.sampling.max_tokens} "
                                 f"exceed this model's context of {max_len} tokens; lower {name} or shorten "
                                 "the prompt", param=name, code="context_length_exceeded")
 
@@ -174,8 +174,9 @@ class OpenAIServer:
         """Every prompt's choices (token ids; completions may give several prompts)."""
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        for ids in prompts:   # every prompt checked before any is submitted
-            self._check_length(req, len(ids))
+        for i, ids in enumerate(prompts):   # every prompt checked before any is submitted
+            field = "messages" if req.kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            self._check_length(req, len(ids), field)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
         if req.sampling.max_tokens == 0:

@@ -74,3 +74,18 @@ def test_chat_logprob_bytes_rebuild_the_answer_where_characters_are_split_over_t
     streamed = [e for chunk in client(layout).chat.completions.create(stream=True, **ask)
                 for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in entries]
+
+
+def test_the_prompt_of_a_list_that_does_not_fit_the_context_is_named(layout):
+    """Of lm-eval's batch of prompts, the error says which one is too long."""
+    context = http_util.get(layout.url + "/v1/models").json()["data"][0]["max_model_len"]
+    create = client(layout).completions.create
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(model=layout.model_name, prompt=[[1, 2, 3], [300] * (context + 4), [5]], max_tokens=1)
+    assert refused.value.body["param"] == "prompt[1]"
+    assert f"the prompt has {context + 4} tokens" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(model=layout.model_name, prompt=[[1, 2, 3], [5], [300] * (context - 4)], max_tokens=16)
+    error = refused.value.body
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"{context - 4} prompt tokens (prompt[2]) + max_tokens 16" in error["message"]
