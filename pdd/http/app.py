@@ -485,10 +485,24 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
-        return error_response(e.status, e.reason or "error", "invalid_request_error")
+        return _aiohttp_error(request, e)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", "server_error")
+
+
+def _aiohttp_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's own error in OpenAI's shape, saying which request it answers;
+    a 405 with the Allow header HTTP requires of it."""
+    where = f"{request.method} {request.path}"
+    if isinstance(e, web.HTTPNotFound):
+        return error_response(404, f"{where}: not found (no such endpoint)")
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        resp = error_response(405, f"{where}: method not allowed; this endpoint takes {allowed}")
+        resp.headers["Allow"] = allowed
+        return resp
+    return error_response(e.status, e.reason or "error")
 
 
 def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
