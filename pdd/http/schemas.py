@@ -289,7 +289,7 @@ def _message(m: object, i: int) -> dict:
         raise bad(mf.param("tool_calls"), f"'{mf.param('tool_calls')}': only assistant messages hold tool calls")
     calls = structured.history_tool_calls(calls, mf.param("tool_calls")) if calls else None
     # An assistant message that only calls tools has no content (null): templates get "".
-    message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf)}
+    message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf, role)}
     if calls:
         message["tool_calls"] = calls
     for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
@@ -299,7 +299,10 @@ def _message(m: object, i: int) -> dict:
     return message
 
 
-def _content(mf: Fields) -> str:
+def _content(mf: Fields, role: str) -> str:
+    """The message's text; of parts, their texts. An assistant message may hold
+    OpenAI's refusal parts (a conversation replayed as OpenAI answered it):
+    their text, as vLLM takes them."""
     param = mf.param("content")
     content = mf.obj.get("content")
     if content is None:
@@ -314,12 +317,16 @@ def _content(mf: Fields) -> str:
             raise wrong_type(f"{param}[{j}]", "an object", part)
         pf = Fields(part, prefix=f"{param}[{j}].")
         kind = pf.string("type")
-        if kind != "text":
-            raise bad(pf.param("type"), f"content part type '{kind}' is not supported; "
-                                        "only 'text' parts are")
-        text = pf.string("text")
+        if kind == "refusal" and role == "assistant":
+            key = "refusal"
+        elif kind == "text":
+            key = "text"
+        else:
+            raise bad(pf.param("type"), f"content part type '{kind}' is not supported; only 'text' parts are "
+                                        "(and 'refusal' in an assistant message)")
+        text = pf.string(key)
         if text is None:
-            raise bad(pf.param("text"), f"'{pf.param('text')}' is required")
+            raise bad(pf.param(key), f"'{pf.param(key)}' is required")
         texts.append(text)
     return "\n".join(texts)   # as vLLM joins text parts
 

@@ -124,8 +124,18 @@ def test_messages_are_normalised():
                             {"role": "tool", "content": "42", "tool_call_id": "t"}]
 
 
+def test_an_assistant_refusal_part_is_its_text():
+    """A conversation replayed as OpenAI answered it: the assistant's refusal parts are its words."""
+    req = parse_chat(messages=[MSGS[0], {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I can't."}, {"type": "text", "text": "Ask me else."}]}])
+    assert req.messages[1] == {"role": "assistant", "content": "I can't.\nAsk me else."}
+
+
 @pytest.mark.parametrize("messages, param, words", [
     (None, "messages", ["'messages' is required"]),
+    ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+     "messages[0].content[0].type", ["'refusal' is not supported", "assistant"]),
+    ([{"role": "assistant", "content": [{"type": "refusal"}]}], "messages[0].content[0].refusal", ["required"]),
     ([], "messages", ["at least one"]),
     ("hi", "messages", ["'messages' must be an array, got string"]),
     (["hi"], "messages[0]", ["must be an object, got string"]),
