@@ -3,6 +3,9 @@ layout (colocated, and 1 prefill + 1 decode): choices that end apart, errors
 named by the field the client sent, logprobs whose bytes rebuild the text."""
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import openai
 import pytest
 
@@ -89,3 +92,27 @@ def test_the_prompt_of_a_list_that_does_not_fit_the_context_is_named(layout):
     error = refused.value.body
     assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
     assert f"{context - 4} prompt tokens (prompt[2]) + max_tokens 16" in error["message"]
+
+
+def test_a_request_id_in_flight_already_serves_a_second_request_with_choices(layout):
+    """A gateway retrying keeps its X-Request-Id: while the first request (n = 2)
+    streams, the second, with the same id and n = 2, is served too (not a 503)."""
+    rid = f"retried-{layout.layout}"
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            first = await session.post(layout.url + "/v1/completions", headers={"X-Request-Id": rid}, json={
+                "model": layout.model_name, "prompt": PROMPT, "n": 2, "max_tokens": 3000, "ignore_eos": True,
+                "stream": True})
+            await first.content.readline()      # its first chunk: both of its choices are in flight
+            async with session.post(layout.url + "/v1/completions", headers={"X-Request-Id": rid}, json={
+                    "model": layout.model_name, "prompt": PROMPT, "n": 2, "max_tokens": 4}) as second:
+                body = await second.json()
+            in_flight = {r["request_id"] for r in layout.admin("requests")}
+            first.close()
+            return second.status, body, in_flight
+
+    status, body, in_flight = asyncio.run(main())
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert f"{rid}-0" in in_flight   # the first was in flight all along
