@@ -332,10 +332,12 @@ def _content(mf: Fields, role: str) -> str:
 
 
 def _chat_logprobs(f: Fields) -> int | None:
-    """Chat: `logprobs` is a switch and `top_logprobs` the count (0 when absent)."""
+    """Chat: `logprobs` is a switch and `top_logprobs` the count (0 when absent).
+    Without logprobs a `top_logprobs` of 0 asks nothing (clients send it as a
+    default; vLLM takes it); more is a client's mistake."""
     wanted = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS_CHAT)
-    if top is not None and not wanted:
+    if top and not wanted:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
     return (top or 0) if wanted else None
 

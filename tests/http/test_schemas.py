@@ -403,6 +403,12 @@ def test_poison_values_are_refused_naming_the_field(endpoint, fields, param):
     assert_refused(parse, json.dumps({"model": "tiny", **base, **fields}).encode(), param)
 
 
+def test_top_logprobs_0_without_logprobs_asks_nothing():
+    """As vLLM takes it: clients that send every field send it by default."""
+    assert parse_chat(top_logprobs=0).logprobs is None
+    assert parse_chat(logprobs=False, top_logprobs=0).logprobs is None
+
+
 def test_poison_logprobs_are_refused():
     assert_refused(parse_completion_request, cmpl(logprobs=10**9), "logprobs")
     assert_refused(parse_chat_request, chat(logprobs=True, top_logprobs=10**9), "top_logprobs")
