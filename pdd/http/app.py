@@ -149,11 +149,11 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation
 
-    def _check_length(self, req: s.GenerateRequest, num_prompt: int) -> None:
+    def _check_length(self, req: s.GenerateRequest, num_prompt: int, field: str) -> None:
+        """field: the prompt's, as errors name it ("messages", "prompt", "prompt[2]" in a list)."""
         max_len = self.router.max_model_len()
         if max_len is None:
             raise Unavailable("no worker is available")
-        field = "messages" if req.kind == "chat" else "prompt"
         if num_prompt >= max_len:
             raise APIError(400, f"{field}: the prompt has {num_prompt} tokens but this model's context is "
                                 f"{max_len} tokens; shorten the prompt", param=field,
@@ -165,17 +165,18 @@ class OpenAIServer:
             except InvalidRequest as e:
                 raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
         elif num_prompt + req.sampling.max_tokens > max_len:
-            raise APIError(400, f"max_tokens: {num_prompt} prompt tokens + max_tokens "
-                                f"{req.sampling.max_tokens} exceed this model's context of {max_len} "
-                                "tokens; lower max_tokens or shorten the prompt",
-                           param="max_tokens", code="context_length_exceeded")
+            name = req.max_tokens_param
+            raise APIError(400, f"{name}: {num_prompt} prompt tokens ({field}) + {name} {req.sampling.max_tokens} "
+                                f"exceed this model's context of {max_len} tokens; lower {name} or shorten "
+                                "the prompt", param=name, code="context_length_exceeded")
 
     async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
         """Every prompt's choices (token ids; completions may give several prompts)."""
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        for ids in prompts:   # every prompt checked before any is submitted
-            self._check_length(req, len(ids))
+        for i, ids in enumerate(prompts):   # every prompt checked before any is submitted
+            field = "messages" if req.kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            self._check_length(req, len(ids), field)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
         if req.sampling.max_tokens == 0:
@@ -236,6 +237,9 @@ class OpenAIServer:
                     frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
                     if text.stopped:
                         pieces.append((delta, frag, "stop"))
+                        # Its answer is complete: its worker stops now, not when the
+                        # whole response ends (other choices may run on for long).
+                        await self.router.abort(state, "stop")
                         yield pieces
                         return
                     pieces.append((delta, frag, None))
@@ -481,10 +485,24 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
-        return error_response(e.status, e.reason or "error", "invalid_request_error")
+        return _aiohttp_error(request, e)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", "server_error")
+
+
+def _aiohttp_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's own error in OpenAI's shape, saying which request it answers;
+    a 405 with the Allow header HTTP requires of it."""
+    where = f"{request.method} {request.path}"
+    if isinstance(e, web.HTTPNotFound):
+        return error_response(404, f"{where}: not found (no such endpoint)")
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        resp = error_response(405, f"{where}: method not allowed; this endpoint takes {allowed}")
+        resp.headers["Allow"] = allowed
+        return resp
+    return error_response(e.status, e.reason or "error")
 
 
 def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],

@@ -201,8 +201,16 @@ class LogprobsBuilder:
     def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def one(tid: int, lp: float) -> dict:
             tok = self._token(tid)
-            return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode("utf-8"))}
+            return {"token": tok, "logprob": _finite(lp), "bytes": self._bytes(tid, tok)}
         return {**one(token_id, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        """A chat entry's "bytes": the token's own where the vocabulary says
+        them, so that a client joining them rebuilds a character split over
+        tokens (what OpenAI gives them for: the text of each piece is U+FFFD);
+        else its text's."""
+        raw = self.tokenizer.token_bytes(token_id)
+        return list(raw if raw is not None else text.encode("utf-8"))
 
     def _completion_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]],
                           text_offset: int) -> dict:

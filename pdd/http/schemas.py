@@ -82,6 +82,8 @@ class GenerateRequest:
     # sampling.max_tokens is 0 and sampling is not validated yet; the router
     # sets max_tokens and calls sampling.validate().
     max_tokens_unset: bool = False
+    # The field max_tokens came from, as errors name it (chat: max_completion_tokens when given).
+    max_tokens_param: str = "max_tokens"
     # How token ids become text (vLLM's fields): special tokens left out, and
     # whether a matched stop string or stop token is part of the text.
     skip_special_tokens: bool = True
@@ -175,7 +177,9 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; both are
     # type-checked, and the newer one wins when both are given.
     max_tokens = f.integer("max_tokens", lo=1)
-    max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
+    newer = f.integer("max_completion_tokens", lo=1)
+    max_tokens_param = "max_tokens" if newer is None else "max_completion_tokens"
+    max_tokens = max_tokens if newer is None else newer
     unset = max_tokens is None
     sampling = _sampling(f, 0 if unset else max_tokens, logprobs, vocab_size)
     wanted = _prompt_logprobs(f)
@@ -204,8 +208,9 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         kind="chat", model=model, prompts=[], messages=messages,
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-        max_tokens_unset=unset, template_args=template_args, continuous_usage=continuous,
-        n=n, prompt_logprobs=wanted, tool_format=fmt, structured_param=structured_param, **text_options)
+        max_tokens_unset=unset, max_tokens_param=max_tokens_param, template_args=template_args,
+        continuous_usage=continuous, n=n, prompt_logprobs=wanted, tool_format=fmt,
+        structured_param=structured_param, **text_options)
     req.ignored_fields = f.unread()
     return req
 
@@ -284,7 +289,7 @@ def _message(m: object, i: int) -> dict:
         raise bad(mf.param("tool_calls"), f"'{mf.param('tool_calls')}': only assistant messages hold tool calls")
     calls = structured.history_tool_calls(calls, mf.param("tool_calls")) if calls else None
     # An assistant message that only calls tools has no content (null): templates get "".
-    message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf)}
+    message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf, role)}
     if calls:
         message["tool_calls"] = calls
     for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
@@ -294,7 +299,10 @@ def _message(m: object, i: int) -> dict:
     return message
 
 
-def _content(mf: Fields) -> str:
+def _content(mf: Fields, role: str) -> str:
+    """The message's text; of parts, their texts. An assistant message may hold
+    OpenAI's refusal parts (a conversation replayed as OpenAI answered it):
+    their text, as vLLM takes them."""
     param = mf.param("content")
     content = mf.obj.get("content")
     if content is None:
@@ -309,21 +317,27 @@ def _content(mf: Fields) -> str:
             raise wrong_type(f"{param}[{j}]", "an object", part)
         pf = Fields(part, prefix=f"{param}[{j}].")
         kind = pf.string("type")
-        if kind != "text":
-            raise bad(pf.param("type"), f"content part type '{kind}' is not supported; "
-                                        "only 'text' parts are")
-        text = pf.string("text")
+        if kind == "refusal" and role == "assistant":
+            key = "refusal"
+        elif kind == "text":
+            key = "text"
+        else:
+            raise bad(pf.param("type"), f"content part type '{kind}' is not supported; only 'text' parts are "
+                                        "(and 'refusal' in an assistant message)")
+        text = pf.string(key)
         if text is None:
-            raise bad(pf.param("text"), f"'{pf.param('text')}' is required")
+            raise bad(pf.param(key), f"'{pf.param(key)}' is required")
         texts.append(text)
     return "\n".join(texts)   # as vLLM joins text parts
 
 
 def _chat_logprobs(f: Fields) -> int | None:
-    """Chat: `logprobs` is a switch and `top_logprobs` the count (0 when absent)."""
+    """Chat: `logprobs` is a switch and `top_logprobs` the count (0 when absent).
+    Without logprobs a `top_logprobs` of 0 asks nothing (clients send it as a
+    default; vLLM takes it); more is a client's mistake."""
     wanted = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS_CHAT)
-    if top is not None and not wanted:
+    if top and not wanted:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
     return (top or 0) if wanted else None
 

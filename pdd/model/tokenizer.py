@@ -48,6 +48,38 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, read from its vocabulary entry: a piece
+        of a multi-byte character decodes to U+FFFD, which says nothing of its
+        bytes. Known for every token under a byte-level decoder (GPT-2's map of
+        bytes to characters: Llama 3, Qwen) and for byte-fallback tokens
+        ("<0xE6>": Llama 2, Mistral); None otherwise (its text says them)."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return None
+        if self._byte_decoding == "ByteLevel":
+            if all(ch in _BYTE_LEVEL_CHARS for ch in token):   # not an added token written as text
+                return bytes(_BYTE_LEVEL_CHARS[ch] for ch in token)
+        elif self._byte_decoding == "ByteFallback":
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    return bytes([int(token[3:5], 16)])
+                except ValueError:
+                    return None
+        return None
+
+    @cached_property
+    def _byte_decoding(self) -> str | None:
+        """"ByteLevel" or "ByteFallback" where the decoder (or a step of its
+        sequence) is one: how token_bytes reads a token; None otherwise."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return None
+        spec = json.loads(decoder.__getstate__())
+        steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+        kinds = [step.get("type") for step in steps]
+        return next((k for k in ("ByteLevel", "ByteFallback") if k in kinds), None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos:
@@ -94,6 +126,24 @@ class Tokenizer:
         # The template writes any special tokens itself (BOS included).
         return self._tok.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
                                 add_special_tokens=False).ids
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: a printable Latin-1 byte
+    is written as itself, each other byte as chr(256 + k), k counting them in
+    byte order (so the space is "Ġ", the newline "Ċ")."""
+    shown = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, k = {}, 0
+    for b in range(256):
+        if b in shown:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + k)] = b
+            k += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
 def _token_str(value) -> str | None:

@@ -74,7 +74,7 @@ from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, 
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.timers import Timers
-from pdd.router.traces import TraceStore, matches
+from pdd.router.traces import TraceStore, is_choice_of, matches
 from pdd.tracing import requests as spans
 from pdd.tracing.context import SpanContext
 
@@ -167,7 +167,9 @@ class ControlPlane:
 
     def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
                        hashes: list[int] | None = None, span: SpanContext | None = None) -> list[RequestState]:
-        """The n choices of one request (n > 1), ids "<request_id>-<index>": choice i
+        """The n choices of one request (n > 1), ids "<request_id>-<index>" (all
+        suffixed `#2`, `#3`, ... while one of them is in flight already, as
+        `submit` suffixes a repeated id): choice i
         samples with seed + i (mod 2**63), as vLLM, so that they differ and a
         seeded request still repeats. The first is placed now, the others
         follow it (see the module's docstring). Only the first computes the
@@ -176,9 +178,10 @@ class ControlPlane:
         if n == 1:
             return [self.submit(prompt_token_ids, sampling, request_id, hashes, span)]
         ids = [f"{request_id}-{i}" for i in range(n)]
-        taken = next((rid for rid in ids if rid in self.requests), None)
-        if taken is not None:
-            raise Unavailable(f"request id {taken!r} is already in flight")
+        repeat = 2
+        while any(rid in self.requests for rid in ids):   # the id in flight already: as submit, `#2`, ...
+            ids = [f"{request_id}-{i}#{repeat}" for i in range(n)]
+            repeat += 1
         first = self.submit(prompt_token_ids, sampling, ids[0], hashes, span)
         for i, rid in enumerate(ids[1:], 1):
             seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
@@ -255,8 +258,7 @@ class ControlPlane:
         operator aborted it, and its workers free its blocks. The ids ended."""
         found = [s for rid, s in self.requests.items() if matches(rid, request_id)]
         if not found:
-            found = [s for rid, s in self.requests.items()
-                     if rid.startswith(request_id + "-") and rid[len(request_id) + 1:].isdigit()]
+            found = [s for rid, s in self.requests.items() if is_choice_of(rid, request_id)]
         ended = []
         for state in found:
             if self.requests.get(state.request_id) is state:   # not gone with its first choice

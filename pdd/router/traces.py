@@ -148,3 +148,10 @@ class TraceStore:
 def matches(request_id: str, wanted: str) -> bool:
     """`request_id` is `wanted`, or `wanted` suffixed because that id was in flight already."""
     return request_id == wanted or (request_id.startswith(wanted + "#") and request_id[len(wanted) + 1:].isdigit())
+
+
+def is_choice_of(request_id: str, wanted: str) -> bool:
+    """`request_id` is a choice of the request `wanted` (n > 1: `wanted-<i>`, suffixed as
+    `matches` says when that id was in flight already)."""
+    choice = request_id[len(wanted) + 1:].partition("#")[0]
+    return request_id.startswith(wanted + "-") and choice.isdigit() and matches(request_id, f"{wanted}-{choice}")

@@ -157,6 +157,26 @@ def test_requests_aiohttp_cannot_parse_get_an_openai_shaped_400(request_bytes):
     run(main())
 
 
+def test_an_unknown_path_or_method_is_said_with_the_request_and_a_405_says_what_is_allowed():
+    async def main():
+        server, url = await start()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/chat/completion", json={}) as r:
+                body = await r.json()
+                assert r.status == 404 and body["error"]["message"].startswith("POST /v1/chat/completion: not found")
+            async with s.get(url + "/v1/chat/completions") as r:
+                body = await r.json()
+                assert_openai_error(r.status, body, 405, None)
+                assert r.headers["Allow"] == "POST"
+                assert body["error"]["message"] == ("GET /v1/chat/completions: method not allowed; "
+                                                    "this endpoint takes POST")
+            async with s.delete(url + "/v1/models") as r:
+                assert r.status == 405 and set(r.headers["Allow"].split(", ")) == {"GET", "HEAD"}
+        await server.cleanup()
+
+    run(main())
+
+
 def test_host_names():
     assert host_name("Example.COM:8000") == "example.com"
     assert host_name("[::1]:8000") == host_name("[::1]") == "::1"

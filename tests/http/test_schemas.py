@@ -124,8 +124,18 @@ def test_messages_are_normalised():
                             {"role": "tool", "content": "42", "tool_call_id": "t"}]
 
 
+def test_an_assistant_refusal_part_is_its_text():
+    """A conversation replayed as OpenAI answered it: the assistant's refusal parts are its words."""
+    req = parse_chat(messages=[MSGS[0], {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I can't."}, {"type": "text", "text": "Ask me else."}]}])
+    assert req.messages[1] == {"role": "assistant", "content": "I can't.\nAsk me else."}
+
+
 @pytest.mark.parametrize("messages, param, words", [
     (None, "messages", ["'messages' is required"]),
+    ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+     "messages[0].content[0].type", ["'refusal' is not supported", "assistant"]),
+    ([{"role": "assistant", "content": [{"type": "refusal"}]}], "messages[0].content[0].refusal", ["required"]),
     ([], "messages", ["at least one"]),
     ("hi", "messages", ["'messages' must be an array, got string"]),
     (["hi"], "messages[0]", ["must be an object, got string"]),
@@ -391,6 +401,12 @@ def test_poison_values_are_refused_naming_the_field(endpoint, fields, param):
     parse = parse_completion_request if endpoint == "completion" else parse_chat_request
     # The stdlib encoder: orjson cannot even write integers beyond 64 bits.
     assert_refused(parse, json.dumps({"model": "tiny", **base, **fields}).encode(), param)
+
+
+def test_top_logprobs_0_without_logprobs_asks_nothing():
+    """As vLLM takes it: clients that send every field send it by default."""
+    assert parse_chat(top_logprobs=0).logprobs is None
+    assert parse_chat(logprobs=False, top_logprobs=0).logprobs is None
 
 
 def test_poison_logprobs_are_refused():

@@ -101,6 +101,35 @@ def test_logprob_tokens_are_the_text_each_token_adds(spm):
     assert lp.result()["tokens"] == [" w3", " w4"]
 
 
+SPLIT = "日本語 😀"   # each character over several byte tokens
+
+
+def test_token_bytes_rebuild_characters_split_over_tokens(tok, spm):
+    ids = tok.encode(SPLIT)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    assert b"".join(tok.token_bytes(t) for t in ids) == SPLIT.encode()
+    ids = byte_tokens(spm, SPLIT)
+    assert spm.decode(ids) == SPLIT
+    assert b"".join(spm.token_bytes(t) for t in ids) == SPLIT.encode()
+    assert spm.token_bytes(words(spm, "w1")[0]) is None   # whole text: its bytes are its text's
+
+
+def byte_tokens(spm, text: str) -> list[int]:
+    """text as byte-fallback tokens ("<0xE6>", ...): how Llama 2 writes what its vocabulary lacks."""
+    return [spm.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(tok, spm):
+    from pdd.http.responses import LogprobsBuilder
+    for tokenizer, ids in ((tok, tok.encode(SPLIT)), (spm, byte_tokens(spm, SPLIT))):
+        lp = LogprobsBuilder("chat", tokenizer, 1)
+        for t in ids:
+            lp.add(t, -0.5, [(t, -0.5)], 0)
+        content = lp.result()["content"]
+        assert bytes(b for e in content for b in e["bytes"]).decode() == tokenizer.decode(ids)
+        assert [e["bytes"] for e in content] == [e["top_logprobs"][0]["bytes"] for e in content]
+
+
 # ---- the token that ends generation, min_tokens, include_stop_str
 
 def test_stop_token_text_is_left_out_and_counted(tok):

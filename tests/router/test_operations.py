@@ -4,6 +4,7 @@ simulated cluster (tests/router/sim.py): whether a new request would be placed
 later. The processes and the state file: tests/e2e/test_admin.py."""
 from __future__ import annotations
 
+from pdd.api import SamplingParams
 from pdd.router.control import ABORTED_BY_OPERATOR
 from pdd.router.requests import RequestError
 from tests.router.sim import SimCluster
@@ -76,6 +77,24 @@ def test_an_abort_by_the_clients_id_takes_every_choice_and_every_repeat():
     b = c.control.submit([1, 2, 3], first.sampling, "same")
     assert (a.request_id, b.request_id) == ("same", "same#2")
     assert sorted(c.control.operator_abort("same")) == ["same", "same#2"]
+
+
+def test_choices_of_an_id_in_flight_already_are_suffixed_as_a_repeated_request_is():
+    """Two clients (or one retrying) send the same X-Request-Id with n > 1: both are served."""
+    c = SimCluster(mode="colocated")
+    c.add_worker("c0", "colocated")
+    sampling = SamplingParams(max_tokens=50, seed=1)
+    first = c.control.submit_choices([1, 2, 3], sampling, "same", 2)
+    second = c.control.submit_choices([1, 2, 3], sampling, "same", 2)
+    third = c.control.submit_choices([1, 2, 3], sampling, "same", 3)
+    assert [s.request_id for s in first] == ["same-0", "same-1"]
+    assert [s.request_id for s in second] == ["same-0#2", "same-1#2"]
+    assert [s.request_id for s in third] == ["same-0#3", "same-1#3", "same-2#3"]
+    assert [s.sampling.seed for s in third] == [1, 2, 3]
+    # Each first choice, whose waiting choices fail with it.
+    assert sorted(c.control.operator_abort("same")) == ["same-0", "same-0#2", "same-0#3"]
+    assert not c.control.requests
+    assert [t.request_id for t in c.control.traces.find("same-0")] == ["same-0", "same-0#2", "same-0#3"]
 
 
 def test_a_drained_id_is_drained_whenever_it_registers():
