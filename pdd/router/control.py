@@ -438,7 +438,12 @@ class ControlPlane:
                 self._place_again(state, None, f"worker {worker_id} was lost ({why})")
             elif state.phase == PREFILLING:
                 self._prefill_locally(state, "prefill_worker_lost")
-            # reserving: the prompt was not sent yet; a prefill worker is picked at Reserved
+            elif state.prompt_at == worker_id:
+                # reserving: a prefill worker is picked at Reserved. The prompt sent
+                # here went with that process: the one registered under the id by
+                # then (restarted, or re-registered after dropping all it held)
+                # must be sent it again, or it ignores the KVTarget.
+                state.prompt_at = None
 
     def _hung(self, worker_id: str, running_s: float) -> None:
         """An engine step that never ends, while the worker's loop still answers:

@@ -95,6 +95,30 @@ def test_a_prefill_worker_lost_before_the_reservation_is_replaced_at_it():
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
 
 
+@pytest.mark.parametrize("how", ["restarted", "lost and back"])
+def test_a_prefill_worker_back_under_its_id_before_the_reservation_is_sent_the_prompt_again(how):
+    """p0 gets the prompt, then its process is replaced (or it is taken for lost,
+    drops all it held and registers again) while d0's Reserve waits: the p0
+    registered at Reserved holds nothing of the request, so it must get the
+    prompt with its KVTarget (a KVTarget alone is ignored: the request would
+    wait out its lease)."""
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    assert isinstance(p0.inbox[0], m.Prefill)
+    if how == "restarted":
+        p0 = c.restart("p0")
+    else:
+        c.kill("p0")
+        p0 = c.add_worker("p0", "prefill")
+    assert s.phase == "reserving" and not p0.inbox
+    c.step_inbox(d0)
+    assert s.prefill_worker == "p0" and [type(x) for x in p0.inbox] == [m.Prefill, m.KVTarget]
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+    assert c.quiescent()
+
+
 def test_decode_worker_lost_while_reserving_is_placed_once():
     """The race of the issue: the decode worker dies while its Reserve waits; the
     request moves; the reserve timer, firing later, must not place it again."""
