@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdd.api import SamplingParams
 from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
 from pdd.router.control import Overloaded, Unavailable
@@ -215,6 +216,24 @@ def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
     c.check()
 
 
+def test_an_id_used_again_never_takes_the_messages_of_the_request_that_had_it():
+    """A client sends X-Request-Id "x", leaves, and sends "x" again (a retry, or
+    ids it reuses): the first one's messages still on their way (its first
+    token, sent before its worker applied the Abort) are not the second's."""
+    c = SimCluster()
+    c0 = c.add_worker("c0", "colocated")
+    sp = SamplingParams(max_tokens=3, seed=1)
+    first = c.control.submit([1, 2, 3], sp, "x")
+    c.control.abort(first)
+    second = c.control.submit([4, 5, 6, 7], sp, "x")
+    assert second.request_id == "x" and second.decode_worker == "c0"
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem("x", first.epoch, 0, [999])]))
+    assert second.output_token_ids == [] and second.epoch != first.epoch
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem("x", second.epoch, 0, [7])]))
+    assert second.output_token_ids == [7]
+    c.check()
+
+
 def test_tokens_are_kept_once_by_position_and_a_gap_places_the_request_again():
     c, c0, _, s = running_on_c0(6)
     for position, tokens in ((0, [10, 11]), (1, [11, 12]), (3, [13])):   # an overlap, then in order
@@ -380,7 +399,7 @@ def test_admission_control_refuses_beyond_the_queue_limit():
     for _ in range(3):
         c.step_inbox(c0)
     c.act(c0, (first[0].request_id, 1))              # it has a token: no longer queued
-    assert c.submit().epoch == 1
+    assert c.submit().decode_worker == "c0"
     c.check()
 
 
