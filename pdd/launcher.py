@@ -1,8 +1,9 @@
 """`pdd up`: a whole local cluster from one command.
 
 Starts the router and the workers as child processes (the same `pdd serve`
-a systemd unit runs), waits until the router reports every worker ready,
-prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
+a systemd unit runs), waits until the router reports every worker ready (a
+child that exits first stops the start, with the error it logged last: an
+address in use, say), prints the URL, and on SIGINT/SIGTERM shuts down in order: the router drains
 (finishes what is in flight, refuses new requests), then the workers stop.
 A worker that dies is restarted (as systemd's Restart=on-failure would; the
 router moves its requests meanwhile); if the router dies, `up` stops and fails.
@@ -89,6 +90,7 @@ class Child:
     proc: subprocess.Popen
     args: list[str]
     env: dict | None
+    log_start: int = 0            # the size of its log when this process of it started
     restarts: int = 0
     restarted_at: list[float] = dataclasses.field(default_factory=list)   # monotonic, within the window
 
@@ -96,6 +98,33 @@ class Child:
         """Restarted MAX_RESTARTS times within RESTART_WINDOW_S of `now`."""
         self.restarted_at = [t for t in self.restarted_at if now - t < RESTART_WINDOW_S]
         return len(self.restarted_at) >= MAX_RESTARTS
+
+
+def last_error(log: Path, start: int = 0) -> str | None:
+    """Why a child stopped, as it said it last in its log from `start` on (text
+    or JSON lines): a line it printed as `pdd serve: ...`, or the message of its
+    last ERROR or CRITICAL record. None if it said nothing of the kind."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("pdd serve: "):
+            return line.removeprefix("pdd serve: ")
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("level") in ("ERROR", "CRITICAL"):
+                return str(record.get("msg", ""))
+            continue
+        parts = line.split(" ", 3)    # date, time, level, "logger: message"
+        if len(parts) == 4 and parts[2] in ("ERROR", "CRITICAL"):
+            return parts[3].partition(": ")[2] or parts[3]
+    return None
 
 
 def cpu_threads_each(cfg: ClusterConfig, workers: list[tuple[str, str, str | None]],
@@ -127,8 +156,10 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
 
-    def _popen(self, name: str, args: list[str], env: dict | None) -> subprocess.Popen:
+    def _popen(self, name: str, args: list[str], env: dict | None) -> tuple[subprocess.Popen, int]:
+        """The child started, and where in its log (appended at each start) it begins writing."""
         with open(self.run_dir / f"{name}.log", "ab") as log:
+            start = log.tell()
             # The level as `up` resolved it (flag, env, config): a child's environment must not undo a flag.
             cmd = [sys.executable, "-m", "pdd.cli", "--log-level", self.cfg.log.level,
                    "serve", "--config", str(self.config_path), *args]
@@ -136,16 +167,18 @@ class Cluster:
             child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV and k not in sdnotify.ENV_VARS}
             child_env.update(env or {})
             child_env[SUPERVISOR_ENV] = str(os.getpid())   # it stops if this process dies
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)
+            return proc, start
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
-        self.children.append(Child(name, self._popen(name, args, env), args, env))
+        proc, start = self._popen(name, args, env)
+        self.children.append(Child(name, proc, args, env, start))
 
     def restart(self, child: Child) -> None:
         child.restarts += 1
         child.restarted_at.append(time.monotonic())
-        child.proc = self._popen(child.name, child.args, child.env)
+        child.proc, child.log_start = self._popen(child.name, child.args, child.env)
 
     def claim(self) -> None:
         """The run directory made or checked, and locked for this process
@@ -191,8 +224,10 @@ class Cluster:
                 raise RuntimeError("stopped by a signal before the cluster was ready")
             dead = self.dead_child()
             if dead is not None:
-                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up; "
-                                   f"see {self.run_dir / (dead.name + '.log')}")
+                log = self.run_dir / (dead.name + ".log")
+                why = last_error(log, dead.log_start)
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up"
+                                   f"{': ' + why if why else ''}; see {log}")
             health = urllib.request.Request(self.url + "/health")
             if self.cfg.security.api_keys:  # in case /health is not among the open paths
                 health.add_header("Authorization", f"Bearer {self.cfg.security.api_keys[0]}")

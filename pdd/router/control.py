@@ -10,7 +10,10 @@ worker). Nothing here runs on its own: no task per request.
 Placement (pdd.router.placement.place) decides where a request goes. Each
 placement starts a new epoch: every message to a worker carries it, and a
 worker's message about an older epoch, or from a worker that does not own the
-phase it speaks of, is dropped. Before a request is placed again its old
+phase it speaks of, is dropped. Epochs are numbered across all requests, not
+per request: a client may send a request id again (X-Request-Id) once the
+request that had it ended, and what the workers still send about that one
+must not pass for the new one's. Before a request is placed again its old
 owners are sent an Abort, ahead of anything of the new epoch on the same
 socket, so a stale copy never outlives its placement.
 
@@ -56,6 +59,7 @@ phase owned by that worker, changed only in `_own`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -115,6 +119,7 @@ class ControlPlane:
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
         self._timers = Timers()
+        self._epochs = itertools.count(1)
         self.num_queued = 0          # requests in flight without a token yet (admission control)
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
         self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
@@ -440,7 +445,12 @@ class ControlPlane:
                 self._place_again(state, None, f"worker {worker_id} was lost ({why})")
             elif state.phase == PREFILLING:
                 self._prefill_locally(state, "prefill_worker_lost")
-            # reserving: the prompt was not sent yet; a prefill worker is picked at Reserved
+            elif state.prompt_at == worker_id:
+                # reserving: a prefill worker is picked at Reserved. The prompt sent
+                # here went with that process: the one registered under the id by
+                # then (restarted, or re-registered after dropping all it held)
+                # must be sent it again, or it ignores the KVTarget.
+                state.prompt_at = None
 
     def _hung(self, worker_id: str, running_s: float) -> None:
         """An engine step that never ends, while the worker's loop still answers:
@@ -494,7 +504,7 @@ class ControlPlane:
 
     def _start(self, state: RequestState, plan: Plan) -> None:
         """A new placement: a new epoch, its owners, its first message."""
-        state.epoch += 1
+        state.epoch = next(self._epochs)
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
         self._own(state, plan.decode, plan.prefill)
         state.placed_at, state.prompt_at = self.clock(), None

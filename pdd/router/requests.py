@@ -9,7 +9,7 @@ pdd.router.control changes them.
     queued ──▶ reserving ──▶ prefilling ──▶ decoding ──▶ done
        │            (disaggregated)             ▲
        └────────────── colocated ───────────────┘
-    any phase ──▶ placed again (epoch + 1) on a failure, or done with an error
+    any phase ──▶ placed again (a new epoch) on a failure, or done with an error
 
 Each request keeps its timeline (`trace`): the events the state machine marks
 — queued, placed, each phase entered, first token, KV landed, fallbacks, end —
@@ -61,8 +61,9 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_hashes: list[int]
-    # The current placement. `epoch` changes at every (re-)placement; a worker's
-    # message about an older epoch is stale and dropped.
+    # The current placement. `epoch` changes at every (re-)placement, numbered
+    # across all of the router's requests; a worker's message about another
+    # epoch is stale and dropped.
     epoch: int = 0
     phase: str = QUEUED
     decode_worker: str | None = None    # decodes and streams (colocated: does everything)

@@ -94,6 +94,7 @@ class EngineListener(Protocol):
     """The event loop's side; each method is called on the loop."""
     def on_engine_started(self, info: EngineInfo) -> None: ...
     def on_engine_messages(self, messages: list[m.Message]) -> None: ...
+    def on_engine_forgot(self) -> None: ...
     def on_engine_exit(self, code: int) -> None: ...
 
 
@@ -279,6 +280,10 @@ class EngineThread(threading.Thread):
                             len(held))
             for p in held:
                 self.placements.release(p.engine_id)
+            # What came before is about what was dropped: handed over ahead of
+            # the word that everything is, so the loop can tell the two apart.
+            self._flush()
+            self._post(self.listener.on_engine_forgot)
         elif item is not _Control.WAKE:
             with request_context(getattr(item, "request_id", None)):   # its log lines carry the id
                 try:

@@ -67,6 +67,9 @@ class Worker:
         self.unanswered = False        # said so: no answer for the liveness window
         self.heartbeats = HeartbeatReader(self.worker_id)
         self.draining = False
+        # ReRegisters whose dropping of everything held the engine thread has not
+        # done yet: until it has, what it hands over is about dropped placements.
+        self.forgets_pending = 0
         self.exit_code = 0
         self.info: EngineInfo | None = None
         self.engine_thread: EngineThread | None = None
@@ -160,8 +163,15 @@ class Worker:
         self.started.set()
 
     def on_engine_messages(self, messages: list[m.Message]) -> None:
+        if self.forgets_pending:
+            log.debug("worker %s: %d message(s) about dropped requests not sent", self.worker_id, len(messages))
+            return
         for msg in messages:
             self.outbox.put_nowait(msg)
+
+    def on_engine_forgot(self) -> None:
+        """The engine thread dropped everything it held (a ReRegister's forget_all)."""
+        self.forgets_pending = max(0, self.forgets_pending - 1)
 
     def on_engine_exit(self, code: int) -> None:
         """The engine thread ended: drained (0), or the engine failed."""
@@ -214,8 +224,13 @@ class Worker:
                 self.stopping.set()
             elif isinstance(msg, m.ReRegister):
                 # The router does not know us (it restarted, or took us for lost and
-                # moved our requests): whatever we hold is nobody's. Drop it all first.
+                # moved our requests): whatever we hold is nobody's. Drop it all first,
+                # and every message about it not sent yet (on_engine_messages): one that
+                # went after the Register could pass for a request the router placed
+                # here since, under the same id (a client's X-Request-Id) and epoch.
                 self.registered.clear()
+                self.forgets_pending += 1
+                self._drop_unsent()
                 self.engine_thread.forget_all()
                 await self.chan.send(self.register_message())
             elif isinstance(msg, m.SetFaults):
@@ -252,6 +267,17 @@ class Worker:
             log.warning("worker %s: log level now %s (pdd admin log-level)", self.worker_id, logs.set_level(level))
         except ValueError as e:
             log.error("worker %s: refused a log level: %s", self.worker_id, e)
+
+    def _drop_unsent(self) -> None:
+        """Empty the outbox (what the engine thread handed over and is not sent yet)."""
+        dropped = 0
+        while not self.outbox.empty():
+            if self.outbox.get_nowait() is None:   # the stop's end mark stays
+                self.outbox.put_nowait(None)
+                break
+            dropped += 1
+        if dropped:
+            log.debug("worker %s: %d unsent message(s) about dropped requests discarded", self.worker_id, dropped)
 
     async def _send_loop(self) -> None:
         """Sends what the engine thread handed over, in order, until None."""

@@ -111,8 +111,9 @@ def test_trace_shows_every_phase_of_a_disaggregated_request(cluster):
     assert phases == PHASE_ORDER, names
     assert {"first_token", "kv_landed", "transfer"} <= set(names) and "fallback" not in names
     first = {e["event"]: e for e in reversed(events)}
-    for name in ("placed", "reserving", "prefilling", "kv_landed"):
-        assert (first[name]["prefill"], first[name]["decode"], first[name]["epoch"]) == ("prefill-0", "decode-0", 1)
+    for name in ("placed", "reserving", "prefilling", "kv_landed"):   # one placement
+        assert (first[name]["prefill"], first[name]["decode"], first[name]["epoch"]) == (
+            "prefill-0", "decode-0", first["placed"]["epoch"])
     assert first["decoding"]["decode"] == first["end"]["decode"] == "decode-0"
     assert first["end"]["note"] == "length"
     assert [e["t_s"] for e in events] == sorted(e["t_s"] for e in events)
@@ -123,7 +124,7 @@ def test_trace_shows_every_phase_of_a_disaggregated_request(cluster):
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("+")]
     assert [r[1] for r in rows] == names
     placed = rows[names.index("placed")]
-    assert placed[2:5] == ["1", "prefill-0", "decode-0"]
+    assert placed[2:5] == [str(first["placed"]["epoch"]), "prefill-0", "decode-0"]
     missing = admin_cli(cluster, "trace", "no-such-request")
     assert missing.returncode == 1 and "no request 'no-such-request' in flight" in missing.stderr
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdd.api import SamplingParams
 from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
 from pdd.router.control import Overloaded, Unavailable
@@ -93,6 +94,30 @@ def test_a_prefill_worker_lost_before_the_reservation_is_replaced_at_it():
     assert s.prefill_worker == "p1" and [type(x) for x in p1.inbox] == [m.Prefill, m.KVTarget]
     run_to_end(c)
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+
+
+@pytest.mark.parametrize("how", ["restarted", "lost and back"])
+def test_a_prefill_worker_back_under_its_id_before_the_reservation_is_sent_the_prompt_again(how):
+    """p0 gets the prompt, then its process is replaced (or it is taken for lost,
+    drops all it held and registers again) while d0's Reserve waits: the p0
+    registered at Reserved holds nothing of the request, so it must get the
+    prompt with its KVTarget (a KVTarget alone is ignored: the request would
+    wait out its lease)."""
+    c = SimCluster()
+    p0, d0 = c.add_worker("p0", "prefill"), c.add_worker("d0", "decode")
+    s = c.submit(max_tokens=3)
+    assert isinstance(p0.inbox[0], m.Prefill)
+    if how == "restarted":
+        p0 = c.restart("p0")
+    else:
+        c.kill("p0")
+        p0 = c.add_worker("p0", "prefill")
+    assert s.phase == "reserving" and not p0.inbox
+    c.step_inbox(d0)
+    assert s.prefill_worker == "p0" and [type(x) for x in p0.inbox] == [m.Prefill, m.KVTarget]
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 3))
+    assert c.quiescent()
 
 
 def test_decode_worker_lost_while_reserving_is_placed_once():
@@ -188,6 +213,24 @@ def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
     assert s.epoch == 2
     c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem(s.request_id, 1, 0, [999])]))
     assert 999 not in s.output_token_ids
+    c.check()
+
+
+def test_an_id_used_again_never_takes_the_messages_of_the_request_that_had_it():
+    """A client sends X-Request-Id "x", leaves, and sends "x" again (a retry, or
+    ids it reuses): the first one's messages still on their way (its first
+    token, sent before its worker applied the Abort) are not the second's."""
+    c = SimCluster()
+    c0 = c.add_worker("c0", "colocated")
+    sp = SamplingParams(max_tokens=3, seed=1)
+    first = c.control.submit([1, 2, 3], sp, "x")
+    c.control.abort(first)
+    second = c.control.submit([4, 5, 6, 7], sp, "x")
+    assert second.request_id == "x" and second.decode_worker == "c0"
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem("x", first.epoch, 0, [999])]))
+    assert second.output_token_ids == [] and second.epoch != first.epoch
+    c.control.handle("c0", m.TokenBatch("c0", [m.TokenItem("x", second.epoch, 0, [7])]))
+    assert second.output_token_ids == [7]
     c.check()
 
 
@@ -356,7 +399,7 @@ def test_admission_control_refuses_beyond_the_queue_limit():
     for _ in range(3):
         c.step_inbox(c0)
     c.act(c0, (first[0].request_id, 1))              # it has a token: no longer queued
-    assert c.submit().epoch == 1
+    assert c.submit().decode_worker == "c0"
     c.check()
 
 
