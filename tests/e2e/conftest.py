@@ -16,3 +16,16 @@ def offline(tiny_model):
 def cluster(tmp_path_factory, tiny_model):
     with UpCluster(tmp_path_factory.mktemp("up"), tiny_model, "--mode", "colocated", "--workers", "2") as c:
         yield c
+
+
+# Both layouts of one worker each: a module's tests run once on each (its `layout` fixture).
+LAYOUTS = {"colocated": ("--mode", "colocated", "--workers", "1"),
+           "disagg": ("--mode", "disagg", "--prefill", "1", "--decode", "1")}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request, tmp_path_factory, tiny_model):
+    """A cluster of each layout in turn, `.layout` naming it."""
+    with UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]) as c:
+        c.layout = request.param
+        yield c

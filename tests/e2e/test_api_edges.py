@@ -10,18 +10,8 @@ import openai
 import pytest
 
 from tests.e2e import http_util
-from tests.e2e.cluster import UpCluster
 
-LAYOUTS = {"colocated": ("--mode", "colocated", "--workers", "1"),
-           "disagg": ("--mode", "disagg", "--prefill", "1", "--decode", "1")}
 PROMPT = "The quick brown fox jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request, tmp_path_factory, tiny_model):
-    with UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]) as c:
-        c.layout = request.param
-        yield c
 
 
 def completions(cluster, headers: dict | None = None, **body) -> dict:

@@ -15,21 +15,11 @@ import torch
 
 from pdd import SamplingParams
 from tests.e2e import http_util
-from tests.e2e.cluster import UpCluster
 from tests.e2e.test_disagg import metric
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = {"colocated": ("--mode", "colocated", "--workers", "1"),
-           "disagg": ("--mode", "disagg", "--prefill", "1", "--decode", "1")}
 PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog jumps over the fox again and again."
-
-
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request, tmp_path_factory, tiny_model):
-    with UpCluster(tmp_path_factory.mktemp(request.param), tiny_model, *LAYOUTS[request.param]) as c:
-        c.layout = request.param
-        yield c
 
 
 @pytest.fixture(scope="module")
