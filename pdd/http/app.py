@@ -100,6 +100,7 @@ class OpenAIServer:
         req = s.parse_completion_request(body, self.served_models, self.default_max_tokens,
                                          vocab_size=self.tokenizer.vocab_size)
         self.note_ignored(request, req.ignored_fields)
+        self._admit(req)
         prompts = []
         for p in req.prompts:
             if p.text is None:
@@ -114,8 +115,17 @@ class OpenAIServer:
         req = s.parse_chat_request(body, self.served_models, vocab_size=self.tokenizer.vocab_size,
                                    tool_fmt=self.tool_format)
         self.note_ignored(request, req.ignored_fields)
+        self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
         return await self._generate(request, req, [ids])
+
+    def _admit(self, req: s.GenerateRequest) -> None:
+        """A request that will be submitted is refused (429) before its prompt is
+        tokenized when it would be at submission: a burst of large prompts while
+        overloaded gets its answers at once, not each after its turn in the
+        tokenizer process, which does no work for them."""
+        if req.max_tokens_unset or req.sampling.max_tokens:   # max_tokens 0: answered without a worker
+            self.router.check_admission()
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: 200 whenever the event loop answers, whatever the workers do

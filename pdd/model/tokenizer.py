@@ -159,9 +159,18 @@ class IncrementalDetokenizer:
 
     The window starts in the prompt's last few tokens (`prompt_ids`): decoders
     such as SentencePiece's strip the leading space of a sequence's first
-    token, so decoding the output alone would turn " Paris" into "Paris"."""
+    token, so decoding the output alone would turn " Paris" into "Paris".
 
-    PROMPT_CONTEXT = 6   # tokens: enough for any decoder's look-back seen, cheap to re-decode
+    What is held back is bounded: a character is at most 4 bytes, so once
+    MAX_HELD_TOKENS tokens still end in U+FFFD, the bytes before the last
+    UTF8_TAIL_TOKENS tokens can never complete one (the model emits invalid
+    bytes) and go out as U+FFFD. Else the window, decoded again at every
+    token, would grow with the output: work quadratic in its length on the
+    router's event loop, and no text for the client until the end."""
+
+    PROMPT_CONTEXT = 6    # tokens: enough for any decoder's look-back seen, cheap to re-decode
+    MAX_HELD_TOKENS = 8   # more than any character needs (4 bytes; a skipped special token may sit between)
+    UTF8_TAIL_TOKENS = 3  # an unfinished character's lead byte is in one of these (at least a byte each)
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids=()):
         self.tokenizer = tokenizer
@@ -181,12 +190,21 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window = self._decode(self.ids[self.prefix_offset:])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            delta = window[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
+            return self._release(window[len(prefix):], len(self.ids))
+        if len(self.ids) - self.read_offset >= self.MAX_HELD_TOKENS:   # invalid bytes: they stay so
+            # The last token boundary before the tail that cuts no character:
+            # the text up to it is the start of the window's.
+            for end in range(len(self.ids) - self.UTF8_TAIL_TOKENS, self.read_offset, -1):
+                settled = self._decode(self.ids[self.prefix_offset:end])
+                if len(settled) > len(prefix) and window.startswith(settled):
+                    return self._release(settled[len(prefix):], end)
         return ""
+
+    def _release(self, delta: str, read_to: int) -> str:
+        """`delta`: the text of the tokens up to `read_to`, after what went out already."""
+        self.prefix_offset, self.read_offset = self.read_offset, read_to
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still held back (even if broken)."""

@@ -145,11 +145,7 @@ class ControlPlane:
             while f"{request_id}#{n}" in self.requests:
                 n += 1
             request_id = f"{request_id}#{n}"
-        limit = self.cfg.max_queued_requests
-        if limit and self.num_queued >= limit:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise Overloaded(f"the server is overloaded: {self.num_queued} requests wait for their first "
-                             f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
+        self.check_admission()
         if hashes is None:
             hashes = self.prompt_hashes(prompt_token_ids)
         now = self.clock()
@@ -169,6 +165,14 @@ class ControlPlane:
             self.metrics.fallbacks.labels("breaker_open").inc()
         self._start(state, plan)
         return state
+
+    def check_admission(self) -> None:
+        """Overloaded when router.max_queued_requests requests wait for their first token."""
+        limit = self.cfg.max_queued_requests
+        if limit and self.num_queued >= limit:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise Overloaded(f"the server is overloaded: {self.num_queued} requests wait for their first "
+                             f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
 
     def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
                        hashes: list[int] | None = None, span: SpanContext | None = None) -> list[RequestState]:

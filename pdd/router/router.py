@@ -136,6 +136,11 @@ class Router:
                 None, self.control.prompt_hashes, prompt_token_ids)
         return self.control.submit_choices(prompt_token_ids, sampling, request_id, n, hashes, span)
 
+    def check_admission(self) -> None:
+        """Overloaded (429) when a request submitted now would be: asked before the
+        work that precedes submission (tokenizing a large prompt)."""
+        self.control.check_admission()
+
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away ("abort"), or its answer is complete ("stop": a stop
         string matched): no-op once it finished."""

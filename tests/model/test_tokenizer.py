@@ -185,3 +185,21 @@ def test_continue_final_message_ends_inside_the_last_message(tok):
     text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
     closed = tok.apply_chat_template(messages, add_generation_prompt=False)
     assert text.endswith("Once upon") and closed.startswith(text) and len(closed) > len(text)
+
+
+def test_invalid_bytes_go_out_as_they_come_and_the_window_stays_bounded(tok):
+    # A model emitting bytes that never form a character: without a bound the
+    # window would hold them all, decoded again at every token (quadratic work
+    # on the router's loop) and the client would get no text until the end.
+    stray = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    ids = [stray] * 200 + tok.encode(TEXT) + [stray] * 50 + tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok)
+    pieces, held = [], []
+    for t in ids:
+        pieces.append(detok.add([t]))
+        held.append(len(detok.ids) - detok.prefix_offset)
+    assert max(held) <= 16                                   # twice MAX_HELD_TOKENS at most
+    assert len("".join(pieces[:200])) >= 200 - 8            # all but MAX_HELD_TOKENS of them out
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids)   # the characters after them whole, as decoded at once
+    assert "🙂" in "".join(pieces[200:])
