@@ -127,3 +127,24 @@ def test_a_malformed_key_file_is_named(tmp_path):
     (d / "router.key").write_text('public-key = "not a z85 key at all, not even forty"\n')
     with pytest.raises(ConfigError, match=r"router\.key holds a malformed key"):
         control_security(secure_config(d), "decode")
+
+
+@pytest.mark.parametrize("where, mode_bits", [("", "0770"), ("authorized_workers", "0777"), ("authorized_admins", "0720")])
+def test_a_key_directory_others_may_write_is_refused_at_start(tmp_path, where, mode_bits):
+    """Whoever may write in it could authorize a key of their own (or swap the router's)."""
+    d = generate_keys(tmp_path / "k")
+    os.chmod(d / where, int(mode_bits, 8))
+    cfg = secure_config(d, router={"admin_token": "a" * 32})
+    with pytest.raises(ConfigError, match=f"{d / where} is writable by other users"):
+        check_start(cfg, "router")
+
+
+def test_a_key_file_others_may_write_lets_nobody_in(tmp_path, stranger_keys, caplog):
+    d = generate_keys(tmp_path / "k")
+    allowed = KeyDir(d / "authorized_workers")
+    mine = (d / "worker.key").read_text().split('"')[1].encode()
+    assert allowed.lookup(mine) == "worker"
+    os.chmod(d / "authorized_workers" / "worker.key", 0o666)
+    os.utime(d / "authorized_workers", ns=(1, 1))   # the directory is read again
+    assert allowed.lookup(mine) is None
+    assert "worker.key is writable by other users" in caplog.text
