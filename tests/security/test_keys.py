@@ -148,3 +148,17 @@ def test_a_key_file_others_may_write_lets_nobody_in(tmp_path, stranger_keys, cap
     os.utime(d / "authorized_workers", ns=(1, 1))   # the directory is read again
     assert allowed.lookup(mine) is None
     assert "worker.key is writable by other users" in caplog.text
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[router]\nadmin_token = 4829301847562910384\n", "router.admin_token: expected str, got int"),
+    ('[security]\napi_keys = [["sk-team-a-4829301847562910384"]]\n', "security.api_keys: expected str, got list"),
+    ('[tracing]\nheaders = [{authorization = "Bearer 4829301847562910384"}]\n', "tracing.headers: expected str, got dict"),
+])
+def test_a_secret_of_the_wrong_type_is_named_never_quoted(tmp_path, line, message):
+    """A config error goes to stderr and the journal, which more people read than the config."""
+    path = tmp_path / "pdd.toml"
+    path.write_text(line)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_cluster_config(path, env={})
+    assert "4829301847562910384" not in str(e.value)
