@@ -173,12 +173,12 @@ def _well_formed(key: bytes) -> bool:
 
 class KeyDir:
     """The public keys (*.key files) of one authorized directory, re-read when
-    the directory changes: adding or removing a file takes effect at the next
-    handshake, without a restart."""
+    the directory or one of its key files changes: adding, removing or
+    overwriting a file takes effect at the next handshake, without a restart."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: int | None = None
+        self._stamp: tuple | None = None
         self._names: dict[bytes, str] = {}
         self.lookup(b"")   # a missing directory is a start-up error, not a silent "nobody"
         # Whoever may add a file here may let their own key in.
@@ -186,10 +186,24 @@ class KeyDir:
         if why:
             raise ConfigError(f"security.keys_dir: {why}; whoever can write there can authorize a key of their own")
 
+    def _files_stamp(self) -> tuple:
+        """What changes when the directory does, or a key file's content or mode
+        (a key overwritten in place leaves the directory's mtime as it was).
+        OSError when the directory is gone."""
+        directory = os.stat(self.path).st_mtime_ns
+        files = []
+        for f in self.path.glob("*.key"):
+            try:
+                st = os.stat(f)
+            except OSError:   # removed since the listing: the directory's mtime says so
+                continue
+            files.append((f.name, st.st_mtime_ns, st.st_size, st.st_mode))
+        return directory, tuple(sorted(files))
+
     def lookup(self, public_z85: bytes) -> str | None:
         """The name of the key file holding this public key, or None."""
         try:
-            stamp = os.stat(self.path).st_mtime_ns
+            stamp = self._files_stamp()
         except OSError:
             if self._stamp is None:
                 raise ConfigError(f"security.keys_dir: no directory {self.path}; create keys with "

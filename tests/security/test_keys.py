@@ -162,3 +162,19 @@ def test_a_secret_of_the_wrong_type_is_named_never_quoted(tmp_path, line, messag
     with pytest.raises(ConfigError, match=message) as e:
         load_cluster_config(path, env={})
     assert "4829301847562910384" not in str(e.value)
+
+
+def test_a_key_overwritten_in_place_is_read_again(tmp_path, stranger_keys):
+    """Rotating a host's key by copying the new public key over the old file
+    leaves the directory's mtime as it was: the old key must still go."""
+    d = generate_keys(tmp_path / "k")
+    allowed = KeyDir(d / "authorized_workers")
+    old = (d / "worker.key").read_text().split('"')[1].encode()
+    new = (stranger_keys / "worker.key").read_text().split('"')[1].encode()
+    assert allowed.lookup(old) == "worker"
+    before = os.stat(d / "authorized_workers").st_mtime_ns
+    path = d / "authorized_workers" / "worker.key"
+    path.write_text((stranger_keys / "worker.key").read_text())
+    os.utime(path, ns=(1, 1))   # a new mtime even within the filesystem's timestamp granularity
+    assert os.stat(d / "authorized_workers").st_mtime_ns == before
+    assert allowed.lookup(old) is None and allowed.lookup(new) == "worker"
