@@ -398,6 +398,10 @@ class WorkerConfig:
         return self
 
 
+# (table, key) of the settings that hold secrets: masked by `pdd admin config`,
+# never quoted in an error about their value.
+SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"), ("tracing", "headers"))
+
 # Paths the HTTP API may serve without a key (security.open_paths).
 HTTP_OPENABLE_PATHS = ("/health", "/ready", "/metrics", "/v1/models")
 

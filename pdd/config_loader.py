@@ -20,8 +20,8 @@ import typing
 from pathlib import Path
 from urllib.parse import unquote
 
-from pdd.config import (ClusterConfig, ConfigError, EngineConfig, LogConfig, RouterConfig, SecurityConfig,
-                        TracingConfig, WorkerConfig)
+from pdd.config import (SECRET_FIELDS, ClusterConfig, ConfigError, EngineConfig, LogConfig, RouterConfig,
+                        SecurityConfig, TracingConfig, WorkerConfig)
 
 _TABLES = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerConfig,
            "security": SecurityConfig, "log": LogConfig,
@@ -199,7 +199,9 @@ def _coerce(value, hint, key: str):
     else:
         return value
     name = getattr(hint, "__name__", str(hint))
-    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+    # A secret's value goes to stderr and the journal: its type says enough.
+    shown = type(value).__name__ if tuple(key.split(".", 1)) in SECRET_FIELDS else repr(value)
+    raise ConfigError(f"{key}: expected {name}, got {shown}")
 
 
 def build(cls, table: dict | None, section: str, env: dict | None = None, origins: dict | None = None):

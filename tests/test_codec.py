@@ -55,6 +55,23 @@ def test_bad_messages_name_what_is_wrong(data, error):
     assert str(e.value).startswith(error)
 
 
+@pytest.mark.parametrize("payload,error", [
+    ({"t": [1], "v": m.PROTOCOL_VERSION}, "unknown message type [1]"),
+    ({"t": {"a": 1}, "v": m.PROTOCOL_VERSION}, "unknown message type {'a': 1}"),
+    ({"t": "x" * 10**6, "v": m.PROTOCOL_VERSION}, "unknown message type 'xxxx"),
+    ({"t": "goodbye", "v": [m.PROTOCOL_VERSION]}, "protocol version ["),
+    ({"t": "goodbye", "v": m.PROTOCOL_VERSION, "worker_id": "w", 1: 2, None: 3}, "goodbye: unknown field(s) [1, None]"),
+    ({"t": "goodbye", "v": m.PROTOCOL_VERSION, "worker_id": "w", **{f"f{i}": 0 for i in range(10**5)}},
+     "goodbye: unknown field(s) ['f0', 'f1', "),
+])
+def test_whatever_a_peer_sends_is_one_short_protocol_error(payload, error):
+    """A value no message could hold (unhashable, huge, of mixed key types) is
+    still a ProtocolError, whose text is a log line, not a copy of the message."""
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb(payload))
+    assert str(e.value).startswith(error) and len(str(e.value)) < 300, str(e.value)[:300]
+
+
 def test_generated_and_field_by_field_builders_agree():
     """Each type's generated fast path builds what the checked path builds, and
     leaves a bad map untouched for the checked path's error."""

@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from pdd import logs, security
+from pdd.config import SECRET_FIELDS
 from pdd.protocol import messages as m
 from pdd.router.traces import Timeline, matches
 from pdd.security import Curve, HandshakeWatch
@@ -43,8 +44,6 @@ audit = logging.getLogger(logs.AUDIT_LOGGER)
 MAX_REQUEST_BYTES = 64 * 1024   # larger requests get an error reply
 _HARD_LIMIT_BYTES = 1 << 20     # larger ones are not even read: zmq drops the connection
 MAX_ARGS = 16
-# (table, key) of the config values the `config` command masks.
-SECRET_FIELDS = (("router", "admin_token"), ("security", "api_keys"), ("tracing", "headers"))
 # Commands that only read; the others, and these with arguments where they take
 # some (breaker open ..., faults set ..., log-level LEVEL), change something.
 READS = frozenset({"status", "workers", "requests", "config", "security", "trace", "version"})

@@ -497,7 +497,7 @@ async def error_middleware(request: web.Request, handler):
         request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
         return _aiohttp_error(request, e)
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, request_log.logged_path(request))
         return error_response(500, "internal server error", "server_error")
 
 

@@ -27,6 +27,7 @@ import time
 import uuid
 
 from aiohttp import web
+from yarl import URL
 
 from pdd.logs import ACCESS_LOGGER, request_context
 from pdd.router.traces import Timeline
@@ -54,6 +55,14 @@ PREPARED_STATUS = _key("pdd_prepared_status", int)   # the status its headers we
 def client_request_id(value: str | None) -> str | None:
     """`value` if it is a usable request id, else None."""
     return value if value is not None and _SANE_ID.fullmatch(value) else None
+
+
+def logged_path(request: web.Request) -> str:
+    """The request's path as a log line may hold it: a decoded path can carry a
+    newline (`%0A`), with which anyone could append a forged line (an audit
+    record, say) to the log; one that is not all printable is logged percent-encoded."""
+    path = request.path
+    return path if path.isprintable() else URL.build(path=path).raw_path
 
 
 def new_request_id(path: str) -> str:
@@ -120,4 +129,4 @@ def access_line(request: web.Request, status: int, duration_s: float) -> None:
             fields["migrations"] = t["migrations"]
         if state.span is not None:
             fields["trace_id"] = state.span.trace_id
-    log.log(level, "%s %s", request.method, request.path, extra=fields)
+    log.log(level, "%s %s", request.method, logged_path(request), extra=fields)

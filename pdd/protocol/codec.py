@@ -51,12 +51,30 @@ def decode(data: bytes) -> Message:
     if not isinstance(raw, dict):
         raise ProtocolError(f"message must be a map, got {type(raw).__name__}")
     kind, version = raw.pop("t", None), raw.pop("v", None)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    cls = MESSAGE_TYPES.get(kind)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {_shown(version)}, expected {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None   # a list or map is not even hashable
     if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {_shown(kind)}")
     return _build(cls, raw, kind)
+
+
+# What an error message quotes of a peer's value: the log line of one bad
+# message stays a line, whatever the message holds.
+_SHOWN_CHARS = 80
+_SHOWN_NAMES = 8
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _names(names: list) -> str:
+    """Field names for an error message: the first few, and how many more."""
+    shown = ", ".join(_shown(n) for n in names[:_SHOWN_NAMES])
+    more = len(names) - _SHOWN_NAMES
+    return f"[{shown}{f', (+{more} more)' if more > 0 else ''}]"
 
 
 def _build(cls, raw: dict, where: str):
@@ -107,7 +125,7 @@ def _checked_builder(cls, positional: bool = False):
         if missing:
             raise _Mismatch(f"missing field(s) {missing}")
         if not names.issuperset(raw):
-            raise _Mismatch(f"unknown field(s) {sorted(set(raw) - names)}")
+            raise _Mismatch(f"unknown field(s) {_names(sorted(set(raw) - names, key=repr))}")
         for name, value in raw.items():
             try:
                 raw[name] = convert[name](value)

@@ -33,7 +33,8 @@ from pdd.security.zap import HandshakeWatch, ZapHandler, count, counts
 
 __all__ = ["Curve", "HandshakeWatch", "KeyDir", "admin_client_security", "admin_security", "admin_token_problem",
            "check_key_set", "check_start", "control_security", "count", "counts", "data_security", "generate_keys",
-           "private_dir", "read_secret_file", "untrusted_dir", "worker_public_key", "write_private"]
+           "private_dir", "read_secret_file", "untrusted_dir", "worker_public_key", "writable_by_others",
+           "write_private"]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,15 @@ def untrusted_dir(path: Path) -> str | None:
     st = os.stat(path)
     if st.st_uid != os.geteuid():
         return f"{path} belongs to another user (uid {st.st_uid})"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by other users (mode {st.st_mode & 0o7777:04o})"
+    return writable_by_others(path)
+
+
+def writable_by_others(path: Path) -> str | None:
+    """Why users other than the owner could change what `path` holds (a
+    directory, or a key file), or None."""
+    mode = os.stat(path).st_mode
+    if mode & 0o022:
+        return f"{path} is writable by other users (mode {mode & 0o7777:04o}; chmod go-w it)"
     return None
 
 
@@ -165,19 +173,37 @@ def _well_formed(key: bytes) -> bool:
 
 class KeyDir:
     """The public keys (*.key files) of one authorized directory, re-read when
-    the directory changes: adding or removing a file takes effect at the next
-    handshake, without a restart."""
+    the directory or one of its key files changes: adding, removing or
+    overwriting a file takes effect at the next handshake, without a restart."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: int | None = None
+        self._stamp: tuple | None = None
         self._names: dict[bytes, str] = {}
         self.lookup(b"")   # a missing directory is a start-up error, not a silent "nobody"
+        # Whoever may add a file here may let their own key in.
+        why = writable_by_others(path)
+        if why:
+            raise ConfigError(f"security.keys_dir: {why}; whoever can write there can authorize a key of their own")
+
+    def _files_stamp(self) -> tuple:
+        """What changes when the directory does, or a key file's content or mode
+        (a key overwritten in place leaves the directory's mtime as it was).
+        OSError when the directory is gone."""
+        directory = os.stat(self.path).st_mtime_ns
+        files = []
+        for f in self.path.glob("*.key"):
+            try:
+                st = os.stat(f)
+            except OSError:   # removed since the listing: the directory's mtime says so
+                continue
+            files.append((f.name, st.st_mtime_ns, st.st_size, st.st_mode))
+        return directory, tuple(sorted(files))
 
     def lookup(self, public_z85: bytes) -> str | None:
         """The name of the key file holding this public key, or None."""
         try:
-            stamp = os.stat(self.path).st_mtime_ns
+            stamp = self._files_stamp()
         except OSError:
             if self._stamp is None:
                 raise ConfigError(f"security.keys_dir: no directory {self.path}; create keys with "
@@ -187,6 +213,10 @@ class KeyDir:
             names = {}
             for f in sorted(self.path.glob("*.key")):
                 try:
+                    why = writable_by_others(f)
+                    if why:   # anyone could put their own key in it
+                        log.warning("ignoring the key file %s", why)
+                        continue
                     names[zmq.auth.load_certificate(f)[0]] = f.stem
                 except (OSError, ValueError):
                     log.warning("ignoring unreadable key file %s", f)
@@ -249,7 +279,12 @@ def _keys_dir(cfg: ClusterConfig) -> Path | None:
         raise ConfigError("security: no keys configured. Create them with `pdd keys generate DIR` and set "
                           "security.keys_dir = DIR (or PDD_SECURITY__KEYS_DIR); or set security.insecure = true "
                           "to run with no authentication (only where nobody else can reach the sockets)")
-    return Path(sec.keys_dir).expanduser()
+    d = Path(sec.keys_dir).expanduser()
+    # Whoever may write there could swap the router's public key or the authorized directories.
+    why = d.is_dir() and writable_by_others(d)
+    if why:
+        raise ConfigError(f"security.keys_dir: {why}; whoever can write there can swap the cluster's keys")
+    return d
 
 
 def control_security(cfg: ClusterConfig, role: str) -> Curve | None:

@@ -127,3 +127,54 @@ def test_a_malformed_key_file_is_named(tmp_path):
     (d / "router.key").write_text('public-key = "not a z85 key at all, not even forty"\n')
     with pytest.raises(ConfigError, match=r"router\.key holds a malformed key"):
         control_security(secure_config(d), "decode")
+
+
+@pytest.mark.parametrize("where, mode_bits", [("", "0770"), ("authorized_workers", "0777"), ("authorized_admins", "0720")])
+def test_a_key_directory_others_may_write_is_refused_at_start(tmp_path, where, mode_bits):
+    """Whoever may write in it could authorize a key of their own (or swap the router's)."""
+    d = generate_keys(tmp_path / "k")
+    os.chmod(d / where, int(mode_bits, 8))
+    cfg = secure_config(d, router={"admin_token": "a" * 32})
+    with pytest.raises(ConfigError, match=f"{d / where} is writable by other users"):
+        check_start(cfg, "router")
+
+
+def test_a_key_file_others_may_write_lets_nobody_in(tmp_path, stranger_keys, caplog):
+    d = generate_keys(tmp_path / "k")
+    allowed = KeyDir(d / "authorized_workers")
+    mine = (d / "worker.key").read_text().split('"')[1].encode()
+    assert allowed.lookup(mine) == "worker"
+    os.chmod(d / "authorized_workers" / "worker.key", 0o666)
+    os.utime(d / "authorized_workers", ns=(1, 1))   # the directory is read again
+    assert allowed.lookup(mine) is None
+    assert "worker.key is writable by other users" in caplog.text
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[router]\nadmin_token = 4829301847562910384\n", "router.admin_token: expected str, got int"),
+    ('[security]\napi_keys = [["sk-team-a-4829301847562910384"]]\n', "security.api_keys: expected str, got list"),
+    ('[tracing]\nheaders = [{authorization = "Bearer 4829301847562910384"}]\n', "tracing.headers: expected str, got dict"),
+])
+def test_a_secret_of_the_wrong_type_is_named_never_quoted(tmp_path, line, message):
+    """A config error goes to stderr and the journal, which more people read than the config."""
+    path = tmp_path / "pdd.toml"
+    path.write_text(line)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_cluster_config(path, env={})
+    assert "4829301847562910384" not in str(e.value)
+
+
+def test_a_key_overwritten_in_place_is_read_again(tmp_path, stranger_keys):
+    """Rotating a host's key by copying the new public key over the old file
+    leaves the directory's mtime as it was: the old key must still go."""
+    d = generate_keys(tmp_path / "k")
+    allowed = KeyDir(d / "authorized_workers")
+    old = (d / "worker.key").read_text().split('"')[1].encode()
+    new = (stranger_keys / "worker.key").read_text().split('"')[1].encode()
+    assert allowed.lookup(old) == "worker"
+    before = os.stat(d / "authorized_workers").st_mtime_ns
+    path = d / "authorized_workers" / "worker.key"
+    path.write_text((stranger_keys / "worker.key").read_text())
+    os.utime(path, ns=(1, 1))   # a new mtime even within the filesystem's timestamp granularity
+    assert os.stat(d / "authorized_workers").st_mtime_ns == before
+    assert allowed.lookup(old) is None and allowed.lookup(new) == "worker"
