@@ -87,6 +87,9 @@ class StubRouter:
     def max_model_len(self):
         return self._max_model_len
 
+    def check_admission(self) -> None:
+        """Admits everything: no queue here."""
+
     def status(self) -> dict:
         return {"model": "m", "ready": True, "accepting": True, "requests_in_flight": 0, "uptime_s": 0.0,
                 "workers": self.worker_summaries()}
