@@ -102,11 +102,13 @@ class Scheduler:
         request waits for its KV; None (and no change) if blocks are short."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        computed, num_cached = self.kv.get_computed_blocks(req)
+        looked_up = self._takes_cached_blocks(req)
+        computed, num_cached = self.kv.get_computed_blocks(req) if looked_up else ([], 0)
         blocks = self.kv.allocate_slots(req, req.num_tokens - num_cached, computed)
         if blocks is None:
             return None
-        self.kv.count_lookup(req, num_cached)
+        if looked_up:
+            self.kv.count_lookup(req, num_cached)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
@@ -167,6 +169,15 @@ class Scheduler:
         self._schedule_long_prompts(out, budget)
         return out
 
+    def _takes_cached_blocks(self, req: Request) -> bool:
+        """Whether a request being admitted (or reserved) looks its prefix up in
+        the cache. Only one holding no blocks does: a reserved request computed
+        here after all (compute_locally) has its blocks, and cached blocks
+        appended after them would be attended and written as its own. One
+        collecting prompt logprobs computes every prompt position, also when
+        reserved and then prefilled here after all."""
+        return req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None
+
     def _is_long(self, wanted: int) -> bool:
         """A prompt with `wanted` tokens still to compute is long (a decode never is)."""
         threshold = self.cfg.long_prefill_token_threshold
@@ -211,11 +222,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
             computed, num_cached = [], 0
-            # Only a request holding no blocks takes cached ones: a reserved request
-            # computed here after all (compute_locally) has its blocks, and cached
-            # blocks appended after them would be attended and written as its own.
-            # One collecting prompt logprobs computes every prompt position.
-            looked_up = req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None
+            looked_up = self._takes_cached_blocks(req)
             if looked_up:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             wanted = req.num_tokens - req.num_computed_tokens - num_cached
