@@ -222,3 +222,29 @@ def test_local_prefill_of_a_reservation_gives_every_prompt_logprob(tiny_model, c
     assert [lp for lp, _, _ in got[0]] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
     assert cached == 0
     pair.assert_idle()
+
+
+def test_a_local_prefill_waiting_with_its_blocks_gives_them_to_the_request_ahead(tiny_model, colocated):
+    """A reservation prefilled here after all waits holding its blocks, behind
+    a request that needs some of them (one sequence at a time: it cannot run
+    first). The waiting one gives its blocks up and is computed afterwards;
+    holding them, it left the other preempting itself forever."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), block_size=4, num_blocks=9, max_num_seqs=1))
+    first, reserved = random_prompts([16, 12], seed=5)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", first, SamplingParams(**vars(sp)))
+    tokens = {"a": [], "r": []}
+    while len(tokens["a"]) < 2:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    engine.reserve("r", reserved, SamplingParams(**vars(sp)))
+    assert engine.kv.num_free_blocks == 0
+    engine.prefill_locally("r")
+    for _ in range(200):   # a few dozen steps finish both
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens == {"a": colocated.generate([first], sp)[0].token_ids,
+                      "r": colocated.generate([reserved], sp)[0].token_ids}
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_usable_blocks
