@@ -312,7 +312,8 @@ def check(llm: LLM, planned: list[Planned], outcomes: dict[int, Outcome], refere
         if not o.aborted and solo.reason is not None:
             assert o.finished == solo.reason, f"{where}: {p.key} finished with {o.finished}, alone {solo.reason}"
         assert 0 <= o.cached <= len(p.prompt), f"{where}: {p.key} reports {o.cached} cached tokens"
-        if got and solo.prompt_logprobs is not None:
+        # A reservation given its first token has its prompt's logprobs from where that token was made.
+        if got and solo.prompt_logprobs is not None and not (p.kind == "reserve" and p.first_token):
             assert o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(solo.prompt_logprobs), \
                 f"{where}: {p.key} gave prompt logprobs {o.prompt_logprobs}, alone {solo.prompt_logprobs}"
             for (a, _, _), (b, _, _) in zip(o.prompt_logprobs, solo.prompt_logprobs):
