@@ -8,7 +8,7 @@ scheduling on or off) and a timeline: requests arrive at random steps with
 prompts that share prefixes with earlier prompts and outputs (equal, strict
 prefixes, continuations: prefix-cache hits, also on blocks freed but still
 cached), greedy or seeded sampling, stop tokens, max_tokens 1, min_tokens,
-penalties, logprobs, prompt logprobs. Some are the other roles' requests:
+penalties, logprobs, prompt logprobs, a grammar. Some are the other roles' requests:
 prefill-only, resumed from output made elsewhere, reserved and then prefilled
 here after all (after the first token or not). Some take the id of a request
 that is over (aborted while its step may still be in flight). Some are
@@ -31,6 +31,7 @@ import random
 from dataclasses import dataclass, field
 
 from pdd import LLM, SamplingParams
+from pdd.api import StructuredOutput
 from tests.engine.helpers import assert_all_blocks_free
 
 # Logprob gap under which two tokens are a tie: a batch changes a matmul's
@@ -71,9 +72,14 @@ class Reference:
                     logprobs += out.logprobs
                     reason = out.finish_reason
                     prompt_logprobs = out.prompt_logprobs or prompt_logprobs
-            gaps = [top[0][1] - top[1][1] if sp.greedy and not sp.penalized else None for _, top in logprobs]
+            gaps = [top[0][1] - top[1][1] if self._argmax(sp) else None for _, top in logprobs]
             self._runs[key] = Solo(tokens, reason, gaps, prompt_logprobs)
         return self._runs[key]
+
+    @staticmethod
+    def _argmax(sp: SamplingParams) -> bool:
+        """Its tokens are the model's likeliest (nothing banned, penalized or masked)."""
+        return sp.greedy and not sp.penalized and not sp.min_tokens and sp.structured_output is None
 
 
 @dataclass
@@ -141,6 +147,8 @@ def sampling(rng: random.Random, vocab: int) -> SamplingParams:
         kw["logprobs"] = rng.choice([0, 3])
     if rng.random() < 0.05:
         kw["prompt_logprobs"] = 1
+    if rng.random() < 0.05:
+        kw["structured_output"] = StructuredOutput("regex", "[a-z]{2,5}-[0-9]{3}")
     return SamplingParams(**kw)
 
 
