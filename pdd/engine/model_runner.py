@@ -274,9 +274,14 @@ class ModelRunner:
     @staticmethod
     def _pending_token(req, in_flight: LaunchedStep | None) -> int | None:
         """The token the step in flight sampled for `req`, if it will be
-        appended (the request was not preempted since); None if none."""
+        appended (the request was not preempted since); None if none. The row
+        under its id may be another request's: one aborted while that step was
+        in flight, whose id came back with a new request."""
         row = in_flight.row_of.get(req.request_id) if in_flight is not None else None
-        if row is None or in_flight.out.preemptions[in_flight.sample_rows[row]] != req.num_preemptions:
+        if row is None:
+            return None
+        i = in_flight.sample_rows[row]
+        if in_flight.out.scheduled[i][0] is not req or in_flight.out.preemptions[i] != req.num_preemptions:
             return None
         return int(in_flight.tokens_host[row])
 

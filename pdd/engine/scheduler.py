@@ -13,7 +13,10 @@ few requests decoding here. A request may carry its own, smaller chunk beside
 decodes (`prefill_chunk`: the router sizes a long prompt's chunks where others
 decode). When blocks run out, the newest
 running request is preempted: its blocks are freed (they stay in the prefix
-cache) and it is recomputed later.
+cache) and it is recomputed later. Before that, a waiting request holding
+blocks (a reservation prefilled here after all: compute_locally) gives them
+up: it has computed nothing beyond its cached prefix, which stays cached, and
+held while it waits they could keep the requests ahead of it from ever fitting.
 
 Long prompts (`long_prefill_token_threshold`: more than that many prompt
 tokens still to compute) do not hold the short ones: a step gives the short
@@ -102,11 +105,13 @@ class Scheduler:
         request waits for its KV; None (and no change) if blocks are short."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        computed, num_cached = self.kv.get_computed_blocks(req)
+        looked_up = self._takes_cached_blocks(req)
+        computed, num_cached = self.kv.get_computed_blocks(req) if looked_up else ([], 0)
         blocks = self.kv.allocate_slots(req, req.num_tokens - num_cached, computed)
         if blocks is None:
             return None
-        self.kv.count_lookup(req, num_cached)
+        if looked_up:
+            self.kv.count_lookup(req, num_cached)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
@@ -167,6 +172,15 @@ class Scheduler:
         self._schedule_long_prompts(out, budget)
         return out
 
+    def _takes_cached_blocks(self, req: Request) -> bool:
+        """Whether a request being admitted (or reserved) looks its prefix up in
+        the cache. Only one holding no blocks does: a reserved request computed
+        here after all (compute_locally) has its blocks, and cached blocks
+        appended after them would be attended and written as its own. One
+        collecting prompt logprobs computes every prompt position, also when
+        reserved and then prefilled here after all."""
+        return req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None
+
     def _is_long(self, wanted: int) -> bool:
         """A prompt with `wanted` tokens still to compute is long (a decode never is)."""
         threshold = self.cfg.long_prefill_token_threshold
@@ -194,7 +208,7 @@ class Scheduler:
             n = held[1] if held else self._chunk_of(req, wanted, budget)
             if n <= 0 or req.stops_after_in_flight():
                 continue  # no prompt room left this step, or its last token is in flight (it ends when that lands)
-            while self.kv.allocate_slots(req, n) is None:
+            while not self._allocate(req, n):
                 victim = self.running.pop()  # newest admitted; never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -211,11 +225,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
             computed, num_cached = [], 0
-            # Only a request holding no blocks takes cached ones: a reserved request
-            # computed here after all (compute_locally) has its blocks, and cached
-            # blocks appended after them would be attended and written as its own.
-            # One collecting prompt logprobs computes every prompt position.
-            looked_up = req.num_computed_tokens == 0 and not self.kv.block_ids(req) and req.prompt_logprobs is None
+            looked_up = self._takes_cached_blocks(req)
             if looked_up:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             wanted = req.num_tokens - req.num_computed_tokens - num_cached
@@ -228,7 +238,7 @@ class Scheduler:
                 n = min(n, self._long_floor)
             # NOTE: nothing passes a prompt that lacks blocks (or room), a long one
             # included: the blocks freed meanwhile go to it, never to those behind.
-            if n <= 0 or self.kv.allocate_slots(req, n, computed) is None:
+            if n <= 0 or not self._allocate(req, n, computed):
                 break
             del self.waiting[i]
             if looked_up:
@@ -244,6 +254,19 @@ class Scheduler:
                 self._take(out, req, n)
                 budget -= n
         return budget
+
+    def _allocate(self, req: Request, n: int, computed: list[int] = ()) -> bool:
+        """Room for n more tokens of `req` (kv.allocate_slots), taking the blocks
+        of waiting requests that hold some when the free ones are short."""
+        while self.kv.allocate_slots(req, n, computed) is None:
+            holder = next((r for r in reversed(self.waiting) if r is not req and self.kv.block_ids(r)), None)
+            if holder is None:
+                return False
+            log.debug("taking the blocks of waiting %s", holder.request_id)
+            # Cached blocks among them (its prefix; maybe `computed`) stay findable.
+            self.kv.free(holder)
+            holder.num_computed_tokens = 0
+        return True
 
     def _schedule_long_prompts(self, out: SchedulerOutput, budget: int) -> None:
         """The long prompts, oldest first: each its floor, set aside for it, and

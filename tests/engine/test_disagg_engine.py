@@ -199,3 +199,52 @@ def test_abort_of_a_reservation_frees_its_blocks(tiny_model):
     assert pair.d.kv.num_free_blocks < pair.d.kv.pool.num_usable_blocks
     assert pair.d.abort_request("y")
     pair.assert_idle()
+
+
+def test_local_prefill_of_a_reservation_gives_every_prompt_logprob(tiny_model, colocated):
+    """A request asking for its prompt's logprobs, reserved where its prefix is
+    cached, then prefilled here after all: it computes every prompt position
+    (cached blocks have no logits), as it would admitted here."""
+    pair = Pair(tiny_model)
+    prompt = random_prompts([3 * BS + 5], seed=20)[0]
+    pair.d.add_request("warm", prompt[:2 * BS + 1], SamplingParams(**vars(GREEDY)))
+    while pair.d.has_unfinished():
+        pair.d.step()
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    _, cached = pair.d.reserve("r", prompt, SamplingParams(**vars(sp)))
+    pair.d.prefill_locally("r")
+    got = []
+    while pair.d.has_unfinished():
+        got += [out.prompt_logprobs for out in pair.d.step() if out.prompt_logprobs is not None]
+    want = colocated.generate([prompt], sp)[0].prompt_logprobs
+    assert len(got) == 1 and len(got[0]) == len(prompt) - 1
+    assert [(rank, top[0][0]) for _, rank, top in got[0]] == [(rank, top[0][0]) for _, rank, top in want]
+    assert [lp for lp, _, _ in got[0]] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+    assert cached == 0
+    pair.assert_idle()
+
+
+def test_a_local_prefill_waiting_with_its_blocks_gives_them_to_the_request_ahead(tiny_model, colocated):
+    """A reservation prefilled here after all waits holding its blocks, behind
+    a request that needs some of them (one sequence at a time: it cannot run
+    first). The waiting one gives its blocks up and is computed afterwards;
+    holding them, it left the other preempting itself forever."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), block_size=4, num_blocks=9, max_num_seqs=1))
+    first, reserved = random_prompts([16, 12], seed=5)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", first, SamplingParams(**vars(sp)))
+    tokens = {"a": [], "r": []}
+    while len(tokens["a"]) < 2:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    engine.reserve("r", reserved, SamplingParams(**vars(sp)))
+    assert engine.kv.num_free_blocks == 0
+    engine.prefill_locally("r")
+    for _ in range(200):   # a few dozen steps finish both
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens == {"a": colocated.generate([first], sp)[0].token_ids,
+                      "r": colocated.generate([reserved], sp)[0].token_ids}
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_usable_blocks

@@ -87,6 +87,25 @@ def test_async_scheduling_does_not_change_the_output(tiny_model, llm):
             == [o.token_ids for o in sync.generate(prompts, params)])
 
 
+def test_an_id_back_while_its_aborted_request_is_in_flight_starts_a_fresh_grammar(tiny_model, llm):
+    """A request aborted while its step is in flight, and a new one under the
+    same id (a worker's engine id, given again after a router restart): the
+    token sampled for the old one must not feed the new one's grammar."""
+    regex = StructuredOutput("regex", "[a-z]{2,5}-[0-9]{3}")
+    old, new, other = random_prompts([7, 11, 9], seed=4)
+    want = llm.generate([new], sp(regex, 0, temperature=0.0))[0].token_ids
+    engine = LLM(str(tiny_model), num_blocks=64).engine
+    engine.add_request("other", other, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.add_request("x", old, sp(regex, 0, temperature=0.0))
+    engine.step()
+    assert engine.abort_request("x") and engine.in_flight is not None   # "other" keeps the step in flight
+    engine.add_request("x", new, sp(regex, 0, temperature=0.0))
+    got = []
+    while engine.has_unfinished():
+        got += [t for out in engine.step() if out.request_id == "x" for t in out.new_token_ids]
+    assert got == want
+
+
 @pytest.mark.parametrize("k", [1, 7, 20])
 def test_a_request_resumed_from_its_tokens_continues_the_same(llm, k):
     """A migrated request arrives as prompt + tokens so far (num_prior_output_tokens):
