@@ -8,6 +8,7 @@ import json
 from functools import cached_property
 from pathlib import Path
 
+from pdd.model.bpe import byte_alphabet
 from pdd.model.config import CheckpointError
 
 
@@ -128,22 +129,8 @@ class Tokenizer:
                                 add_special_tokens=False).ids
 
 
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte: a printable Latin-1 byte
-    is written as itself, each other byte as chr(256 + k), k counting them in
-    byte order (so the space is "Ġ", the newline "Ċ")."""
-    shown = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    chars, k = {}, 0
-    for b in range(256):
-        if b in shown:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + k)] = b
-            k += 1
-    return chars
-
-
-_BYTE_LEVEL_CHARS = _byte_level_chars()
+# GPT-2's byte-level alphabet read backwards: symbol -> the byte it stands for.
+_BYTE_LEVEL_CHARS = {symbol: b for b, symbol in enumerate(byte_alphabet())}
 
 
 def _token_str(value) -> str | None:
