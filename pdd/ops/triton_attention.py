@@ -8,8 +8,7 @@ import triton.language as tl
 
 from pdd.ops.metadata import AttentionMetadata
 from pdd.ops.triton_common import (_FLOAT_DTYPES, _LOG2E, _check_index, _check_kv_layer, _dot_mode,
-                                   _kv_scales, _let_next_launch, _num_sms, _on_gpu, _pow2, _wait_for_inputs,
-                                   pdl_options)
+                                   _kv_scales, _num_sms, _on_gpu, _pdl_wait, _pow2, pdl_options)
 
 # ---------------------------------------------------------------------------
 # paged attention: shared tile step
@@ -110,8 +109,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_part, l_part, acc_part,
                    NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_inputs(PDL)
-    _let_next_launch(PDL)
+    _pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,8 +165,7 @@ def _merge_splits_kernel(out_ptr, m_part, l_part, acc_part, num_splits, stride_o
     """One output row and head from its split-KV partials ([rows, heads, splits]
     for m and l, [..., HEAD_DIM] for acc): decodes, and prefill chunks over a deep
     context alike."""
-    _wait_for_inputs(PDL)
-    _let_next_launch(PDL)
+    _pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)

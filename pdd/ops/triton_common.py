@@ -99,7 +99,7 @@ def _num_sms(device: torch.device) -> int:
 # drain the first and ramp up the second. Launched with PDL (Hopper), a kernel's
 # programs may start while its predecessor still runs: they do what needs none of
 # its results (a GEMV issues its first weight loads), then wait for it
-# (`_wait_for_inputs`: griddepcontrol.wait, which returns once the predecessor has
+# (`_pdl_wait`: griddepcontrol.wait, which returns once the predecessor has
 # completed and its writes are visible). Each such kernel waits before it reads
 # an activation or writes anything, in every program, so completion still
 # implies every earlier kernel completed; kernels launched without PDL (torch's,
@@ -126,16 +126,11 @@ def pdl_options(device: torch.device, tokens: int) -> dict:
 
 
 @triton.jit
-def _wait_for_inputs(PDL: tl.constexpr):
-    """Under PDL: block until the previous kernel in the stream has completed."""
+def _pdl_wait(PDL: tl.constexpr):
+    """Under PDL: block until the previous kernel in the stream has completed,
+    then let the next one start once every program here got this far."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def _let_next_launch(PDL: tl.constexpr):
-    """Under PDL: the next kernel may start once every program here got this far."""
-    if PDL:
         gdc_launch_dependents()
 
 

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from pdd.ops import GEMV_MAX_M
 from pdd.ops.fp8_linear import FP8_DTYPE
-from pdd.ops.triton_common import _let_next_launch, _num_sms, _wait_for_inputs, pdl_options
+from pdd.ops.triton_common import _num_sms, _pdl_wait, pdl_options
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -126,8 +126,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
     w_up = w
     if SILU:
         w_up = _load_w(up_rows, offs_k, n_ok, offs_k < K, EVEN_K)
-    _wait_for_inputs(PDL)
-    _let_next_launch(PDL)
+    _pdl_wait(PDL)
     acc, acc_up = _row_step(acc, acc_up, w, w_up, x_ptr, offs_k, K, s_gate, s_up, stride_sk,
                             SCALE, SCALE_BK, SILU, EVEN_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.triton_common import (_check_kv_write, _kv_scales, _let_next_launch, _to_kv_cache, _wait_for_inputs,
-                                   pdl_options)
+from pdd.ops.triton_common import _check_kv_write, _kv_scales, _pdl_wait, _to_kv_cache, pdl_options
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -26,8 +25,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_inputs(PDL)
-    _let_next_launch(PDL)
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -127,8 +125,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_ca
     """One token: rotate all its q and k heads in place and, with STORE_KV, write
     the rotated k and its v into the token's cache slot (store_kv's layout;
     FP8: quantized with the layer's scales)."""
-    _wait_for_inputs(PDL)
-    _let_next_launch(PDL)
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
