@@ -7,8 +7,8 @@ Whatever way a handler ends — finished, stop string, client gone, error —
 `finally` makes sure the router forgets the request and the worker frees its
 blocks.
 
-Access (pdd.http.access): with API keys every path but `open_paths` needs
-`Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); without,
+Access (pdd.http.access, applied by pdd.http.middleware): with API keys every
+path but `open_paths` needs `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise); without,
 what a web page could send is refused (403, 415). Bodies must arrive within
 `http_body_timeout_s` (408); a Content-Length over `router.max_body_bytes` is
 answered 413 before any of the body is read. Idle, slow and non-reading
@@ -44,21 +44,20 @@ from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
+from pdd.http.middleware import (API_KEYS_KEY, CORS_KEY, GUARDS_KEY, KEYLESS_KEY, ROUTER_KEY, access_middleware,
+                                 cors_headers, cors_middleware, error_middleware, ignored_fields_header)
 from pdd.http import request_log
-from pdd.http.responses import error_response, json_response
+from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.tools import ToolCallReader, tool_format
-from pdd.http.utility import IGNORED_FIELDS_HEADER, IGNORED_FIELDS_KEY, UtilityEndpoints
+from pdd.http.utility import IGNORED_FIELDS_KEY, UtilityEndpoints
 from pdd.http.validate import say_ignored
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
-from pdd.router.router import Overloaded, Router, Unavailable
+from pdd.router.router import Router, Unavailable
 
 log = logging.getLogger(__name__)
-
-ROUTER_KEY = web.AppKey("router", Router)
-GUARDS_KEY = web.AppKey("guards", Guards)
 
 class OpenAIServer:
     def __init__(self, router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
@@ -398,123 +397,6 @@ def _flat(groups: list[list[Choice]]) -> list[Choice]:
     return [c for group in groups for c in group]
 
 
-API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
-KEYLESS_KEY = web.AppKey("keyless_checks", KeylessChecks)
-CORS_KEY = web.AppKey("cors_origins", frozenset)
-
-
-def _cors_origin(request: web.Request) -> str | None:
-    """The request's Origin when `security.cors_origins` lets that page call us."""
-    origin, allowed = request.headers.get("Origin"), request.app[CORS_KEY]
-    if origin is None or not allowed:
-        return None
-    return origin if ("*" in allowed or origin in allowed) else None
-
-
-@web.middleware
-async def cors_middleware(request: web.Request, handler):
-    """Answers a browser's preflight (OPTIONS, before any API key is asked for:
-    browsers send none with it) for the origins configured."""
-    if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-            and _cors_origin(request) is not None):
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
-                                                                "Authorization, Content-Type"),
-            "Access-Control-Max-Age": "600"})
-    return await handler(request)
-
-
-async def _ignored_fields_header(request: web.Request, response: web.StreamResponse) -> None:
-    # on_response_prepare: streams too, and whoever builds the response.
-    ignored = request.get(IGNORED_FIELDS_KEY)
-    if ignored is not None:
-        response.headers[IGNORED_FIELDS_HEADER] = ignored
-
-
-async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
-    # on_response_prepare: before the headers go, for streams too.
-    origin = _cors_origin(request)
-    if origin is not None:
-        response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Vary"] = "Origin"
-
-
-@web.middleware
-async def access_middleware(request: web.Request, handler):
-    """Tells the connection guard a request is in progress; refuses it without a
-    valid API key or, key-less, when a web page could have sent it."""
-    guard = request.app[GUARDS_KEY].get(request.transport)
-    if guard is not None:
-        guard.request_started()
-    try:
-        if not request.app[API_KEYS_KEY].allows(request):
-            security.count("http.bad_api_key")
-            request.app[ROUTER_KEY].metrics.http_errors.labels("401").inc()
-            resp = error_response(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
-                                  code="invalid_api_key")
-            resp.headers["WWW-Authenticate"] = "Bearer"
-            return resp
-        refusal = request.app[KEYLESS_KEY].refusal(request)
-        if refusal is not None:
-            security.count(f"http.{refusal.code}")
-            request.app[ROUTER_KEY].metrics.http_errors.labels(str(refusal.status)).inc()
-            return json_response(refusal.body(), refusal.status)
-        return await handler(request)
-    finally:
-        if guard is not None:
-            guard.request_finished()
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
-        resp = json_response(e.body(), e.status)
-        if e.status == 408:
-            resp.force_close()  # the rest of the body may still come: this connection is done
-        return resp
-    except Overloaded as e:
-        request.app[ROUTER_KEY].metrics.http_errors.labels("429").inc()
-        resp = error_response(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
-        resp.headers["Retry-After"] = str(e.retry_after_s)
-        return resp
-    except Unavailable as e:
-        request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()
-        return error_response(503, str(e), "service_unavailable")
-    except RequestError as e:
-        return error_response(500, str(e), "server_error")
-    except web.HTTPRequestEntityTooLarge:
-        request.app[ROUTER_KEY].metrics.http_errors.labels("413").inc()
-        limit = request.app[ROUTER_KEY].cfg.router.max_body_bytes
-        return error_response(413, f"request body is larger than the limit of {limit} bytes",
-                              code="request_too_large")
-    except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405), ...
-        if e.status < 400:
-            raise
-        request.app[ROUTER_KEY].metrics.http_errors.labels(str(e.status)).inc()
-        return _aiohttp_error(request, e)
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request_log.logged_path(request))
-        return error_response(500, "internal server error", "server_error")
-
-
-def _aiohttp_error(request: web.Request, e: web.HTTPException) -> web.Response:
-    """aiohttp's own error in OpenAI's shape, saying which request it answers;
-    a 405 with the Allow header HTTP requires of it."""
-    where = f"{request.method} {request.path}"
-    if isinstance(e, web.HTTPNotFound):
-        return error_response(404, f"{where}: not found (no such endpoint)")
-    if isinstance(e, web.HTTPMethodNotAllowed):
-        allowed = ", ".join(sorted(e.allowed_methods))
-        resp = error_response(405, f"{where}: method not allowed; this endpoint takes {allowed}")
-        resp.headers["Allow"] = allowed
-        return resp
-    return error_response(e.status, e.reason or "error")
-
-
 def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
               eos_token_ids: tuple[int, ...] = (), model_root: str | None = None) -> web.Application:
     """served_models: the names requests may give (the first is the one reported);
@@ -524,9 +406,9 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
                                        error_middleware],
                           client_max_size=router.cfg.router.max_body_bytes)
     app[CORS_KEY] = frozenset(sec.cors_origins)
-    app.on_response_prepare.append(_cors_headers)
+    app.on_response_prepare.append(cors_headers)
     app.on_response_prepare.append(request_log.add_headers)
-    app.on_response_prepare.append(_ignored_fields_header)
+    app.on_response_prepare.append(ignored_fields_header)
     server = OpenAIServer(router, tokenizer, served_models, eos_token_ids)
     utility = UtilityEndpoints(server, model_root or server.served_models[0])
     app[ROUTER_KEY] = router
