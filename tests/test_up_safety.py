@@ -18,7 +18,7 @@ import pytest
 
 from pdd.launcher import free_port
 from pdd.security import generate_keys
-from tests.e2e.cluster import UpCluster
+from tests.e2e.cluster import UpCluster, children
 from tests.e2e.http_util import get, post
 
 FILE_KEY = "sk-file-0123456789abcdef"
@@ -184,18 +184,6 @@ def test_keys_left_in_the_run_dir_that_cannot_serve_are_refused_and_kept(tmp_pat
     line = one_line(r)
     assert r.returncode == 78 and str(run_dir / "keys") in line and "worker.key_secret" in line
     assert sorted(p.name for p in (run_dir / "keys").iterdir()) == kept
-
-
-def children(pid: int) -> list[int]:
-    """The pids whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def gone(pid: int) -> bool:

@@ -7,29 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import aiohttp
 
-from tests.e2e.cluster import UpCluster, _wait_for
+from tests.e2e.cluster import UpCluster, _wait_for, children
 from tests.e2e.http_util import post
 
 # Whether a prompt is tokenized in the child process goes by the body's size
 # (past pdd.http.tokenize.INLINE_BYTES): OpenAI's `user` field makes it large
 # while the prompt still fits the tiny model's context.
 LARGE_BODY = {"prompt": "hello world", "max_tokens": 4, "user": "u" * 20_000}
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
 
 
 def test_an_overloaded_router_refuses_a_large_prompt_before_tokenizing_it(tmp_path, tiny_model):
