@@ -125,10 +125,14 @@ MAX_WORKER_ID_BYTES = 200
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")   # pdd.http.tools
 ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive", "threshold")
 
-# Exit status of a worker the router refused (KV layout mismatch), or told that
-# another process registered under its worker id since: EX_CONFIG. Supervisors
-# (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
+# Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
+# Supervisors (systemd's RestartPreventExitStatus, `pdd up`) do not restart it.
 EXIT_REFUSED = 78
+# Exit status of a worker told that another process registered under its worker
+# id since: not restarted either (it would replace the new one in turn), but
+# unlike a refusal it says nothing is wrong with the cluster, which `pdd up`
+# keeps serving.
+EXIT_REPLACED = 79
 # Exit status of a worker that cannot go on (its engine failed: a device error,
 # steps failing in a row; or its control loop did): EX_SOFTWARE. Supervisors
 # restart it.

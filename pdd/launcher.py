@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 from pdd import sdnotify
-from pdd.config import EXIT_REFUSED, ClusterConfig
+from pdd.config import EXIT_REFUSED, EXIT_REPLACED, ClusterConfig
 from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.lifetime import SUPERVISOR_ENV
 from pdd.run_dir import RunDirBusy, RunDirRefused, claim_run_dir, run_dir_keys
@@ -161,7 +161,9 @@ class Cluster:
         with open(self.run_dir / f"{name}.log", "ab") as log:
             start = log.tell()
             # The level as `up` resolved it (flag, env, config): a child's environment must not undo a flag.
-            cmd = [sys.executable, "-m", "pdd.cli", "--log-level", self.cfg.log.level,
+            # -P: the working directory is not put first on sys.path, so a folder
+            # named `pdd` where `up` was started cannot stand in for the package.
+            cmd = [sys.executable, "-P", "-m", "pdd.cli", "--log-level", self.cfg.log.level,
                    "serve", "--config", str(self.config_path), *args]
             # NOTIFY_SOCKET and the watchdog are this process's to answer, not its children's.
             child_env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV and k not in sdnotify.ENV_VARS}
@@ -174,6 +176,10 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
         proc, start = self._popen(name, args, env)
         self.children.append(Child(name, proc, args, env, start))
+
+    def forget(self, child: Child) -> None:
+        """Supervise `child` no more (it exited and is not to be restarted)."""
+        self.children.remove(child)
 
     def restart(self, child: Child) -> None:
         child.restarts += 1
@@ -397,6 +403,14 @@ def main(args) -> int:
             notify.status(f"serving {cluster.url}/v1", watchdog=True)   # from the loop that supervises
             pinged = time.monotonic()
         dead = cluster.dead_child()
+        if dead is not None and dead.proc.returncode == EXIT_REPLACED:
+            # Another process serves under its worker id now: the cluster goes on
+            # with that one, and restarting this one would replace it in turn.
+            print(f"pdd up: {dead.name} was replaced by another process registered under its worker id; "
+                  "no longer supervising it", file=sys.stderr)
+            notify.status(f"serving {cluster.url}/v1; {dead.name} replaced by another process")
+            cluster.forget(dead)
+            continue
         if dead is not None and (dead.name == "router" or dead.crash_looping(time.monotonic())
                                  or dead.proc.returncode == EXIT_REFUSED):
             print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster",

@@ -221,3 +221,42 @@ def test_a_host_without_a_gpu_driver_plans_cpu_workers_without_importing_torch()
             "print(l._devices(ClusterConfig()), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "False"], out
+
+
+def test_a_replaced_worker_leaves_the_cluster_serving(tmp_path, tiny_model):
+    """A second process under a live worker's id replaces it (the old one exits
+    79): `pdd up` neither restarts the old one nor stops the cluster, which
+    serves on with the new one."""
+    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1") as c:
+        old = c.child_pid("colocated")
+        env = {**os.environ, "PDD_ENGINE__DEVICE": "cpu", "PDD_LOG_LEVEL": "INFO"}
+        with open(tmp_path / "replacement.log", "wb") as log:
+            new = subprocess.Popen([sys.executable, "-P", "-m", "pdd.cli", "serve", "--config",
+                                    str(c.run_dir / "cluster.toml"), "--role", "colocated",
+                                    "--worker-id", "colocated-0"], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            c.wait_line("colocated-0 was replaced by another process")
+            assert gone(old)
+            body = {"model": c.model_name, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+            r = post(c.url + "/v1/completions", body)
+            assert r.status == 200, r.body
+            assert c.proc.poll() is None, "pdd up stopped"
+            assert new.poll() is None, (tmp_path / "replacement.log").read_text()
+            status = pdd("admin", "--config", str(c.run_dir / "cluster.toml"), "workers")
+            assert "colocated-0" in status.stdout, status.stdout + status.stderr
+        finally:
+            new.terminate()
+            new.wait(60)
+
+
+def test_up_from_a_directory_holding_a_pdd_folder_serves(tmp_path, tiny_model):
+    """Its children import the installed pdd, not a folder of that name where
+    `pdd up` was started."""
+    here = tmp_path / "project"
+    (here / "pdd").mkdir(parents=True)
+    (here / "pdd" / "__init__.py").write_text("raise ImportError('the wrong pdd was imported')\n")
+    (here / "pdd" / "cli.py").write_text("raise SystemExit('the wrong pdd.cli was run')\n")
+    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1", cwd=here) as c:
+        assert get(c.url + "/health").status == 200
+        body = {"model": c.model_name, "prompt": "hello", "max_tokens": 2}
+        assert post(c.url + "/v1/completions", body).status == 200

@@ -16,9 +16,9 @@ a transfer ends.)
 SIGTERM/SIGINT drain (take nothing new, finish what runs, say goodbye, exit);
 a second signal stops at once. If the engine or a control task cannot go on,
 the process exits with EXIT_WORKER_FAILED so that its supervisor restarts it.
-A process the router refuses, or tells that another process registered under
-its worker id since (Replaced), exits with EXIT_REFUSED: restarted, it would
-only fight the other one for the id.
+A process the router refuses exits with EXIT_REFUSED; one it tells that another
+process registered under its worker id since (Replaced) exits with EXIT_REPLACED:
+restarted, it would only fight the other one for the id.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import uuid
 import zmq.asyncio
 
 from pdd import build_info, faults, logs, sdnotify
-from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, ClusterConfig
+from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, EXIT_REPLACED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
 from pdd.security import control_security, worker_public_key
@@ -219,8 +219,8 @@ class Worker:
                 self._on_register_reply(msg)
             elif isinstance(msg, m.Replaced):
                 log.error("worker %s: another process registered under this worker id; this one exits "
-                          "(status %d: not to be restarted)", self.worker_id, EXIT_REFUSED)
-                self.exit_code = EXIT_REFUSED
+                          "(status %d: not to be restarted)", self.worker_id, EXIT_REPLACED)
+                self.exit_code = EXIT_REPLACED
                 self.stopping.set()
             elif isinstance(msg, m.ReRegister):
                 # The router does not know us (it restarted, or took us for lost and

@@ -24,11 +24,13 @@ class UpCluster:
     it, and at the end stops it and asserts a clean exit (the logs otherwise)."""
 
     def __init__(self, run_dir: Path, model: Path, *args: str, start_timeout_s: float = 180.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, cwd: Path | None = None):
         self.run_dir = run_dir
+        self.cwd = cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "pdd.cli", "up", "--model", str(model), "--port", str(self.port),
+        # -P: `up` itself imports the installed pdd wherever it is started (`cwd`).
+        self.cmd = [sys.executable, "-P", "-m", "pdd.cli", "up", "--model", str(model), "--port", str(self.port),
                     "--run-dir", str(run_dir), *args]
         self.start_timeout_s = start_timeout_s
         self.lines: queue.Queue[str] = queue.Queue()
@@ -43,7 +45,8 @@ class UpCluster:
             # workers run on the CPU either way. `pdd up` without a device is
             # tested where it is run directly (tests/test_up_safety.py).
             env.setdefault("PDD_ENGINE__DEVICE", "cpu")
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=self.cwd)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         seen = []
@@ -64,6 +67,21 @@ class UpCluster:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.put(line)
+
+    def wait_line(self, text: str, timeout_s: float = 120.0) -> str:
+        """The next line of `pdd up`'s own output that holds `text` (AssertionError
+        with the logs if none comes in time, or `up` exits)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"pdd up never said {text!r}\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.run_dir.glob("*.log")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from pdd.config import EXIT_REFUSED
+from pdd.config import EXIT_REPLACED
 from pdd.protocol import messages as m
 from tests.engine.helpers import greedy, random_prompts
 from tests.worker.harness import run_worker, worker_config
@@ -18,7 +18,7 @@ def test_a_process_told_it_was_replaced_exits_not_to_be_restarted(tiny_model, ca
 
     with caplog.at_level(logging.ERROR, logger="pdd.worker.worker"):
         _, code = run_worker(worker_config(tiny_model), scenario)
-    assert code == EXIT_REFUSED
+    assert code == EXIT_REPLACED
     assert "another process registered under this worker id" in caplog.text
 
 
