@@ -36,6 +36,27 @@ def test_the_dashboard_and_the_rules_query_only_series_the_router_exposes():
     assert wanted - monitoring.exposed_series(simulated_scrape()) == set()
 
 
+def test_two_clusters_series_stay_apart_in_every_rule_and_panel():
+    """Every cluster names its workers prefill-0, decode-0, ...: the scrape job
+    (one per cluster) must survive every aggregation of the rules, and every
+    panel reads one job's series (the dashboard's `job` variable)."""
+    import json
+    import re
+
+    rules = "\n".join(line for line in monitoring.RULES.read_text().splitlines()   # the queries alone
+                      if "summary:" not in line and not line.lstrip().startswith("#"))
+    groupings = re.findall(r"\b(?:sum|avg|max|min|count) by \(([^)]*)\)", rules)
+    assert groupings
+    for labels in groupings:
+        assert {"job", "instance"} <= {x.strip() for x in labels.split(",")}, labels
+    assert re.search(r"\b(?:sum|avg|max|min|count)\s*\(", rules) is None, "an aggregation without `by` drops job"
+    dashboard = json.loads(monitoring.DASHBOARD.read_text())
+    assert "job" in {v["name"] for v in dashboard["templating"]["list"]}
+    for expr in monitoring.dashboard_queries():
+        for mo in re.finditer(r"\bpdd_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert mo.group(1) and 'job="$job"' in mo.group(1), (mo.group(0), expr)
+
+
 def exposed_families() -> dict[str, tuple[str, frozenset[str]]]:
     """Series name as a query writes it (a counter with `_total`) -> (type, label names)
     of every family the router's metrics have, those with no series yet included."""
