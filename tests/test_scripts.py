@@ -38,3 +38,21 @@ def test_a_wrong_argument_is_one_line(name, args, says):
     r = run(name, *args)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
     assert says in r.stderr
+
+
+def test_every_install_pins_the_one_torch_of_scripts_lib_venv_sh():
+    """scripts/up and scripts/test (ensure_venv) and scripts/install-systemd get
+    torch from one pin: an unpinned pip install resolves the newest torch and
+    its CUDA wheels, even on a CPU host."""
+    def requirement(env: dict) -> str:
+        return subprocess.run(["bash", "-c", f". {SCRIPTS}/lib/venv.sh && torch_requirement"],
+                              capture_output=True, text=True, env=env, timeout=60).stdout.strip()
+
+    assert requirement({"PATH": "/usr/bin:/bin"}) == "torch==2.13.0"
+    assert requirement({"PATH": "/usr/bin:/bin", "PDD_TORCH_VERSION": "2.11.0"}) == "torch==2.11.0"
+    install = (SCRIPTS / "install-systemd").read_text()
+    assert '. "$src/scripts/lib/venv.sh"' in install
+    assert 'torch_requirement > "$copy.constraints"' in install
+    assert '--constraint "$copy.constraints"' in install
+    pips = [line for line in install.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
+    assert pips and all("--constraint" in line for line in pips), pips
