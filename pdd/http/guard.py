@@ -22,13 +22,17 @@ The app's middleware says when a request's handler starts and ends (the
 headers are complete once it starts). The body has its own timeout, in the
 handler that reads it (pdd.http.app), where a 408 can still be answered
 normally. Past the connection limit a new connection gets a 503 and is closed
-before aiohttp sees it. aiohttp's own answers to requests it cannot parse
+before aiohttp sees it. The listen queue is as deep as the connection limit:
+a burst of connections that arrive while the loop is busy waits there to be
+accepted (asyncio's default, 100, overflows and the kernel drops or resets
+them), up to the kernel's cap, net.core.somaxconn (warned at start when lower). aiohttp's own answers to requests it cannot parse
 (400) are OpenAI-shaped too (ShapedErrors).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -40,6 +44,8 @@ from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 
 log = logging.getLogger(__name__)
+
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")   # the kernel's cap on a listen queue (Linux)
 
 
 def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
@@ -236,8 +242,27 @@ class GuardedServer:
         await self.runner.cleanup()
 
 
+def somaxconn() -> int | None:
+    """The kernel's cap on a listen queue, or None where it cannot be read (not Linux)."""
+    try:
+        return int(SOMAXCONN.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_backlog(backlog: int) -> None:
+    """Warn when the kernel caps the listen queue below `backlog` (the connection limit)."""
+    cap = somaxconn()
+    if cap is not None and cap < backlog:
+        log.warning("the kernel caps listen queues at %d (sysctl net.core.somaxconn) below "
+                    "security.http_max_connections = %d: connections arriving in a burst beyond %d are "
+                    "dropped or reset; raise it (sysctl -w net.core.somaxconn=%d)", cap, backlog, cap, backlog)
+
+
 async def serve_guarded(runner: web.AppRunner, guards: Guards, host: str, port: int) -> GuardedServer:
     """Listen on host:port with every connection wrapped (runner already set up)."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(guards.factory(shaped_errors(runner.server)), host, port)
+    check_backlog(guards.max_connections)
+    server = await loop.create_server(guards.factory(shaped_errors(runner.server)), host, port,
+                                      backlog=guards.max_connections)
     return GuardedServer(runner, server)
