@@ -97,7 +97,15 @@ def _response_format(f: Fields) -> StructuredOutput | None:
     schema = sf.mapping("schema")
     if schema is None:   # OpenAI allows none: any JSON object
         return StructuredOutput("json_object")
-    return StructuredOutput("json_schema", json.dumps(schema))
+    return StructuredOutput("json_schema", _schema_text(sf.param("schema"), schema))
+
+
+def _schema_text(param: str, schema: dict) -> str:
+    """The schema as the text a StructuredOutput carries."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:   # the body parser allows deeper nesting than the encoder
+        raise bad(param, f"'{param}': the schema is nested too deep") from None
 
 
 def _spec(param: str, kind: str, value) -> str:
@@ -105,11 +113,13 @@ def _spec(param: str, kind: str, value) -> str:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise bad(param, f"'{param}': the schema is nested too deep") from None
             except ValueError as e:
                 raise bad(param, f"'{param}': not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise wrong_type(param, "a JSON schema object", value)
-        return json.dumps(value)
+        return _schema_text(param, value)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise bad(param, f"'{param}' must be a non-empty array of non-empty strings")

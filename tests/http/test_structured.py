@@ -86,6 +86,30 @@ def test_bad_structured_outputs(fields, param, words):
     refused(param, *words, **fields)
 
 
+
+def nested_schema(depth: int) -> str:
+    """A schema `depth` objects deep, as JSON text (deeper than orjson.dumps writes)."""
+    text = '{"type": "object"}'
+    for _ in range(depth):
+        text = '{"type": "object", "properties": {"a": ' + text + '}}'
+    return text
+
+
+@pytest.mark.parametrize("field, param", [
+    ('"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": %s}}' % nested_schema(500),
+     "response_format.json_schema.schema"),
+    ('"guided_json": %s' % nested_schema(500), "guided_json"),
+    ('"guided_json": %s' % json.dumps("[" * 5000 + "]" * 5000), "guided_json"),
+])
+def test_a_schema_nested_too_deep_is_a_400(field, param):
+    """Deeper than Python's json encoder or decoder recurses (the body parser allows it)."""
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], %s}' % field
+    with pytest.raises(APIError) as info:
+        req = parse_chat_request(body.encode(), MODELS)
+        check(req.sampling.structured_output, req.structured_param)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert "nested too deep" in info.value.message
+
 # ---------------------------------------------------------------- tools in the request
 
 def test_tools_go_to_the_template_and_auto_leaves_the_output_free():
