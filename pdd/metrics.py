@@ -11,6 +11,9 @@ Every family is `pdd_`-prefixed; the seeds' SRE names are kept as the suffix
 (`pdd_scheduler_iteration_latency_seconds`, ...). No `_created` series: they
 double every counter and histogram and no dashboard reads them.
 Per-worker series are dropped by `forget_worker` once a worker has left for good.
+Counters of events that may never happen (a breaker forced, a connection
+refused) have their series from the start, at 0, so a rate over them is
+right from the first event.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdd import __version__, build_info, tracing
-from pdd.router.breaker import STATE_VALUE
+from pdd import __version__, build_info, security, tracing
+from pdd.router.breaker import CAUSES, PATH, STATE_VALUE
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
@@ -93,13 +96,17 @@ class RouterMetrics:
         self.breaker_state = Gauge("pdd_breaker_state", "Circuit breaker per prefill->decode pair "
                                    "(0 closed, 1 open, 2 half-open; * * = the whole path)",
                                    ["prefill", "decode"], registry=r)
-        self.breaker_transitions = Counter("pdd_breaker_transitions", "Circuit breaker state changes",
-                                           ["prefill", "decode", "to"], registry=r)
+        self.breaker_transitions = Counter("pdd_breaker_transitions", "Circuit breaker state changes; cause: "
+                                           "auto (the breaker's own failure counts) or admin (`pdd admin "
+                                           "breaker`: forced, or given back to auto)",
+                                           ["prefill", "decode", "to", "cause"], registry=r)
+        self.show_breaker(*PATH, "closed")   # the whole path's, before anything is placed
         # A worker's (hit, query) totals as of its last heartbeat: the next delta's base.
         self._prefix_totals: dict[str, tuple[int, int]] = {}
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
         r.register(_TracingCollector())
+        r.register(_SecurityCollector())
 
     def observe_heartbeat(self, hb) -> None:
         w = hb.worker_id
@@ -120,6 +127,17 @@ class RouterMetrics:
         self.prefix_hits.labels(worker_id).inc(hits - last_hits)
         self.prefix_queries.labels(worker_id).inc(queries - last_queries)
         self._prefix_totals[worker_id] = (hits, queries)
+
+    def show_breaker(self, prefill: str, decode: str, state: str) -> None:
+        """A breaker's state as placement reads it; its transition series exist from now on."""
+        self.breaker_state.labels(prefill, decode).set(STATE_VALUE[state])
+        for to in STATE_VALUE:
+            for cause in CAUSES:
+                self.breaker_transitions.labels(prefill, decode, to, cause)
+
+    def breaker_moved(self, prefill: str, decode: str, new: str, cause: str) -> None:
+        self.show_breaker(prefill, decode, new)
+        self.breaker_transitions.labels(prefill, decode, new, cause).inc()
 
     def observe_tokens(self, state, now: float) -> None:
         """Tokens of `state` delivered at `now` (before state.deliver takes them)."""
@@ -146,7 +164,8 @@ class RouterMetrics:
         for prefill, decode in pairs:
             _remove(self.breaker_state, prefill, decode)
             for state in STATE_VALUE:
-                _remove(self.breaker_transitions, prefill, decode, state)
+                for cause in CAUSES:
+                    _remove(self.breaker_transitions, prefill, decode, state, cause)
 
     def observe_transfer(self, prefill: str, decode: str, stats: dict) -> None:
         self.transfer_seconds.labels(prefill, decode).observe(float(stats.get("seconds", 0.0)))
@@ -236,3 +255,23 @@ class _TracingCollector:
         dropped.add_metric(["queue_full"], stats["dropped_queue_full"])
         dropped.add_metric(["export_failed"], stats["dropped_export_failed"])
         yield from (exported, dropped)
+
+
+class _SecurityCollector:
+    """What the HTTP guard (pdd.http.guard) and the control plane refused or cut,
+    from the process's security counts (those of `pdd admin security`)."""
+
+    CUT_REASONS = ("send_timeout", "buffer_limit")   # counted as http.<reason>
+
+    def collect(self):
+        counts = security.counts()
+        refused = CounterMetricFamily("pdd_http_connections_refused", "Connections answered 503 and closed: "
+                                      "security.http_max_connections were open")
+        refused.add_metric([], counts.get("http.connection_limit", 0))
+        cut = CounterMetricFamily("pdd_http_clients_cut", "Clients that did not take what they were sent: "
+                                  "send_timeout (the connection took no byte for router.http_send_timeout_s: "
+                                  "cut) or buffer_limit (its stream held router.max_buffered_tokens: ended "
+                                  "with an error)", labels=["reason"])
+        for reason in self.CUT_REASONS:
+            cut.add_metric([reason], counts.get(f"http.{reason}", 0))
+        yield from (refused, cut)

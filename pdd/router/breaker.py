@@ -12,6 +12,11 @@ path breaker opens when failures are everywhere (a broken data plane, a bad
 deploy) so no pair is even tried until its cool-down passes. An operator may
 force any breaker open or closed until it is set back to auto.
 
+Every change of the state placement acts on is reported when it happens, with
+its cause: auto (the breaker's own counts) or admin (forced, or given back to
+auto). The one change not reported is an open breaker's cool-down running out:
+time alone makes it read half-open (Breaker.effective), until a trial moves it.
+
 Pure bookkeeping with an injected clock: the router's control plane records
 outcomes and asks before it places; nothing here runs on its own.
 """
@@ -25,6 +30,8 @@ from pdd.config import BreakerConfig
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}   # pdd_breaker_state
+AUTO, ADMIN = "auto", "admin"                      # why a breaker moved
+CAUSES = (AUTO, ADMIN)
 PATH = ("*", "*")                                 # the key of the whole-path breaker
 
 
@@ -39,6 +46,7 @@ class Breaker:
     cooldown_s: float = 0.0
     trial: str | None = None           # the request on trial (half-open), until its outcome or its end
     trial_successes: int = 0
+    reported: str = CLOSED             # the state on_transition last reported
 
     def effective(self, now: float) -> str:
         """The state placement should act on now (an open breaker past its cool-down reads half-open)."""
@@ -62,12 +70,12 @@ class Breaker:
 
 
 class Breakers:
-    """Every pair's breaker plus the path's. `on_transition(key, old, new)` sees each change."""
+    """Every pair's breaker plus the path's. `on_transition(key, old, new, cause)` sees each change."""
 
-    def __init__(self, settings: BreakerConfig, on_transition: Callable[[tuple, str, str], None] = None):
+    def __init__(self, settings: BreakerConfig, on_transition: Callable[[tuple, str, str, str], None] = None):
         self.settings = settings
         self.breakers: dict[tuple[str, str], Breaker] = {}
-        self.on_transition = on_transition or (lambda key, old, new: None)
+        self.on_transition = on_transition or (lambda key, old, new, cause: None)
 
     def get(self, key: tuple[str, str]) -> Breaker:
         b = self.breakers.get(key)
@@ -137,9 +145,15 @@ class Breakers:
         self._move(key, b, OPEN)
 
     def _move(self, key, b: Breaker, new: str) -> None:
-        old, b.state = b.state, new
+        b.state = new
+        self._report(key, b, new, AUTO)
+
+    def _report(self, key, b: Breaker, new: str, cause: str) -> None:
+        """Tell on_transition if `new` is not what it was told last (an open breaker
+        past its cool-down already reads half-open when a trial moves it there)."""
+        old, b.reported = b.reported, new
         if old != new:
-            self.on_transition(key, old, new)
+            self.on_transition(key, old, new, cause)
 
     def forget(self, worker_id: str) -> list[tuple[str, str]]:
         """Drop every pair `worker_id` is part of (it left for good); the pairs dropped."""
@@ -150,12 +164,14 @@ class Breakers:
 
     # ---------------------------------------------------------------- operator
 
-    def force(self, state: str | None, keys: list[tuple[str, str]]) -> None:
-        """state: open | closed | None (auto: the breaker's own state again)."""
+    def force(self, state: str | None, keys: list[tuple[str, str]], now: float) -> None:
+        """state: open | closed | None (auto: the breaker's own state again, as of `now`)."""
         if state not in (OPEN, CLOSED, None):
             raise ValueError(f"breaker state must be open, closed or auto, got {state!r}")
         for key in keys:
-            self.get(key).forced = state
+            b = self.get(key)
+            b.forced = state
+            self._report(key, b, b.effective(now), ADMIN)
 
     def snapshot(self, now: float) -> list[dict]:
         out = []

@@ -64,13 +64,14 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdd import security
 from pdd.api import INT64_MAX, SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
 from pdd.logs import request_context
 from pdd.metrics import RouterMetrics
 from pdd.protocol import messages as m
-from pdd.router.breaker import STATE_VALUE, Breakers
+from pdd.router.breaker import ADMIN, Breakers
 from pdd.router.estimator import Estimator
 from pdd.router.membership import Membership
 from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
@@ -604,6 +605,7 @@ class ControlPlane:
             self._retire(state)
         elif state.buffered_tokens > self.cfg.max_buffered_tokens:   # its client is not reading
             self.metrics.rejected.labels("client_not_reading").inc()
+            security.count("http.buffer_limit")
             self._fail(state, f"the client did not read its stream: {state.buffered_tokens} tokens waited for "
                               f"it (router.max_buffered_tokens = {self.cfg.max_buffered_tokens})")
 
@@ -645,19 +647,18 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _breaker_moved(self, key: tuple[str, str], old: str, new: str) -> None:
+    def _breaker_moved(self, key: tuple[str, str], old: str, new: str, cause: str) -> None:
         prefill, decode = key
-        (log.warning if new == "open" else log.info)("circuit breaker %s -> %s: %s -> %s", prefill, decode,
-                                                     old, new)
-        self.metrics.breaker_state.labels(prefill, decode).set(STATE_VALUE[new])
-        self.metrics.breaker_transitions.labels(prefill, decode, new).inc()
+        (log.warning if new == "open" else log.info)("circuit breaker %s -> %s: %s -> %s%s", prefill, decode,
+                                                     old, new, " (by an operator)" if cause == ADMIN else "")
+        self.metrics.breaker_moved(prefill, decode, new, cause)
 
     def show_breakers(self) -> None:
         """pdd_breaker_state as placement reads it now: an open breaker past its
         cool-down is half-open without a transition (until a request tries it)."""
         now = self.clock()
         for (prefill, decode), b in self.breakers.breakers.items():
-            self.metrics.breaker_state.labels(prefill, decode).set(STATE_VALUE[b.effective(now)])
+            self.metrics.show_breaker(prefill, decode, b.effective(now))
 
     def _own(self, state: RequestState, decode: str | None, prefill: str | None) -> None:
         """Set the phase owners; the only place per-worker inflight counts change."""

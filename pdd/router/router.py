@@ -374,7 +374,7 @@ class Router:
                 raise ValueError(f"breaker: no pair {prefill} -> {decode} (PREFILL first, then DECODE; "
                                  f"registered: {', '.join(sorted(roles)) or 'none'}; pairs so far: {pairs or 'none'})")
             keys = [(prefill, decode)]
-        self.control.breakers.force(forced[state], keys)
+        self.control.breakers.force(forced[state], keys, self.control.clock())
         return self.breakers()
 
     def faults(self, action: str | None = None, *args: str) -> dict:

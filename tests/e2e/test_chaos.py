@@ -163,7 +163,7 @@ def test_transfers_failing_open_the_breaker_then_it_closes(p1d1, offline):
         return metric(c, "pdd_kv_transfer_failures_total")
 
     def trials() -> float:
-        return metric(c, "pdd_breaker_transitions_total", '{decode="decode-0",prefill="prefill-0",to="half_open"}')
+        return metric(c, "pdd_breaker_transitions_total", '{cause="auto",decode="decode-0",prefill="prefill-0",to="half_open"}')
 
     def served(mode: str) -> float:
         return metric(c, "pdd_requests_total", f'{{finish_reason="length",mode="{mode}"}}')

@@ -11,7 +11,7 @@ PAIR = ("p0", "d0")
 
 def make(**kw):
     transitions = []
-    b = Breakers(BreakerConfig(**kw), lambda key, old, new: transitions.append((key, old, new)))
+    b = Breakers(BreakerConfig(**kw), lambda key, old, new, cause: transitions.append((key, old, new)))
     return b, transitions
 
 
@@ -100,17 +100,35 @@ def test_path_breaker_stops_every_pair():
 
 def test_operator_forces_until_auto():
     b, _ = make()
-    b.force(OPEN, [PAIR])
+    b.force(OPEN, [PAIR], 0.0)
     assert not b.allows(*PAIR, 0.0)
     fail(b, 0, 0.0)
-    b.force(None, [PAIR])
+    b.force(None, [PAIR], 0.0)
     assert b.allows(*PAIR, 0.0)
     b2, _ = make(consecutive_failures=1)
     fail(b2, 1, 0.0)
-    b2.force(CLOSED, [PAIR, PATH])
+    b2.force(CLOSED, [PAIR, PATH], 0.0)
     assert b2.allows(*PAIR, 0.0)
     with pytest.raises(ValueError, match="open, closed or auto"):
-        b2.force("sideways", [PAIR])
+        b2.force("sideways", [PAIR], 0.0)
+
+
+def test_every_change_an_operator_makes_is_a_transition_with_its_cause():
+    seen = []
+    b = Breakers(BreakerConfig(consecutive_failures=1, cooldown_s=10, successes_to_close=1),
+                 lambda key, old, new, cause: seen.append((key, old, new, cause)))
+    b.force(OPEN, [PAIR], 0.0)
+    b.force(OPEN, [PAIR], 0.0)                # already so: no change
+    b.force(None, [PAIR], 0.0)
+    assert seen == [(PAIR, CLOSED, OPEN, "admin"), (PAIR, OPEN, CLOSED, "admin")]
+    seen.clear()
+    fail(b, 1, 0.0)                           # open on its own
+    b.force(CLOSED, [PAIR], 1.0)
+    b.force(None, [PAIR], 20.0)               # given back past its cool-down: it reads half-open
+    b.placed(*PAIR, 20.0, "trial")            # the trial moves it there: no second report
+    b.record(*PAIR, True, 20.0)
+    assert [t for t in seen if t[0] == PAIR] == [(PAIR, CLOSED, OPEN, "auto"), (PAIR, OPEN, CLOSED, "admin"),
+                                                 (PAIR, CLOSED, HALF_OPEN, "admin"), (PAIR, HALF_OPEN, CLOSED, "auto")]
 
 
 def test_snapshot_reports_failures_and_time_to_the_next_trial():

@@ -14,9 +14,14 @@ def families(c: SimCluster) -> dict:
     return {f.name: f for f in text_string_to_metric_families(c.control.metrics.render().decode())}
 
 
+def samples(text: str, sample_name: str, **labels: str) -> list[float]:
+    """The values of a scrape's series named `sample_name` with (at least) these labels."""
+    return [s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
 def value(c: SimCluster, sample_name: str, **labels: str) -> float:
-    return sum(s.value for f in families(c).values() for s in f.samples
-               if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(samples(c.control.metrics.render().decode(), sample_name, **labels))
 
 
 def heartbeat(wid: str, hits: int, queries: int) -> m.Heartbeat:
@@ -72,3 +77,25 @@ def test_prefix_cache_counters_take_the_deltas_of_a_workers_totals_and_a_restart
     c.control.handle("d0", heartbeat("d0", 10, 40))
     assert value(c, "pdd_prefix_cache_hit_tokens_total", worker="d0") == 160
     assert value(c, "pdd_prefix_cache_query_tokens_total", worker="d0") == 540
+
+
+def test_series_of_rare_events_are_there_from_the_start_at_zero():
+    c = SimCluster()
+    for name, labels in (("pdd_http_connections_refused_total", {}),
+                         ("pdd_http_clients_cut_total", {"reason": "send_timeout"}),
+                         ("pdd_http_clients_cut_total", {"reason": "buffer_limit"}),
+                         ("pdd_breaker_state", {"prefill": "*", "decode": "*"}),
+                         ("pdd_breaker_transitions_total", {"prefill": "*", "decode": "*", "to": "open",
+                                                            "cause": "admin"})):
+        assert len(samples(c.control.metrics.render().decode(), name, **labels)) == 1, (name, labels)
+    assert value(c, "pdd_breaker_state") == 0 and value(c, "pdd_breaker_transitions_total") == 0
+
+
+def test_a_stream_ended_at_the_buffer_limit_counts_as_a_client_cut():
+    c = SimCluster(max_buffered_tokens=2)
+    c.add_worker("c0", "colocated")
+    before = value(c, "pdd_http_clients_cut_total", reason="buffer_limit")
+    s = c.submit(max_tokens=8)     # nobody takes its events: the client does not read
+    run_to_end(c)
+    assert "did not read its stream" in str(s.events[-1])
+    assert value(c, "pdd_http_clients_cut_total", reason="buffer_limit") == before + 1

@@ -31,9 +31,9 @@ def test_a_drained_decode_worker_leaves_the_cluster_ready_while_the_prefill_work
 def test_in_disagg_mode_a_drained_decode_worker_or_open_breakers_leave_nothing_to_serve():
     c = p_and_d("disagg")
     assert c.control.can_place()
-    c.control.breakers.force("open", [("p0", "d0")])
+    c.control.breakers.force("open", [("p0", "d0")], c.clock())
     assert not c.control.can_place()
-    c.control.breakers.force(None, [("p0", "d0")])
+    c.control.breakers.force(None, [("p0", "d0")], c.clock())
     c.registry.workers["d0"].draining = True
     assert not c.control.can_place()
 

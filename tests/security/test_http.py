@@ -5,12 +5,14 @@ the router core is a stand-in (no worker is needed for any of this)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 
 from pdd import security
 from pdd.http.app import build_app, serve_http
-from tests.security.conftest import StubRouter, secure_config
+from tests.router.test_metrics import samples
+from tests.security.conftest import StubRouter, grows, secure_config
 
 KEYS = ["key-one-1234", "key-two-5678"]
 
@@ -122,20 +124,34 @@ def test_idle_and_slow_clients_are_cut_while_a_normal_request_is_served(keys):
     run(main())
 
 
+async def get_on(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str) -> bytes:
+    """The answer to GET `path` on a keep-alive connection: its status line, then its body."""
+    reader, writer = conn
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    return head.split(b"\r\n")[0] + b"\n" + await reader.readexactly(length)
+
+
+def refused_total(answer: bytes) -> float:
+    (value,) = samples(answer.decode().split("\n", 1)[1], "pdd_http_connections_refused_total")
+    return value
+
+
 def test_connection_limit(keys):
     async def main():
         server, url = await start(secure_config(keys, security={"http_max_connections": 2}))
         port = server.port
         held = []
         for _ in range(2):   # two keep-alive connections, each known to be accepted (answered)
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-            held.append((r, w))
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+            assert (await get_on(held[-1], "/health")).startswith(b"HTTP/1.1 200")
+        before = refused_total(await get_on(held[0], "/metrics"))
         r, w = await asyncio.open_connection("127.0.0.1", port)
         refused = await read_all(r)
         assert refused.startswith(b"HTTP/1.1 503") and b"too many connections" in refused
         w.close()
+        assert refused_total(await get_on(held[0], "/metrics")) == before + 1
         held.pop()[1].close()   # one leaves: new connections are taken again
         async with aiohttp.ClientSession() as s:
             while True:
@@ -147,6 +163,33 @@ def test_connection_limit(keys):
                     await asyncio.sleep(0.05)
         for _, w in held:
             w.close()
+        await server.cleanup()
+
+    run(main())
+
+
+def test_a_client_that_takes_nothing_is_cut_and_counted(keys):
+    async def main():
+        server, url = await start(secure_config(keys, router={"http_send_timeout_s": 0.5}))
+        async with aiohttp.ClientSession() as s:
+            async def cut_total() -> float:
+                async with s.get(url + "/metrics") as r:
+                    (value,) = samples(await r.text(), "pdd_http_clients_cut_total", reason="send_timeout")
+                    return value
+
+            before_total, before = await cut_total(), security.counts()
+            # A client that never reads, with a small receive buffer and segment set
+            # before it connects (else loopback queues megabytes for it).
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+            _, writer = await asyncio.open_connection(sock=sock)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 400)   # answers pile up unread
+            await grows(before, "http.send_timeout")
+            assert await cut_total() == before_total + 1
+            writer.close()
         await server.cleanup()
 
     run(main())
