@@ -3,7 +3,8 @@ token bitmask that keeps its output inside it (llguidance; docs/design.md says
 why that library).
 
 The router checks a spec here (`check`: a clear 400 for a bad schema or
-regex); every engine that runs the request compiles it (`GrammarCompiler`,
+regex, and for one that hits a limit of the parser: `LIMITS`, the same on
+every engine); every engine that runs the request compiles it (`GrammarCompiler`,
 once per distinct spec) and gives the request its own `Matcher`, which replays
 the request's output tokens so far: a decode worker continuing after the
 prefill worker's first token, or a worker taking over a migrated request,
@@ -17,6 +18,7 @@ router imports this module.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -32,9 +34,22 @@ log = logging.getLogger(__name__)
 CACHE_SIZE = 256
 
 
+# Tokens the router's check walks into a grammar (see `check`).
+PROBE_TOKENS = 4
+
+
 def _llg():
     import llguidance
     return llguidance
+
+
+def limits():
+    """The parser limits of every matcher, the router's check's and the
+    engines' alike (llguidance's defaults, said here so that both sides use the
+    same): a grammar that passes the check does not meet a lower one later."""
+    return _llg().LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                 step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                                 verbose_errors=False)
 
 
 # JSON is written with fixed separators and no other whitespace (as Python's
@@ -65,7 +80,9 @@ def grammar_for(so: StructuredOutput) -> str:
             if (not isinstance(choices, list) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise InvalidRequest("structured_output: choice must be a non-empty array of non-empty strings")
-            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+            # One lexeme: as rule alternatives, each choice would be an item of
+            # the parser's row (more than max_items_in_row fail on the first token).
+            return llg.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
         if kind == "grammar":
             from llguidance.gbnf_to_lark import any_to_lark
             return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
@@ -77,14 +94,59 @@ def grammar_for(so: StructuredOutput) -> str:
 
 
 def check(so: StructuredOutput) -> None:
-    """InvalidRequest when the spec does not compile (without a tokenizer: the
-    router's check; an engine compiles it with the vocabulary anyway)."""
-    error = _llg().LLMatcher.validate_grammar(grammar_for(so))
+    """InvalidRequest when the spec does not compile, or fails within its first
+    PROBE_TOKENS tokens (the router's check, without the model's tokenizer).
+
+    Most of what fails in a grammar fails only when a matcher runs: a language
+    with no string in it (a cyclic $ref) at the first mask, a row of more than
+    max_items_in_row items or a lexer out of fuel at the first tokens. So the
+    grammar is run, on a tokenizer of the 256 bytes: each step takes the first
+    byte it allows. An engine's matcher may still fail deeper in; its request
+    then ends with an error (`Matcher.failed`)."""
+    llg = _llg()
+    grammar = grammar_for(so)
+    error = llg.LLMatcher.validate_grammar(grammar, limits=limits())
+    if not error:
+        error = _probe(llg.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits()))
     if error:
         raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(error)}")
 
 
+def _probe(matcher) -> str:
+    """The matcher's error within PROBE_TOKENS bytes of the start ("" if none)."""
+    eos = BYTE_EOS
+    for _ in range(PROBE_TOKENS):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        mask = np.zeros(words(eos + 1), dtype=np.int32)
+        _byte_executor().unsafe_compute_mask_ptr([(matcher, 0)], mask.ctypes.data, mask.nbytes, 1)
+        if matcher.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:eos])
+        if not len(allowed):
+            break   # only the end may follow
+        matcher.consume_token(int(allowed[0]))
+    return matcher.get_error() if matcher.is_error() else ""
+
+
+# The probe's vocabulary: one token per byte, then EOS.
+BYTE_EOS = 256
+
+
+@functools.cache
+def _byte_tokenizer():
+    from pdd.model.bpe import byte_alphabet, tokenizer_json
+    spec = tokenizer_json({sym: i for i, sym in enumerate(byte_alphabet())}, [], {"<eos>": BYTE_EOS})
+    return _llg().LLTokenizer(json.dumps(spec), eos_token=[BYTE_EOS])
+
+
+@functools.cache
+def _byte_executor():
+    return _llg().LLExecutor(num_threads=1)
+
+
 def _first_lines(text: str, limit: int = 600) -> str:
+    text = text.removesuffix("\n<non-verbose/>")   # llguidance's mark for verbose_errors off
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -121,14 +183,22 @@ class Matcher:
         self._consume(new)
 
     def _consume(self, tokens: list[int]) -> None:
-        # A refused token leaves the matcher in error, which stops the request
-        # (`stopped`); only EOS can be sampled until then.
-        if tokens and not self.inner.is_error() and not self.inner.consume_tokens(tokens):
-            log.warning("grammar refused a token of the output: %s", self.inner.get_error())
+        # A refused token (or a limit hit on the way) leaves the matcher in
+        # error for good: its request fails (`failed`).
+        if tokens and not self.inner.is_error():
+            self.inner.consume_tokens(tokens)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the matcher cannot go on (a limit of the parser hit, a token it
+        refused), or None: the output so far is not known to follow the grammar."""
+        if not self.inner.is_error():
+            return None
+        return f"structured_output: the grammar failed while decoding: {_first_lines(self.inner.get_error())}"
 
     @property
     def stopped(self) -> bool:
-        """Nothing but EOS may follow (the grammar is complete, or in error)."""
+        """Nothing but EOS may follow (the grammar is complete; or in error: see `failed`)."""
         return self.inner.is_stopped()
 
 
@@ -167,7 +237,7 @@ class GrammarCompiler:
         key = (so.kind, so.spec)
         pristine = self._compiled.get(key)
         if pristine is None:
-            pristine = _llg().LLMatcher(self.tokenizer, grammar_for(so), log_level=0)
+            pristine = _llg().LLMatcher(self.tokenizer, grammar_for(so), log_level=0, limits=limits())
             if pristine.is_error():
                 raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(pristine.get_error())}")
             self._compiled[key] = pristine

@@ -57,6 +57,9 @@ class EngineOutput:
     # With the first token, for a request that asks (SamplingParams.prompt_logprobs):
     # an entry per prompt position but the first (pdd.engine.prompt_logprobs).
     prompt_logprobs: list | None = None
+    # finish_reason "error": why the request cannot go on (its grammar failed);
+    # new_token_ids then holds no token.
+    error: str | None = None
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -346,7 +349,7 @@ class LLMEngine:
         if not req.status.finished:
             return None
         return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
-                            req.num_cached_tokens, req.num_output_tokens)
+                            req.num_cached_tokens, req.num_output_tokens, error=req.error)
 
     def attach_connector(self, connector) -> None:
         """Prefill side: a KV connector sees each step's batch and every layer as
@@ -439,6 +442,10 @@ class LLMEngine:
         logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
         outputs = []
         for req in self.scheduler.update_from_output(out, result.tokens, result.prompt_logprobs):
+            if req.error:   # its last token is not one the grammar allows: not sent
+                outputs.append(EngineOutput(req.request_id, [], True, req.finish_reason,
+                                            num_prompt_tokens=req.num_prompt_tokens, error=req.error))
+                continue
             lp = logprobs.get(req.request_id)
             outputs.append(EngineOutput(
                 req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,

@@ -142,6 +142,38 @@ def test_a_spec_that_does_not_compile_is_refused(llm):
             llm.engine.make_request("bad", [1, 2, 3], sp(so, 1))
 
 
+# A row of 2,500 items: over llguidance's max_items_in_row, found at the first token.
+WIDE_LARK = StructuredOutput("grammar", "start: " + " | ".join(f'"ch{i}"' for i in range(2500)))
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_request_in_error(llm):
+    """The matcher fails on the first token it takes (the router's check
+    refuses this grammar; an engine must not trust that): the request ends
+    with finish_reason "error" and the reason, never a "stop" whose text
+    breaks the grammar; a request beside it is unaffected."""
+    engine = llm.engine
+    engine.add_request("wide", random_prompts([6], seed=8)[0], sp(WIDE_LARK, 1))
+    engine.add_request("ok", random_prompts([6], seed=9)[0], sp(JSON_SCHEMA, 2))
+    ends = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                ends[out.request_id] = out
+    wide, ok = ends["wide"], ends["ok"]
+    assert wide.finish_reason == "error" and not wide.new_token_ids
+    assert "structured_output" in wide.error and "max is 2000" in wide.error, wide.error
+    assert ok.finish_reason == "stop" and ok.error is None
+
+
+def test_many_choices_are_one_lexeme_and_hold(llm):
+    """More choices than a parser row holds (max_items_in_row 2000): honoured."""
+    choices = [f"ch{i}" for i in range(2500)]
+    outs = llm.generate(random_prompts([6, 6], seed=2),
+                        [sp(StructuredOutput("choice", json.dumps(choices)), seed) for seed in (5, 6)])
+    for out in outs:
+        assert out.finish_reason == "stop" and out.text in choices, out.text
+
+
 def test_apply_allowed_unpacks_every_bit():
     vocab = 70   # three words, the last one partly padding
     allowed = torch.zeros(2, 3, dtype=torch.int32)
