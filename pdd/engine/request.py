@@ -71,6 +71,8 @@ class Request:
         # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
         self.grammar = None
         self.error: str | None = None   # why it ended FINISHED_ERROR
+        # Its grammar compiles (off the step): not scheduled until its matcher is there.
+        self.awaiting_grammar = False
 
     @property
     def output_start(self) -> int:

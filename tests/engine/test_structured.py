@@ -133,13 +133,25 @@ def test_disaggregated_equals_colocated(tiny_model, llm, temperature):
     pair.assert_idle()
 
 
+def ended(engine) -> dict:
+    """Step until nothing is left: the last output of each request."""
+    last = {}
+    while engine.has_unfinished():
+        last.update((out.request_id, out) for out in engine.step())
+    return last
+
+
 def test_a_spec_that_does_not_compile_is_refused(llm):
+    """Its shape at once; its compile (off the step) fails the request, naming structured_output."""
+    with pytest.raises(InvalidRequest, match="structured_output.kind"):
+        llm.engine.make_request("bad", [1, 2, 3], sp(StructuredOutput("xml", ""), 1))
     for so, words in ((StructuredOutput("regex", "a(b"), "unclosed group"),
                       (StructuredOutput("json_schema", '{"type": "nope"}'), "nope"),
-                      (StructuredOutput("json_schema", "{"), "cannot read"),
-                      (StructuredOutput("xml", ""), "structured_output.kind")):
-        with pytest.raises(InvalidRequest, match=words):
-            llm.engine.make_request("bad", [1, 2, 3], sp(so, 1))
+                      (StructuredOutput("json_schema", "{"), "cannot read")):
+        llm.engine.add_request("bad", [1, 2, 3], sp(so, 1))
+        out = ended(llm.engine)["bad"]
+        assert out.finished and out.finish_reason == "error" and not out.new_token_ids
+        assert out.error.startswith("structured_output") and words in out.error, out.error
 
 
 # A row of 2,500 items: over llguidance's max_items_in_row, found at the first token.
@@ -154,11 +166,7 @@ def test_a_grammar_that_fails_while_decoding_ends_its_request_in_error(llm):
     engine = llm.engine
     engine.add_request("wide", random_prompts([6], seed=8)[0], sp(WIDE_LARK, 1))
     engine.add_request("ok", random_prompts([6], seed=9)[0], sp(JSON_SCHEMA, 2))
-    ends = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                ends[out.request_id] = out
+    ends = ended(engine)
     wide, ok = ends["wide"], ends["ok"]
     assert wide.finish_reason == "error" and not wide.new_token_ids
     assert "structured_output" in wide.error and "max is 2000" in wide.error, wide.error
