@@ -84,6 +84,16 @@ class EngineConfig:
     # mixed steps run eagerly and compile their Triton kernels at first use,
     # which otherwise costs the first real requests seconds of TTFT.
     warm_up: bool = True
+    # Constrained decoding (pdd.grammar): grammars compile on this many threads
+    # beside the engine's step; a request waits for its own compile (its first
+    # mask included) while the others step on.
+    grammar_compile_threads: int = 2
+    # A request whose grammar compiles longer fails (an error naming
+    # structured_output); the compile ends anyway, bounded by the parser's fuel.
+    grammar_compile_timeout_s: float = 10.0
+    # Compiled grammars kept for reuse, by their memory (a heavy regex's reached
+    # 170 MB), least recently used out first.
+    grammar_cache_bytes: int = 256 * 2**20
     seed: int = 0
 
     def validate(self) -> "EngineConfig":
@@ -107,6 +117,12 @@ class EngineConfig:
             bad("max_num_seqs", "must be >= 1")
         if self.cpu_threads < 0:
             bad("cpu_threads", "must be >= 0 (0: torch's default)")
+        if self.grammar_compile_threads < 1:
+            bad("grammar_compile_threads", f"must be >= 1, got {self.grammar_compile_threads}")
+        if not 0.0 < self.grammar_compile_timeout_s < float("inf"):
+            bad("grammar_compile_timeout_s", f"must be a number of seconds > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_cache_bytes < 0:
+            bad("grammar_cache_bytes", f"must be >= 0 (0: keep none), got {self.grammar_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -3,7 +3,8 @@ token bitmask that keeps its output inside it (llguidance; docs/design.md says
 why that library).
 
 The router checks a spec here (`check`: a clear 400 for a bad schema or
-regex); every engine that runs the request compiles it (`GrammarCompiler`,
+regex, and for one that hits a limit of the parser: `LIMITS`, the same on
+every engine); every engine that runs the request compiles it (`GrammarCompiler`,
 once per distinct spec) and gives the request its own `Matcher`, which replays
 the request's output tokens so far: a decode worker continuing after the
 prefill worker's first token, or a worker taking over a migrated request,
@@ -17,9 +18,14 @@ router imports this module.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +34,22 @@ from pdd.api import InvalidRequest, StructuredOutput
 
 log = logging.getLogger(__name__)
 
-# Compiled grammars kept per engine (a pristine matcher each, copied per request).
-CACHE_SIZE = 256
+# Tokens the router's check walks into a grammar (see `check`).
+PROBE_TOKENS = 4
 
 
 def _llg():
     import llguidance
     return llguidance
+
+
+def limits():
+    """The parser limits of every matcher, the router's check's and the
+    engines' alike (llguidance's defaults, said here so that both sides use the
+    same): a grammar that passes the check does not meet a lower one later."""
+    return _llg().LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                 step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                                 verbose_errors=False)
 
 
 # JSON is written with fixed separators and no other whitespace (as Python's
@@ -65,7 +80,9 @@ def grammar_for(so: StructuredOutput) -> str:
             if (not isinstance(choices, list) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise InvalidRequest("structured_output: choice must be a non-empty array of non-empty strings")
-            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+            # One lexeme: as rule alternatives, each choice would be an item of
+            # the parser's row (more than max_items_in_row fail on the first token).
+            return llg.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
         if kind == "grammar":
             from llguidance.gbnf_to_lark import any_to_lark
             return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
@@ -77,14 +94,59 @@ def grammar_for(so: StructuredOutput) -> str:
 
 
 def check(so: StructuredOutput) -> None:
-    """InvalidRequest when the spec does not compile (without a tokenizer: the
-    router's check; an engine compiles it with the vocabulary anyway)."""
-    error = _llg().LLMatcher.validate_grammar(grammar_for(so))
+    """InvalidRequest when the spec does not compile, or fails within its first
+    PROBE_TOKENS tokens (the router's check, without the model's tokenizer).
+
+    Most of what fails in a grammar fails only when a matcher runs: a language
+    with no string in it (a cyclic $ref) at the first mask, a row of more than
+    max_items_in_row items or a lexer out of fuel at the first tokens. So the
+    grammar is run, on a tokenizer of the 256 bytes: each step takes the first
+    byte it allows. An engine's matcher may still fail deeper in; its request
+    then ends with an error (`Matcher.failed`)."""
+    llg = _llg()
+    grammar = grammar_for(so)
+    error = llg.LLMatcher.validate_grammar(grammar, limits=limits())
+    if not error:
+        error = _probe(llg.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits()))
     if error:
         raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(error)}")
 
 
+def _probe(matcher) -> str:
+    """The matcher's error within PROBE_TOKENS bytes of the start ("" if none)."""
+    eos = BYTE_EOS
+    for _ in range(PROBE_TOKENS):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        mask = np.zeros(words(eos + 1), dtype=np.int32)
+        _byte_executor().unsafe_compute_mask_ptr([(matcher, 0)], mask.ctypes.data, mask.nbytes, 1)
+        if matcher.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:eos])
+        if not len(allowed):
+            break   # only the end may follow
+        matcher.consume_token(int(allowed[0]))
+    return matcher.get_error() if matcher.is_error() else ""
+
+
+# The probe's vocabulary: one token per byte, then EOS.
+BYTE_EOS = 256
+
+
+@functools.cache
+def _byte_tokenizer():
+    from pdd.model.bpe import byte_alphabet, tokenizer_json
+    spec = tokenizer_json({sym: i for i, sym in enumerate(byte_alphabet())}, [], {"<eos>": BYTE_EOS})
+    return _llg().LLTokenizer(json.dumps(spec), eos_token=[BYTE_EOS])
+
+
+@functools.cache
+def _byte_executor():
+    return _llg().LLExecutor(num_threads=1)
+
+
 def _first_lines(text: str, limit: int = 600) -> str:
+    text = text.removesuffix("\n<non-verbose/>")   # llguidance's mark for verbose_errors off
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -121,22 +183,46 @@ class Matcher:
         self._consume(new)
 
     def _consume(self, tokens: list[int]) -> None:
-        # A refused token leaves the matcher in error, which stops the request
-        # (`stopped`); only EOS can be sampled until then.
-        if tokens and not self.inner.is_error() and not self.inner.consume_tokens(tokens):
-            log.warning("grammar refused a token of the output: %s", self.inner.get_error())
+        # A refused token (or a limit hit on the way) leaves the matcher in
+        # error for good: its request fails (`failed`).
+        if tokens and not self.inner.is_error():
+            self.inner.consume_tokens(tokens)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the matcher cannot go on (a limit of the parser hit, a token it
+        refused), or None: the output so far is not known to follow the grammar."""
+        if not self.inner.is_error():
+            return None
+        return f"structured_output: the grammar failed while decoding: {_first_lines(self.inner.get_error())}"
 
     @property
     def stopped(self) -> bool:
-        """Nothing but EOS may follow (the grammar is complete, or in error)."""
+        """Nothing but EOS may follow (the grammar is complete; or in error: see `failed`)."""
         return self.inner.is_stopped()
 
 
-class GrammarCompiler:
-    """The vocabulary of one checkpoint as llguidance sees it, the grammars
-    compiled against it (LRU), and the thread pool that fills a step's masks."""
+@dataclass
+class Compiled:
+    """A grammar compiled against the vocabulary: a pristine matcher (its first
+    mask computed, so the lexer states it needs are built), copied per request."""
+    pristine: object
+    # Its memory, as the process's resident set grew while it was compiled
+    # (llguidance reports no size; its lexer states, 1-2 kB each, are most of
+    # it). With compiles running at once each may be charged some of another's.
+    nbytes: int
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+
+class GrammarCompiler:
+    """The vocabulary of one checkpoint as llguidance sees it, the pool that
+    compiles grammars against it off the engine's step, the compiled ones kept
+    (LRU, up to `cache_bytes`), and the thread pool that fills a step's masks.
+
+    Everything but `_compile` runs on the engine's thread: `start` hands out a
+    compile's future, `take` turns its result into a request's matcher."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 threads: int = 2, cache_bytes: int = 512 * 2**20):
         """vocab_size: the model's (the logits' width; the tokenizer's may be
         smaller: rows past it are padding, never allowed)."""
         llg = _llg()
@@ -147,36 +233,117 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
         self.executor = llg.LLExecutor()
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0
+        self._compiled: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}
+        # llguidance drops the GIL while it compiles and computes masks: these
+        # threads leave the engine's (and the event loop's) to run.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pdd-grammar")
+        self.on_ready: Callable[[], None] | None = None   # called from a pool thread when a compile ends
 
     @classmethod
-    def for_checkpoint(cls, model_dir: str | Path, vocab_size: int,
-                       eos_token_ids: tuple[int, ...]) -> "GrammarCompiler":
+    def for_checkpoint(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                       **kwargs) -> "GrammarCompiler":
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise InvalidRequest("structured_output: this checkpoint has no tokenizer.json, which "
                                  "constrained decoding needs")
         try:
-            return cls(path.read_text(), vocab_size, eos_token_ids)
+            return cls(path.read_text(), vocab_size, eos_token_ids, **kwargs)
         except (ValueError, OSError) as e:   # a tokenizer llguidance cannot read (e.g. not byte-level BPE)
             raise InvalidRequest(f"structured_output: constrained decoding cannot use this checkpoint's "
                                  f"tokenizer ({e})") from None
 
-    def matcher(self, so: StructuredOutput) -> Matcher:
-        """A fresh matcher for the spec; InvalidRequest if it does not compile."""
+    def start(self, so: StructuredOutput) -> Future:
+        """The compile of `so` (a Future of Compiled; InvalidRequest if it does
+        not compile): done already when cached, shared while one runs."""
         key = (so.kind, so.spec)
-        pristine = self._compiled.get(key)
-        if pristine is None:
-            pristine = _llg().LLMatcher(self.tokenizer, grammar_for(so), log_level=0)
-            if pristine.is_error():
-                raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(pristine.get_error())}")
-            self._compiled[key] = pristine
-            if len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            done: Future = Future()
+            done.set_result(hit)
+            return done
+        future = self._pending.get(key)
+        if future is None:
+            future = self._pending[key] = self._pool.submit(self._compile, so)
+            future.add_done_callback(self._ended)
+        return future
+
+    def take(self, future: Future) -> Matcher:
+        """A fresh matcher from a compile `start` gave (done); InvalidRequest if
+        it failed. Keeps what it compiled."""
+        compiled = future.result()
+        self.poll()
+        return Matcher(compiled.pristine.deep_copy(), self)
+
+    def matcher(self, so: StructuredOutput) -> Matcher:
+        """A fresh matcher for the spec, compiled in the calling thread if not
+        cached (benchmarks, tests); InvalidRequest if it does not compile."""
+        key = (so.kind, so.spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compile(so)
+            self._keep(key, compiled)
         else:
             self._compiled.move_to_end(key)
-        return Matcher(pristine.deep_copy(), self)
+        return Matcher(compiled.pristine.deep_copy(), self)
 
+    def poll(self) -> None:
+        """Keep the compiles that ended (LRU, within cache_bytes), those no
+        request took too (one that ran past its request's deadline)."""
+        for key, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[key]
+                if future.exception() is None:
+                    self._keep(key, future.result())
+
+    def _keep(self, key: tuple[str, str], compiled: Compiled) -> None:
+        if key in self._compiled or compiled.nbytes > self.cache_bytes:
+            return   # one larger than the whole cache serves its own requests only
+        self._compiled[key] = compiled
+        self.cached_bytes += compiled.nbytes
+        while self.cached_bytes > self.cache_bytes:
+            _, old = self._compiled.popitem(last=False)
+            self.cached_bytes -= old.nbytes
+
+    def flush(self) -> int:
+        """Forget every compiled grammar (requests keep their matchers); how many there were."""
+        n = len(self._compiled)
+        self._compiled.clear()
+        self.cached_bytes = 0
+        return n
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, so: StructuredOutput) -> Compiled:
+        """(A pool thread.) The grammar and its first mask: the costly part
+        (the lexer's states over the vocabulary), never in an engine step."""
+        before = _resident_bytes()
+        grammar = grammar_for(so)
+        pristine = _llg().LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
+        if not pristine.is_error():
+            mask = np.empty(self.words, dtype=np.int32)
+            self.executor.unsafe_compute_mask_ptr([(pristine, 0)], mask.ctypes.data, mask.nbytes, 1)
+        if pristine.is_error():
+            raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(pristine.get_error())}")
+        return Compiled(pristine, max(_resident_bytes() - before, len(grammar)))
+
+    def _ended(self, _future: Future) -> None:
+        if self.on_ready is not None:
+            self.on_ready()
+
+
+def _resident_bytes() -> int:
+    """This process's resident set (0 where /proc is not)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _num_tokens(tokenizer_json: str) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent import futures
 import random
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pdd import ops
 from pdd.api import InvalidRequest, SamplingParams, StepSample, query_key_pairs
 from pdd.config import EngineConfig
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.request import Request
+from pdd.engine.request import Request, RequestStatus
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.cache import KVCacheSpec
 from pdd.kv.manager import KVCacheManager
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
     from pdd.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Compile:
+    """A request's grammar being compiled (pdd.grammar.GrammarCompiler.start)."""
+    request: Request
+    future: futures.Future
+    deadline: float   # time.monotonic()
 
 
 @dataclass
@@ -57,6 +66,9 @@ class EngineOutput:
     # With the first token, for a request that asks (SamplingParams.prompt_logprobs):
     # an entry per prompt position but the first (pdd.engine.prompt_logprobs).
     prompt_logprobs: list | None = None
+    # finish_reason "error": why the request cannot go on (its grammar failed);
+    # new_token_ids then holds no token.
+    error: str | None = None
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -112,7 +124,13 @@ class LLMEngine:
         self.in_flight = None  # the launched step whose results are not taken yet
         self._batch = None     # what the running step() call scheduled (see abort_failed_step)
         self.steps_done = 0    # launched steps known to have finished on the device
-        self._grammars = None
+        # The vocabulary for constrained decoding, built now (about a second for
+        # 128k tokens, holding the GIL): never on a first structured request in service.
+        self.grammar_compiler: GrammarCompiler | None = None
+        self._no_grammars = ""   # why there is none
+        self._build_grammar_compiler()
+        # Requests waiting for their grammar's compile (request id -> it): not scheduled until it ends.
+        self._compiling: dict[str, _Compile] = {}
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -150,10 +168,6 @@ class LLMEngine:
                 "shorten the prompt or lower max_tokens")
         req = Request(request_id, list(prompt_token_ids), sampling,
                       eos_token_ids=self.model_config.eos_token_ids, **kwargs)
-        if sampling.structured_output is not None:
-            req.grammar = self.grammars.matcher(sampling.structured_output)
-            if num_prior:   # a migrated request: its output so far is the prompt's tail
-                req.grammar.replay(prompt_token_ids[-num_prior:])
         if block_hashes:
             full = len(prompt_token_ids) // self.cfg.block_size
             if len(block_hashes) != full:
@@ -161,17 +175,77 @@ class LLMEngine:
                                      f"{len(prompt_token_ids)} tokens, which has {full} full blocks of "
                                      f"{self.cfg.block_size}")
             req.block_hashes = list(block_hashes)
+        if sampling.structured_output is not None:   # last: nothing may refuse it after its compile starts
+            req.awaiting_grammar = True
+            self._compiling[request_id] = _Compile(req, self.grammars.start(sampling.structured_output),
+                                                   time.monotonic() + self.cfg.grammar_compile_timeout_s)
         return req
 
     @property
     def grammars(self) -> "GrammarCompiler":
-        """The checkpoint's vocabulary for constrained decoding (pdd.grammar),
-        built on first use or by the warm-up (about a second for 128k tokens)."""
-        if self._grammars is None:
-            from pdd.grammar import GrammarCompiler
-            self._grammars = GrammarCompiler.for_checkpoint(self.model_dir, self.model_config.vocab_size,
-                                                            tuple(self.model_config.eos_token_ids))
-        return self._grammars
+        """The checkpoint's vocabulary for constrained decoding (pdd.grammar);
+        InvalidRequest naming structured_output where there is none."""
+        if self.grammar_compiler is None:
+            raise InvalidRequest(self._no_grammars)
+        return self.grammar_compiler
+
+    def _build_grammar_compiler(self) -> None:
+        from pdd.grammar import GrammarCompiler
+        try:
+            self.grammar_compiler = GrammarCompiler.for_checkpoint(
+                self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids),
+                threads=self.cfg.grammar_compile_threads, cache_bytes=self.cfg.grammar_cache_bytes)
+        except InvalidRequest as e:
+            self._no_grammars = str(e)
+            if (self.model_dir / "tokenizer.json").is_file():
+                log.warning("structured outputs unavailable: %s", e)
+
+    def _attach_grammars(self) -> list[EngineOutput]:
+        """Between steps: give each request whose compile ended its matcher (it
+        is scheduled from now on); fail those whose compile failed or ran past
+        grammar_compile_timeout_s. Returns the outputs of the requests that ended."""
+        now, outputs = time.monotonic(), []
+        for rid, c in list(self._compiling.items()):
+            req = c.request
+            if self.scheduler.requests.get(rid) is not req:   # aborted, or never held (no blocks to reserve)
+                del self._compiling[rid]
+            elif c.future.done():
+                del self._compiling[rid]
+                try:
+                    req.grammar = self.grammar_compiler.take(c.future)
+                except InvalidRequest as e:
+                    outputs.append(self._fail(req, str(e)))
+                    continue
+                req.awaiting_grammar = False
+                if req.num_prior_output_tokens:   # a migrated request: its output so far is the prompt's tail
+                    req.grammar.replay(req.prompt_token_ids[-req.num_prior_output_tokens:])
+                if req.output_token_ids and req.check_stop():   # a first token it got meanwhile (KV landed) ends it
+                    self.scheduler.finish(req)
+                    outputs.append(self._finished_output(req))
+            elif now >= c.deadline:
+                del self._compiling[rid]
+                outputs.append(self._fail(req, f"structured_output: the grammar did not compile within "
+                                               f"engine.grammar_compile_timeout_s ({self.cfg.grammar_compile_timeout_s:g} s)"))
+        return outputs
+
+    def _fail(self, req: Request, error: str) -> EngineOutput:
+        self.scheduler.abort(req.request_id)
+        req.status, req.error = RequestStatus.FINISHED_ERROR, error
+        return self._finished_output(req)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar's compile."""
+        return len(self._compiling)
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a pending compile ends, at most timeout_s (an offline
+        caller with nothing else to step on)."""
+        futures.wait([c.future for c in self._compiling.values()], timeout_s, futures.FIRST_COMPLETED)
+
+    def flush_grammar_cache(self) -> int:
+        """Forget the compiled grammars (cache flush); how many there were."""
+        return self.grammar_compiler.flush() if self.grammar_compiler is not None else 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None, **kwargs) -> Request:
@@ -229,11 +303,6 @@ class LLMEngine:
         attn = self.runner.model.model.layers[0].self_attn
         ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
         ops.warm_up_gemv(self.runner.model.gemv_sites(), self.dtype, self.device)
-        if (self.model_dir / "tokenizer.json").is_file():
-            try:
-                self.grammars   # the vocabulary, built now rather than on the first structured request
-            except InvalidRequest as e:
-                log.warning("structured outputs unavailable: %s", e)
         self.wait_in_flight()
         steps = pool.steps_launched - launched
         assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"
@@ -346,7 +415,7 @@ class LLMEngine:
         if not req.status.finished:
             return None
         return EngineOutput(req.request_id, [], True, req.finish_reason, [], req.num_prompt_tokens,
-                            req.num_cached_tokens, req.num_output_tokens)
+                            req.num_cached_tokens, req.num_output_tokens, error=req.error)
 
     def attach_connector(self, connector) -> None:
         """Prefill side: a KV connector sees each step's batch and every layer as
@@ -384,11 +453,12 @@ class LLMEngine:
         self._use_device()  # steps may come from another thread than __init__
         t0 = time.perf_counter()
         self._batch = None   # stays None if scheduling raises (see abort_failed_step)
+        ended = self._attach_grammars() if self._compiling else []
         out = self._batch = self.scheduler.schedule()
         launched = self._launch(out) if out else None
         # The step in flight stays in_flight until its results are taken: if
         # taking them fails, abort_failed_step still knows its requests.
-        outputs = self._take_results(self.in_flight) if self.in_flight is not None else []
+        outputs = ended + (self._take_results(self.in_flight) if self.in_flight is not None else [])
         self.in_flight = launched
         if launched is not None and not self.cfg.async_scheduling:
             outputs += self._take_results(launched)
@@ -439,6 +509,10 @@ class LLMEngine:
         logprobs = {r.request_id: lp for (r, _), lp in zip(out.scheduled, result.logprobs) if lp}
         outputs = []
         for req in self.scheduler.update_from_output(out, result.tokens, result.prompt_logprobs):
+            if req.error:   # its last token is not one the grammar allows: not sent
+                outputs.append(EngineOutput(req.request_id, [], True, req.finish_reason,
+                                            num_prompt_tokens=req.num_prompt_tokens, error=req.error))
+                continue
             lp = logprobs.get(req.request_id)
             outputs.append(EngineOutput(
                 req.request_id, [req.output_token_ids[-1]], req.status.finished, req.finish_reason,

@@ -60,8 +60,11 @@ class LLM:
             streams[rid] = self._text_stream(ids, sp) if self.tokenizer else None
             order.append(rid)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outs = self.engine.step()
+            for out in outs:
                 self._collect(outputs[out.request_id], streams[out.request_id], out)
+            if not outs and not self.engine.last_step.num_tokens and self.engine.num_compiling:
+                self.engine.wait_for_grammars(0.1)   # nothing to step on until a grammar compiles
         return [outputs[rid] for rid in order]
 
     def _text_stream(self, prompt_ids: list[int], sp: SamplingParams) -> TextStream:

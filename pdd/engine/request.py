@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13   # it cannot go on (its grammar failed): `Request.error` says why
 
     @property
     def finished(self) -> bool:
@@ -27,6 +28,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -68,6 +70,9 @@ class Request:
         self.prompt_logprobs: list | None = [] if self.wants_prompt_logprobs else None
         # Its structured output's matcher (pdd.grammar.Matcher), fed its output tokens; None: free text.
         self.grammar = None
+        self.error: str | None = None   # why it ended FINISHED_ERROR
+        # Its grammar compiles (off the step): not scheduled until its matcher is there.
+        self.awaiting_grammar = False
 
     @property
     def output_start(self) -> int:
@@ -147,6 +152,10 @@ class Request:
         last = self.all_token_ids[-1]
         if self.grammar is not None:
             self.grammar.sync(self.output_token_ids)
+            self.error = self.grammar.failed
+            if self.error:   # the output would no longer follow the grammar: no "stop" that lies
+                self.status = RequestStatus.FINISHED_ERROR
+                return True
             if self.grammar.stopped:   # complete: nothing but EOS could follow
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True

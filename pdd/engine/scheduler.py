@@ -203,6 +203,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
+            if req.awaiting_grammar:
+                continue   # its KV landed before its grammar compiled: it decodes once that is there
             held = self._long.get(req.request_id)
             wanted = req.num_tokens_with_in_flight - req.num_computed_tokens
             n = held[1] if held else self._chunk_of(req, wanted, budget)
@@ -224,6 +226,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
+            if req.awaiting_grammar:
+                i += 1
+                continue   # its grammar compiles: the requests behind it go on
             computed, num_cached = [], 0
             looked_up = self._takes_cached_blocks(req)
             if looked_up:
@@ -350,6 +355,12 @@ class Scheduler:
                     req.status = RequestStatus.FINISHED_STOPPED
                 self._finish(req)
         return updated
+
+    def finish(self, req: Request) -> None:
+        """A request ended between steps (Request.check_stop set its status)."""
+        status = req.status
+        self.abort(req.request_id)
+        req.status = status
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)

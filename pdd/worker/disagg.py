@@ -85,9 +85,16 @@ def step_messages(worker_id: str, placements: PlacementTable, prefill_side: Pref
     """What a step's outputs tell the router. Prompts computed for other
     workers end in a first token to ship; the requests running here (on a
     prefill worker: whole, the last resort) stream their tokens."""
+    failed = []
+    for o in outputs:
+        if o.error:   # ended in error (its grammar failed): whatever its role here, it fails
+            p = placements.release(o.request_id)
+            if p is not None:
+                failed.append(m.RequestFailed(worker_id, p.request_id, p.epoch, o.error, retriable=False))
+    outputs = [o for o in outputs if not o.error]
     computed = {o.request_id for o in outputs if placements.state_of(o.request_id) is COMPUTING}
     replies = prefill_side.on_outputs([o for o in outputs if o.request_id in computed]) if computed else []
-    return replies + token_batch(worker_id, placements, [o for o in outputs if o.request_id not in computed])
+    return failed + replies + token_batch(worker_id, placements, [o for o in outputs if o.request_id not in computed])
 
 
 class DecodeSide:

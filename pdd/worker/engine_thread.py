@@ -183,6 +183,8 @@ class EngineThread(threading.Thread):
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
         e = self.engine = LLMEngine(engine_cfg, beside_kv=self._landing_bytes)
+        if e.grammar_compiler is not None:   # a request whose grammar compiled is scheduled at once
+            e.grammar_compiler.on_ready = self.wake
         self.placements = PlacementTable(e)
         # Before registering: the router's first requests must not pay the
         # Triton compilation of eager steps or of the data plane's page copies
@@ -299,9 +301,11 @@ class EngineThread(threading.Thread):
             return []
         if isinstance(msg, m.Admit):   # every role can run a request whole
             return admit(self.engine, self.worker_id, self.placements, msg)
-        if isinstance(msg, m.ResetPrefixCache):
+        if isinstance(msg, m.ResetPrefixCache):   # `pdd admin cache flush`: the compiled grammars go too
             dropped = self.engine.kv.reset_prefix_cache()
-            log.info("worker %s: prefix cache reset, %d cached block(s) dropped", self.worker_id, dropped)
+            grammars = self.engine.flush_grammar_cache()
+            log.info("worker %s: prefix cache reset, %d cached block(s) and %d compiled grammar(s) dropped",
+                     self.worker_id, dropped, grammars)
             return [m.PrefixCacheReset(self.worker_id, msg.reset_id, dropped)]
         side = self.prefill_side if isinstance(msg, (m.Prefill, m.KVTarget)) else self.decode_side
         if side is None:

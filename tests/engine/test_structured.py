@@ -133,13 +133,53 @@ def test_disaggregated_equals_colocated(tiny_model, llm, temperature):
     pair.assert_idle()
 
 
+def ended(engine) -> dict:
+    """Step until nothing is left: the last output of each request."""
+    last = {}
+    while engine.has_unfinished():
+        last.update((out.request_id, out) for out in engine.step())
+    return last
+
+
 def test_a_spec_that_does_not_compile_is_refused(llm):
+    """Its shape at once; its compile (off the step) fails the request, naming structured_output."""
+    with pytest.raises(InvalidRequest, match="structured_output.kind"):
+        llm.engine.make_request("bad", [1, 2, 3], sp(StructuredOutput("xml", ""), 1))
     for so, words in ((StructuredOutput("regex", "a(b"), "unclosed group"),
                       (StructuredOutput("json_schema", '{"type": "nope"}'), "nope"),
-                      (StructuredOutput("json_schema", "{"), "cannot read"),
-                      (StructuredOutput("xml", ""), "structured_output.kind")):
-        with pytest.raises(InvalidRequest, match=words):
-            llm.engine.make_request("bad", [1, 2, 3], sp(so, 1))
+                      (StructuredOutput("json_schema", "{"), "cannot read")):
+        llm.engine.add_request("bad", [1, 2, 3], sp(so, 1))
+        out = ended(llm.engine)["bad"]
+        assert out.finished and out.finish_reason == "error" and not out.new_token_ids
+        assert out.error.startswith("structured_output") and words in out.error, out.error
+
+
+# A row of 2,500 items: over llguidance's max_items_in_row, found at the first token.
+WIDE_LARK = StructuredOutput("grammar", "start: " + " | ".join(f'"ch{i}"' for i in range(2500)))
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_request_in_error(llm):
+    """The matcher fails on the first token it takes (the router's check
+    refuses this grammar; an engine must not trust that): the request ends
+    with finish_reason "error" and the reason, never a "stop" whose text
+    breaks the grammar; a request beside it is unaffected."""
+    engine = llm.engine
+    engine.add_request("wide", random_prompts([6], seed=8)[0], sp(WIDE_LARK, 1))
+    engine.add_request("ok", random_prompts([6], seed=9)[0], sp(JSON_SCHEMA, 2))
+    ends = ended(engine)
+    wide, ok = ends["wide"], ends["ok"]
+    assert wide.finish_reason == "error" and not wide.new_token_ids
+    assert "structured_output" in wide.error and "max is 2000" in wide.error, wide.error
+    assert ok.finish_reason == "stop" and ok.error is None
+
+
+def test_many_choices_are_one_lexeme_and_hold(llm):
+    """More choices than a parser row holds (max_items_in_row 2000): honoured."""
+    choices = [f"ch{i}" for i in range(2500)]
+    outs = llm.generate(random_prompts([6, 6], seed=2),
+                        [sp(StructuredOutput("choice", json.dumps(choices)), seed) for seed in (5, 6)])
+    for out in outs:
+        assert out.finish_reason == "stop" and out.text in choices, out.text
 
 
 def test_apply_allowed_unpacks_every_bit():

@@ -64,6 +64,12 @@ def test_structured_output_fields(fields, want):
     assert completion.sampling.structured_output == want
 
 
+def test_many_choices_pass():
+    """2,500 choices: one lexeme (pdd.grammar), not a parser row of 2,500 items."""
+    choices = [f"ch{i}" for i in range(2500)]
+    assert chat(guided_choice=choices).sampling.structured_output == StructuredOutput("choice", json.dumps(choices))
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"response_format": {"type": "xml"}}, "response_format.type", ["text, json_object, json_schema"]),
     ({"response_format": {}}, "response_format.type", ["is required"]),
@@ -81,6 +87,13 @@ def test_structured_output_fields(fields, want):
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", ["only one of", "'guided_regex'"]),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", ["only one of"]),
     ({"structured_outputs": {"choice": "x"}}, "structured_outputs.choice", ["non-empty array"]),
+    # Grammars that compile but fail once run (issue 35): an empty language, a
+    # lexer out of fuel, a parser row over max_items_in_row.
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "guided_json",
+     ["invalid json_schema"]),
+    ({"guided_regex": "(a{3000}){3000}"}, "guided_regex", ["invalid regex", "too many expressions"]),
+    ({"guided_grammar": "start: " + " | ".join(f'"ch{i}"' for i in range(2500))}, "guided_grammar",
+     ["max is 2000"]),
 ])
 def test_bad_structured_outputs(fields, param, words):
     refused(param, *words, **fields)
