@@ -251,7 +251,14 @@ class RouterConfig:
     # tokenizer from the name it reads; the built-in model: its directory and "pdd-tiny".
     served_model_name: tuple[str, ...] = ()
     heartbeat_interval_s: float = 0.5
-    heartbeat_misses: int = 3        # missed heartbeats before a worker is dead
+    # A worker silent for heartbeat_misses heartbeats (the router's own stalls
+    # not counted) is suspect: it gets no new requests and keeps those it holds.
+    # Silent liveness_grace_s longer, it is lost and they move; heard within
+    # it, it is healthy again with nothing moved. Long enough for a starved host
+    # or a call that holds a worker's interpreter (seconds); a process that is
+    # gone (its connection closed) is lost when it turns suspect, without the grace.
+    heartbeat_misses: int = 3
+    liveness_grace_s: float = 5.0
     # A worker gone this long without registering again is forgotten: its
     # breakers, estimates and metric series are dropped. Long enough for a
     # restart under its id (systemd's RestartSec, then loading and warming up
@@ -315,6 +322,8 @@ class RouterConfig:
             raise ConfigError(f"router.port: {self.port} is not a TCP port")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
             raise ConfigError("router.heartbeat_interval_s must be > 0 and heartbeat_misses >= 1")
+        if self.liveness_grace_s < 0:
+            raise ConfigError(f"router.liveness_grace_s: must be >= 0, got {self.liveness_grace_s}")
         if self.forget_after_s < 0:
             raise ConfigError(f"router.forget_after_s: must be >= 0, got {self.forget_after_s}")
         if self.request_timeout_s < 0 or self.max_queued_requests < 0:

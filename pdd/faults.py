@@ -21,12 +21,17 @@ Known faults (each acts in the roles named; elsewhere it is inert):
   <role>.hang_after_steps=N <role>    from the N-th engine step on, the step blocks
                                       (heartbeats go on, step_running_s grows) until
                                       the fault is cleared or the worker stops
+  <role>.gil_hold_s=S       <role>    the next engine step holds the interpreter lock
+                                      S seconds, once per setting (as a compile or a C
+                                      call that keeps the GIL does): no other thread of
+                                      the process runs, its heartbeats wait
   seed=N                    any       seed of the draws behind the *_rate faults
 <role> is prefill, decode or colocated. Draws come from one RNG per process,
 seeded by `seed` (default 0): a run repeats itself.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -58,7 +63,7 @@ _FIXED = {
     "reserve.drop_rate": _Spec("rate", ("decode",)),
     "seed": _Spec("int", WORKER_ROLES),
 }
-_PER_ROLE = {"step_delay_s": "seconds", "hang_after_steps": "count"}
+_PER_ROLE = {"step_delay_s": "seconds", "hang_after_steps": "count", "gil_hold_s": "seconds"}
 KNOWN = {**_FIXED, **{f"{role}.{what}": _Spec(kind, (role,))
                       for role in WORKER_ROLES for what, kind in _PER_ROLE.items()}}
 
@@ -132,6 +137,7 @@ class _Registry:
         self.delayed: list[tuple[float, object]] = []   # (due, transfer result): engine thread only
         self.doomed: set[str] = set()     # transfers failed at their finish: engine thread only
         self.hang_logged = False
+        self.gil_held = False     # gil_hold_s acted since it was set
 
 
 _registry: _Registry | None = None
@@ -182,6 +188,8 @@ def apply(values: dict[str, float], clear: bool = False) -> dict[str, float]:
             r.rng.seed(int(new["seed"]))
     r.values = new
     r.hang_logged = False
+    if any(k.endswith(".gil_hold_s") for k in values):
+        r.gil_held = False
     _set_hang_state(r)
     log.warning("fault injection: now %s", format_values(new) or "none")
     return dict(new)
@@ -266,3 +274,24 @@ def hang(role: str, steps_completed: int) -> None:
 def _hang_due(role: str, steps_completed: int) -> bool:
     n = _get().values.get(f"{role}.hang_after_steps")
     return n is not None and steps_completed + 1 >= n
+
+
+def hold_interpreter(role: str) -> None:
+    """Hold the interpreter lock `<role>.gil_hold_s` seconds, once per setting,
+    in one C call made through ctypes.PyDLL (which keeps the GIL, as a compiled
+    extension that does not release it would). Engine thread only."""
+    r = _get()
+    seconds = r.values.get(f"{role}.gil_hold_s", 0.0)
+    if not seconds or r.gil_held:
+        return
+    r.gil_held = True
+    log.warning("fault injection: %s.gil_hold_s: this engine step holds the interpreter for %gs", role, seconds)
+    whole = int(seconds)
+    nanosleep(ctypes.byref(_Timespec(whole, int((seconds - whole) * 1e9))), None)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+nanosleep = ctypes.PyDLL(None).nanosleep    # PyDLL: the call keeps the GIL

@@ -60,6 +60,9 @@ class RouterMetrics:
         self.migrations = Counter("pdd_request_migrations", "Requests re-admitted after a worker loss",
                                   registry=r)
         self.http_errors = Counter("pdd_http_errors", "Error responses", ["status"], registry=r)
+        self.liveness = Counter("pdd_worker_liveness_events", "Workers turned suspect (silent past the "
+                                "heartbeat window), back (heard within the grace, nothing moved) and lost "
+                                "(for any reason: their requests moved)", ["event"], registry=r)
         self.inflight = Gauge("pdd_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.step_latency = Histogram("pdd_scheduler_iteration_latency_seconds", "Engine step latency",
                                       ["worker"], buckets=_LATENCY_BUCKETS, registry=r)

@@ -192,7 +192,8 @@ class RegisterReply(Message):
     ok: bool
     error: str = ""
     heartbeat_interval_s: float = 0.5
-    # The router counts a worker it has not heard from for this long as lost;
+    # The router counts a worker it has not heard from for this long as lost
+    # (router.heartbeat_misses heartbeats, then router.liveness_grace_s);
     # a worker it has not answered for this long says so (0: no watch).
     liveness_s: float = 0.0
 
@@ -200,7 +201,9 @@ class RegisterReply(Message):
 @dataclass
 class HeartbeatAck(Message):
     """The router heard this worker's heartbeat and holds it registered: every
-    heartbeat is answered, by this, ReRegister or Replaced."""
+    heartbeat is answered, by this, ReRegister or Replaced. Also the router's
+    probe of a worker gone silent (pdd.router.membership): only its delivery
+    counts."""
     TYPE: ClassVar[str] = "heartbeat_ack"
 
 

@@ -308,11 +308,12 @@ class ControlPlane:
             if rid is not None:
                 self.send(peer, m.Abort([rid]))
             return
+        if type(msg) is not m.Register:   # (a Register may be another process's, under its id)
+            self.membership.heard(peer)
         with request_context(rid):   # what it logs carries the request's id
             handler(peer, msg)
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
-        self.registry.touch(peer)
         for item in msg.items:
             state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
             if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
@@ -477,11 +478,13 @@ class ControlPlane:
     def next_deadline(self) -> float | None:
         return self._timers.next_deadline()
 
-    def postpone_timers(self, seconds: float) -> None:
-        """Every phase and request deadline, and every departed worker's time to
-        be forgotten, `seconds` later (the router stalled)."""
+    def router_stalled(self, seconds: float) -> None:
+        """The router itself did not run for `seconds` (stopped, starved, swapped
+        out, a long GC): what the workers sent meanwhile waits unread, so that
+        time counts against no worker's liveness, no request's timer and no
+        departed worker's time to be forgotten."""
         self._timers.postpone(seconds)
-        self.membership.postpone(seconds)
+        self.membership.router_stalled(seconds)
 
     def fire_timers(self) -> None:
         now = self.clock()
@@ -577,7 +580,7 @@ class ControlPlane:
         """The prefill worker planned at placement, or another one if it left meanwhile."""
         workers = self.registry.workers
         planned = workers.get(state.prefill_worker) if state.prefill_worker else None
-        if planned is not None and planned.accepting:
+        if planned is not None and planned.serving:   # a suspect one computes the prompt it was sent
             return planned.worker_id
         decode = workers[state.decode_worker]
         now = self.clock()

@@ -2,8 +2,15 @@
 detection, loss, and what the router keeps of a worker that left until it is
 forgotten.
 
-A worker is lost when it says goodbye, misses its heartbeats, cannot be
-reached, or another process registers under its id. What that means for the
+A worker is lost when it says goodbye, cannot be reached, another process
+registers under its id, or it stays silent past the liveness grace. Silent
+past the heartbeat window only, it is suspect: no new requests go to it, and
+those it holds stay where they are; a message from it within the grace makes
+it healthy again with nothing moved (a compile or a call holding its
+interpreter, a starved host, delays heartbeats without ending a process). The
+window counts only time the router itself ran (`router_stalled`). A suspect
+is probed at once: a process that is gone has closed its connection, the
+probe cannot be delivered, and it is lost then, without the grace. What that means for the
 requests it held is the request state machine's (pdd.router.control): this
 module tells it through `orphaned` (the worker is gone) and `hung` (its engine
 step never ends; it stays registered). Like ControlPlane, every method is one
@@ -57,7 +64,7 @@ class Membership:
                                                msg.device, msg.num_blocks)
         self.send(peer, m.RegisterReply(ok=error is None, error=error or "",
                                         heartbeat_interval_s=self.cfg.heartbeat_interval_s,
-                                        liveness_s=self.registry.timeout_s))
+                                        liveness_s=self.registry.lost_after_s))
         self.rebalance()
         if replaced is not None:
             # Its requests may move to the new process itself: it registered first.
@@ -93,12 +100,38 @@ class Membership:
         if self.policy.balances_roles:
             self.estimator.rebalance(self.registry.workers.values(), self.clock())
 
-    def expire_workers(self) -> None:
-        for wid in self.registry.expired():
-            self.worker_lost(wid, "missed heartbeats")
+    def heard(self, worker_id: str) -> None:
+        """Any message from a registered worker: it is alive."""
+        silent_s = self.registry.heard(worker_id)
+        if silent_s is not None:
+            self.metrics.liveness.labels("back").inc()
+            log.warning("worker %s heard again after %.1fs of silence; it takes new requests, and kept its own",
+                        worker_id, silent_s)
+
+    def check_liveness(self) -> None:
+        """Silent workers turn suspect (and are probed), or are lost."""
+        suspects, lost = self.registry.silent()
+        for wid in suspects:
+            self.metrics.liveness.labels("suspect").inc()
+            log.warning("worker %s silent for over %gs (router.heartbeat_misses heartbeats): suspect, no new "
+                        "requests; those it holds stay unless it is silent %gs more (router.liveness_grace_s)",
+                        wid, self.registry.window_s, self.cfg.liveness_grace_s)
+            # The probe: sent to a process that is gone, it cannot be delivered,
+            # and the router's send loop reports the worker unreachable (lost).
+            self.send(wid, m.HeartbeatAck())
+        for wid in lost:
+            self.worker_lost(wid, f"silent for over {self.registry.lost_after_s:g}s: missed heartbeats")
+
+    def router_stalled(self, seconds: float) -> None:
+        """The router did not run for `seconds`: what the workers sent meanwhile
+        waits unread, so that time is not their silence, and a departed
+        worker's time to be forgotten moves on by it too."""
+        self.registry.excuse(seconds)
+        self.departed = {wid: at + seconds for wid, at in self.departed.items()}
 
     def worker_lost(self, worker_id: str, why: str) -> None:
         if self.registry.remove(worker_id) is not None:
+            self.metrics.liveness.labels("lost").inc()
             self._depart(worker_id)
             self.orphaned(worker_id, why)
 
@@ -123,7 +156,3 @@ class Membership:
             log.info("worker %s forgotten: gone for %gs (router.forget_after_s); %d breaker(s), its estimates "
                      "and metric series dropped", wid, self.cfg.forget_after_s, len(pairs))
         return gone
-
-    def postpone(self, seconds: float) -> None:
-        """Every departed worker's time to be forgotten, `seconds` later (the router stalled)."""
-        self.departed = {wid: at + seconds for wid, at in self.departed.items()}

@@ -1,5 +1,10 @@
 """The router's view of its workers: registration, load from heartbeats, liveness, drain.
 
+Liveness counts silence on the router's clock, less the spans the router
+itself did not run (`excuse`): a worker silent past the window (heartbeat
+interval x misses) is suspect, past the window + grace lost; any message
+from it ends a suspicion (`heard`).
+
 The first worker to register fixes the cluster's KV layout; a later worker
 whose layout differs is refused with the name of the field (a worker of
 another model or dtype must never be paired with these).
@@ -9,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.kv.layout import KVLayout
@@ -44,14 +50,22 @@ class WorkerInfo:
     draining: bool = False          # set by the admin (drain) ...
     self_draining: bool = False     # ... or by the worker itself (SIGTERM)
     hung: bool = False              # its engine step outran worker.step_timeout_s
+    suspect: bool = False           # silent past the liveness window, not yet past the grace
     # Requests with a phase owned here (pdd.router.control keeps it exact;
     # fresher than the last heartbeat).
     inflight: int = 0
     cached_hashes: OrderedDict = field(default_factory=OrderedDict)
 
     @property
-    def accepting(self) -> bool:
+    def serving(self) -> bool:
+        """It goes on with the work it holds: not drained, draining or hung (a
+        suspect one does: heard within the grace, it keeps its requests)."""
         return not (self.draining or self.self_draining or self.hung)
+
+    @property
+    def accepting(self) -> bool:
+        """It takes new work."""
+        return self.serving and not self.suspect
 
     @property
     def free_blocks(self) -> int:
@@ -78,7 +92,7 @@ class WorkerInfo:
         return {
             "worker_id": self.worker_id, "role": self.role, "host": self.host, "pid": self.pid,
             "device": self.device, "accepting": self.accepting, "draining": self.draining or self.self_draining,
-            "hung": self.hung,
+            "hung": self.hung, "suspect": self.suspect,
             "inflight": self.inflight, "num_blocks": self.num_blocks,
             "running": load.running if load else 0, "waiting": load.waiting if load else 0,
             "free_blocks": self.free_blocks,
@@ -94,11 +108,14 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_interval_s: float, heartbeat_misses: int):
+    def __init__(self, heartbeat_interval_s: float, heartbeat_misses: int, grace_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self.workers: dict[str, WorkerInfo] = {}
         self.drained: set[str] = set()   # worker ids drained by the admin (pdd.router.drained keeps them)
         self.layout: KVLayout | None = None
-        self.timeout_s = heartbeat_interval_s * heartbeat_misses
+        self.window_s = heartbeat_interval_s * heartbeat_misses   # silent this long: suspect
+        self.lost_after_s = self.window_s + grace_s                # silent this long: lost
+        self.clock = clock
 
     def is_new_incarnation(self, msg: m.Register) -> bool:
         """A worker id already registered by another process (restarted before its
@@ -122,7 +139,8 @@ class WorkerRegistry:
         old = self.workers.get(msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
                           msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
-                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step, build=msg.build)
+                          msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step, build=msg.build,
+                          last_seen=self.clock())
         # Drained by the admin: whatever process registers under the id, after
         # a restart of either side, stays drained until undrained.
         info.draining = msg.worker_id in self.drained
@@ -139,17 +157,24 @@ class WorkerRegistry:
         info = self.workers.get(msg.worker_id)
         if info is None:
             return False
-        info.last_seen = time.monotonic()
         info.load = msg
         info.heartbeats += 1
         info.self_draining = msg.draining
         info.note_hashes(msg.recent_hashes)
         return True
 
-    def touch(self, worker_id: str) -> None:
+    def heard(self, worker_id: str) -> float | None:
+        """A message from a registered worker: it is not silent. If it was
+        suspect it no longer is: returns how long it had been silent."""
         info = self.workers.get(worker_id)
-        if info is not None:
-            info.last_seen = time.monotonic()
+        if info is None:
+            return None
+        now = self.clock()
+        silent_s, info.last_seen = now - info.last_seen, now
+        if not info.suspect:
+            return None
+        info.suspect = False
+        return silent_s
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
         info = self.workers.pop(worker_id, None)
@@ -159,13 +184,23 @@ class WorkerRegistry:
 
     def excuse(self, seconds: float) -> None:
         """The router could not hear anyone for `seconds`: no worker missed a heartbeat then."""
-        now = time.monotonic()
+        now = self.clock()
         for w in self.workers.values():
             w.last_seen = min(now, w.last_seen + seconds)
 
-    def expired(self) -> list[str]:
-        now = time.monotonic()
-        return [w.worker_id for w in self.workers.values() if now - w.last_seen > self.timeout_s]
+    def silent(self) -> tuple[list[str], list[str]]:
+        """(workers silent past the window that were not suspect: suspect now,
+        workers silent past the window + grace: lost)."""
+        now = self.clock()
+        suspects, lost = [], []
+        for w in self.workers.values():
+            silent_s = now - w.last_seen
+            if silent_s > self.lost_after_s:
+                lost.append(w.worker_id)
+            elif silent_s > self.window_s and not w.suspect:
+                w.suspect = True
+                suspects.append(w.worker_id)
+        return suspects, lost
 
     def candidates(self, roles: tuple[str, ...]) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role in roles and w.accepting]

@@ -44,6 +44,9 @@ _HASH_INLINE_TOKENS = 16_384  # longer prompts are hashed in a thread
 # How long a prefix-cache reset waits for the workers' answers: an engine
 # applies it between steps, and a busy GPU step takes well under a second.
 RESET_TIMEOUT_S = 15.0
+# The timer loop woken later than this was stalled (the rest is the loop's
+# own jitter); the stall counts against no worker and no timer.
+STALL_TOLERANCE_S = 0.1
 
 
 class Router:
@@ -51,7 +54,7 @@ class Router:
         self.cfg = cfg
         self.served_names: tuple[str, ...] = ()   # what clients put in "model" (set by the HTTP side)
         rc = cfg.router
-        self.registry = WorkerRegistry(rc.heartbeat_interval_s, rc.heartbeat_misses)
+        self.registry = WorkerRegistry(rc.heartbeat_interval_s, rc.heartbeat_misses, rc.liveness_grace_s)
         self.metrics = RouterMetrics(self.registry)
         self.control = ControlPlane(rc, self.registry, self.metrics, self._post,
                                     step_timeout_s=cfg.worker.step_timeout_s,
@@ -267,19 +270,17 @@ class Router:
             except asyncio.TimeoutError:
                 pass
             late = time.monotonic() - wake
-            if late > interval:
-                # The router itself did not run (stopped, swapped out, a long GC): the
-                # heartbeats and answers of that time wait unread in the socket, so the
-                # time does not count against the workers or the requests' timers.
-                log.warning("router: its loop stalled for %.1fs; liveness and timers are moved on by it", late)
-                self.registry.excuse(late)
-                self.control.postpone_timers(late)
+            if late > STALL_TOLERANCE_S:
+                # Woken late: the router itself did not run meanwhile.
+                (log.warning if late > interval else log.debug)(
+                    "router: its loop stalled for %.2fs; liveness and timers are moved on by it", late)
+                self.control.router_stalled(late)
                 next_liveness += late
             try:
                 self.control.fire_timers()
                 if time.monotonic() >= next_liveness:
                     next_liveness = time.monotonic() + interval
-                    self.control.membership.expire_workers()
+                    self.control.membership.check_liveness()
                     for worker_id in self.control.membership.forget_departed():
                         self.connections.forget(worker_id)
                     self.control.show_breakers()

@@ -331,6 +331,7 @@ class EngineThread(threading.Thread):
             time.sleep(delay)
         self.step_started_at = time.monotonic()
         faults.hang(self.role, self.stats.steps_completed)   # injected: blocks while heartbeats go on
+        faults.hold_interpreter(self.role)                   # injected: blocks the heartbeats too
         try:
             outputs = self.engine.step()
         except Exception as e:

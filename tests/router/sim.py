@@ -87,7 +87,8 @@ class SimCluster:
         self.clock = Clock()
         cfg = RouterConfig(mode=mode, reserve_timeout_s=reserve_timeout_s, kv_lease_ttl_s=lease_ttl_s,
                            heartbeat_interval_s=0.5, heartbeat_misses=3, **router_cfg)
-        self.registry = WorkerRegistry(cfg.heartbeat_interval_s, cfg.heartbeat_misses)
+        self.registry = WorkerRegistry(cfg.heartbeat_interval_s, cfg.heartbeat_misses, cfg.liveness_grace_s,
+                                       self.clock)
         self.control = ControlPlane(cfg, self.registry, RouterMetrics(), self._deliver_to_worker, self.clock)
         self.workers: dict[str, SimWorker] = {}
         self.states = {}          # every request ever submitted

@@ -67,7 +67,7 @@ def test_a_process_registered_later_under_an_id_is_the_worker_and_the_first_is_t
         return first, before, second, answers, after, router.registry.workers["w0"].incarnation, new
 
     first, before, second, answers, after, incarnation, new = with_router(scenario)
-    assert first.ok and first.liveness_s == 1.5    # heartbeat_interval_s x heartbeat_misses
+    assert first.ok and first.liveness_s == 6.5    # heartbeat_interval_s x heartbeat_misses + liveness_grace_s
     assert before == m.HeartbeatAck() and second.ok
     # Heartbeat, Register, Goodbye: the old process is heard no further (its
     # Register does not take the id back, its Goodbye does not take the new

@@ -80,7 +80,7 @@ def test_a_router_stall_does_not_count_against_a_departed_worker():
     c = cluster_with_history()
     c.kill("d1")
     c.advance(GRACE_S + 5)
-    c.control.postpone_timers(GRACE_S)   # the router's timer loop found it woke that late
+    c.control.router_stalled(GRACE_S)   # the router's timer loop found it woke that late
     assert c.control.membership.forget_departed() == []
     c.add_worker("d1", "decode")
     assert kept(c, "d1")["breakers"] == [("p0", "d1")]
