@@ -18,6 +18,7 @@ router imports this module.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
@@ -207,9 +208,9 @@ class Compiled:
     """A grammar compiled against the vocabulary: a pristine matcher (its first
     mask computed, so the lexer states it needs are built), copied per request."""
     pristine: object
-    # Its memory, as the process's resident set grew while it was compiled
-    # (llguidance reports no size; its lexer states, 1-2 kB each, are most of
-    # it). With compiles running at once each may be charged some of another's.
+    # Its memory: what the process's heap grew by while it compiled (llguidance
+    # reports no size; its lexer states, 1-2 kB each, are most of it). What
+    # other threads allocate meanwhile (another compile, a step) is charged too.
     nbytes: int
 
 
@@ -322,7 +323,7 @@ class GrammarCompiler:
     def _compile(self, so: StructuredOutput) -> Compiled:
         """(A pool thread.) The grammar and its first mask: the costly part
         (the lexer's states over the vocabulary), never in an engine step."""
-        before = _resident_bytes()
+        before = _heap_bytes()
         grammar = grammar_for(so)
         pristine = _llg().LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
         if not pristine.is_error():
@@ -330,15 +331,38 @@ class GrammarCompiler:
             self.executor.unsafe_compute_mask_ptr([(pristine, 0)], mask.ctypes.data, mask.nbytes, 1)
         if pristine.is_error():
             raise InvalidRequest(f"structured_output: invalid {so.kind}: {_first_lines(pristine.get_error())}")
-        return Compiled(pristine, max(_resident_bytes() - before, len(grammar)))
+        return Compiled(pristine, max(_heap_bytes() - before, len(grammar)))
 
     def _ended(self, _future: Future) -> None:
         if self.on_ready is not None:
             self.on_ready()
 
 
-def _resident_bytes() -> int:
-    """This process's resident set (0 where /proc is not)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33+), or None."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def _heap_bytes() -> int:
+    """Bytes the process has allocated and not freed (glibc's count; llguidance
+    allocates through malloc), else its resident set. The resident set is the
+    poorer measure: memory freed by an evicted grammar is reused by the next
+    one, which then shows no growth."""
+    info = _mallinfo2()
+    if info is not None:
+        m = info()
+        return m.uordblks + m.hblkhd
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
