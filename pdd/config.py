@@ -282,6 +282,13 @@ class RouterConfig:
     # worker, reserving, prefilling). Above it new requests get 429 with
     # Retry-After (0 = no limit).
     max_queued_requests: int = 4096
+    # The router's own limits (pdd.router.saturation): past either, new requests
+    # get 429 with Retry-After while the streams it holds go on. max_loop_lag_s:
+    # its event loop ran this late at each of its last probes (a loop busy all the
+    # time, not one stall); max_buffered_bytes: what its HTTP connections hold that
+    # the kernel has not taken yet, all together. 0 = no limit.
+    max_loop_lag_s: float = 0.5
+    max_buffered_bytes: int = 256 * 2**20
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
     allow_fault_injection: bool = False
@@ -337,6 +344,9 @@ class RouterConfig:
             raise ConfigError("router.http_send_timeout_s: must be > 0")
         if self.max_buffered_tokens < 1:
             raise ConfigError("router.max_buffered_tokens: must be >= 1")
+        if not 0 <= self.max_loop_lag_s < float("inf") or self.max_buffered_bytes < 0:
+            raise ConfigError(f"router.max_loop_lag_s and router.max_buffered_bytes: must be >= 0 (0 = no limit), "
+                              f"got {self.max_loop_lag_s} and {self.max_buffered_bytes}")
         for host in self.allowed_hosts:
             if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
                 raise ConfigError(f"router.allowed_hosts: {host!r} is not a host name; want a name such as "

@@ -414,6 +414,7 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s,
                              router.cfg.router.http_send_timeout_s)
+    router.saturation.watch(app[GUARDS_KEY].buffered_bytes)
     app[API_KEYS_KEY] = ApiKeys(sec.api_keys, sec.open_paths)
     app[KEYLESS_KEY] = KeylessChecks(not sec.api_keys, router.cfg.router.host, router.cfg.router.allowed_hosts)
     app.router.add_post("/v1/completions", server.completions)

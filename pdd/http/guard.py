@@ -73,6 +73,10 @@ class Guards:
     def get(self, transport) -> "Guard | None":
         return self.live.get(transport)
 
+    def buffered_bytes(self) -> int:
+        """What the live connections hold that the kernel has not taken yet."""
+        return sum(transport.get_write_buffer_size() for transport in self.live)
+
 
 class Guard(asyncio.Protocol):
     """Wraps aiohttp's protocol for one connection (every call passed through)."""

@@ -32,6 +32,7 @@ from pdd.router.drained import DrainedWorkers, state_dir
 from pdd.router.placement import ClusterView, transfer_pairs
 from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import RequestState
+from pdd.router.saturation import Saturation
 from pdd.router.traces import TraceStore
 from pdd.security import control_security
 from pdd.tracing.context import SpanContext
@@ -60,6 +61,7 @@ class Router:
                                     step_timeout_s=cfg.worker.step_timeout_s,
                                     traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
+        self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected)
         self.drained = DrainedWorkers(state_dir(rc.state_dir))
         self.registry.drained = self.drained.load()
         self.accepting = True
@@ -88,7 +90,8 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.chan = RouterChannel(self.ctx, self.cfg.router.control_addr, control_security(self.cfg, "router"))
         log.info("router control bus on %s", self.chan.addr)
-        self._tasks = [asyncio.create_task(loop()) for loop in (self._recv_loop, self._send_loop, self._timer_loop)]
+        self._tasks = [asyncio.create_task(loop()) for loop in (self._recv_loop, self._send_loop, self._timer_loop,
+                                                                self.saturation.run)]
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait (bounded) for those in flight."""
@@ -141,7 +144,9 @@ class Router:
 
     def check_admission(self) -> None:
         """Overloaded (429) when a request submitted now would be: asked before the
-        work that precedes submission (tokenizing a large prompt)."""
+        work that precedes submission (tokenizing a large prompt): the router
+        itself saturated, or too many requests waiting for a first token."""
+        self.saturation.check()
         self.control.check_admission()
 
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
@@ -300,6 +305,7 @@ class Router:
             "queued_requests": self.control.num_queued,
             "max_queued_requests": self.cfg.router.max_queued_requests,
             "overloaded": self.overloaded,
+            "saturated": self.saturation.reason,
             "workers": self.worker_summaries(),
             "departed": self.departed(),
             "breakers": self.breakers(),
@@ -345,8 +351,9 @@ class Router:
 
     @property
     def overloaded(self) -> bool:
+        """New requests get 429 now: the router saturated, or its queue full."""
         limit = self.cfg.router.max_queued_requests
-        return bool(limit) and self.control.num_queued >= limit
+        return self.saturation.reason is not None or (bool(limit) and self.control.num_queued >= limit)
 
     def breakers(self) -> list[dict]:
         """`pdd admin breaker`: every pair's state, failures in the window, time to the next trial."""

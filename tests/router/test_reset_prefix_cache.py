@@ -60,10 +60,11 @@ class StandIn:
         self.chan.close()
 
 
-async def router_with(*workers: tuple[str, int | None]) -> tuple[Router, list[StandIn]]:
+async def router_with(*workers: tuple[str, int | None], **router_cfg) -> tuple[Router, list[StandIn]]:
+    """A started router (`router_cfg`: more of its settings) and a stand-in for each of `workers`."""
     # Heartbeats are not sent here: the stand-ins must not expire while a test runs.
     cfg = load_cluster_config(env={}, overrides={"router": {"control_addr": "tcp://127.0.0.1:0",
-                                                            "heartbeat_interval_s": 600},
+                                                            "heartbeat_interval_s": 600, **router_cfg},
                                                  "security": {"insecure": True}})
     router = Router(cfg)
     await router.start()

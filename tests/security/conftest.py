@@ -15,6 +15,7 @@ from pdd import security
 from pdd.config import ClusterConfig
 from pdd.config_loader import load_cluster_config
 from pdd.metrics import RouterMetrics
+from pdd.router.saturation import Saturation
 from pdd.security import generate_keys
 
 HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -78,6 +79,7 @@ class StubRouter:
         self.registry = StubRegistry({"w0": StubWorker("w0")})
         self.requests: dict = {}
         self.metrics = RouterMetrics(StubRegistry())   # no worker state to scrape
+        self.saturation = Saturation(0, 0, self.metrics.rejected)   # never saturated (no probe runs)
         self.accepting = True
         self.ready = True
         self.overloaded = False

@@ -168,6 +168,20 @@ def test_connection_limit(keys):
     run(main())
 
 
+async def never_reading_client(port: int) -> asyncio.StreamWriter:
+    """A client that asks for many answers and never reads one: they pile up in
+    the server's buffers. Its receive buffer and segment are small, set before it
+    connects (else loopback queues megabytes for it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 400)   # pipelined
+    return writer
+
+
 def test_a_client_that_takes_nothing_is_cut_and_counted(keys):
     async def main():
         server, url = await start(secure_config(keys, router={"http_send_timeout_s": 0.5}))
@@ -178,15 +192,7 @@ def test_a_client_that_takes_nothing_is_cut_and_counted(keys):
                     return value
 
             before_total, before = await cut_total(), security.counts()
-            # A client that never reads, with a small receive buffer and segment set
-            # before it connects (else loopback queues megabytes for it).
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-            _, writer = await asyncio.open_connection(sock=sock)
-            writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 400)   # answers pile up unread
+            writer = await never_reading_client(server.port)
             await grows(before, "http.send_timeout")
             assert await cut_total() == before_total + 1
             writer.close()

@@ -1,0 +1,134 @@
+"""A saturated router refuses new requests (429 with Retry-After, in OpenAI's
+shape) while the streams it holds go on to their end: its loop late at every
+probe (forced: the test holds the loop at each of its turns), or its HTTP
+connections holding more unsent bytes than router.max_buffered_bytes (a client
+that never reads). A real router with its HTTP server on loopback; the worker
+is a stand-in on a real DEALER socket that streams the tokens the test gives it."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from pdd.http.app import build_app, serve_http
+from pdd.model.tokenizer import Tokenizer
+from pdd.protocol import messages as m
+from tests.router.test_metrics import samples
+from tests.router.test_reset_prefix_cache import StandIn, router_with, run, stop
+from tests.security.test_http import never_reading_client
+
+TOKEN_ID = 100
+
+
+class StreamingStandIn(StandIn):
+    """A worker that takes Admits and streams what the test says, one token at a time."""
+
+    def __init__(self, router, worker_id: str):
+        super().__init__(router, worker_id, None)
+        self.admitted: asyncio.Queue[m.Admit] = asyncio.Queue()
+
+    async def _serve(self) -> None:
+        while True:
+            msg = await self.chan.recv()
+            if isinstance(msg, m.Admit):
+                self.admitted.put_nowait(msg)
+
+    async def token(self, admit: m.Admit, position: int, finished: bool = False) -> None:
+        await self.chan.send(m.TokenBatch(self.worker_id, [m.TokenItem(
+            admit.request_id, admit.epoch, position, [TOKEN_ID], finished, "length" if finished else None)]))
+
+
+class LoopStall:
+    """The forced fault: the loop held `seconds` (time.sleep) at each of its turns,
+    as a router busy past its core is; between the holds it serves as ever."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.on = seconds, True
+        asyncio.get_running_loop().call_soon(self._hold)
+
+    def _hold(self) -> None:
+        if self.on:
+            time.sleep(self.seconds)
+            asyncio.get_running_loop().call_soon(self._hold)
+
+    def stop(self) -> None:
+        self.on = False
+
+
+async def until(condition) -> None:
+    """Until `condition()` holds (the test's own timeout bounds it)."""
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def completion(stream: bool) -> dict:
+    return {"model": "m", "prompt": "hello", "max_tokens": 3, "ignore_eos": True, "stream": stream}
+
+
+async def refused(s: aiohttp.ClientSession, url: str, setting: str) -> None:
+    async with s.post(url + "/v1/completions", json=completion(False)) as r:
+        body = await r.json()
+        assert r.status == 429 and r.headers["Retry-After"] == "1", body
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["code"] == "rate_limit_exceeded" and setting in body["error"]["message"], body
+
+
+async def rejected(s: aiohttp.ClientSession, url: str, reason: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        (value,) = samples(await r.text(), "pdd_requests_rejected_total", reason=reason)
+        return value
+
+
+def test_a_router_whose_loop_is_late_at_every_probe_refuses_new_requests_and_its_streams_go_on(tiny_model):
+    async def main():
+        router, _ = await router_with(max_loop_lag_s=0.05)
+        worker = await StreamingStandIn(router, "c").start()
+        server = await serve_http(build_app(router, Tokenizer(tiny_model), "m"), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            assert await rejected(s, url, "loop_lag") == 0
+            stream = await s.post(url + "/v1/completions", json=completion(True))
+            assert stream.status == 200
+            admit = await worker.admitted.get()
+            await worker.token(admit, 0)
+            assert (await stream.content.readline()).startswith(b"data: ")
+            stall = LoopStall(0.1)   # a probe waits at least one hold: late by more than the limit
+            await until(lambda: router.saturation.reason == "loop_lag")
+            await refused(s, url, "router.max_loop_lag_s")
+            assert worker.admitted.empty()   # refused before anything reached a worker
+            await worker.token(admit, 1)      # the stream held meanwhile goes on to its end
+            await worker.token(admit, 2, finished=True)
+            events = [line for line in (await stream.read()).split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in events[-2], events
+            stall.stop()
+            await until(lambda: router.saturation.reason is None)
+            assert await rejected(s, url, "loop_lag") == 1
+            answer = asyncio.ensure_future(s.post(url + "/v1/completions", json=completion(False)))
+            admit = await worker.admitted.get()    # admitted again
+            for position in range(3):
+                await worker.token(admit, position, finished=position == 2)
+            async with await answer as r:
+                assert r.status == 200, await r.text()
+        await server.cleanup()
+        await stop(router, [worker])
+
+    run(main())
+
+
+def test_a_router_holding_too_many_unsent_bytes_refuses_new_requests(tiny_model):
+    async def main():
+        router, _ = await router_with(max_buffered_bytes=16384)
+        server = await serve_http(build_app(router, Tokenizer(tiny_model), "m"), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        writer = await never_reading_client(server.port)
+        await until(lambda: router.saturation.reason == "buffered_bytes")
+        async with aiohttp.ClientSession() as s:
+            await refused(s, url, "router.max_buffered_bytes")
+            writer.close()                 # its bytes go with it
+            await until(lambda: router.saturation.reason is None)
+            assert await rejected(s, url, "buffered_bytes") == 1
+        await server.cleanup()
+        await stop(router, [])
+
+    run(main())
