@@ -10,11 +10,13 @@ it healthy again with nothing moved (a compile or a call holding its
 interpreter, a starved host, delays heartbeats without ending a process). The
 window counts only time the router itself ran (`router_stalled`). A suspect
 is probed at once: a process that is gone has closed its connection, the
-probe cannot be delivered, and it is lost then, without the grace. What that means for the
-requests it held is the request state machine's (pdd.router.control): this
-module tells it through `orphaned` (the worker is gone) and `hung` (its engine
-step never ends; it stays registered). Like ControlPlane, every method is one
-event that runs to completion without awaiting.
+probe cannot be delivered, and it is lost then, without the grace.
+
+What a loss means for the requests the worker held is the request state
+machine's (pdd.router.control): this module tells it through `orphaned` (the
+worker is gone) and `hung` (its engine step never ends; it stays registered).
+Like ControlPlane, every method is one event that runs to completion without
+awaiting.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ a worker is lost when it is silent while both it and the router could run.
 The router stopped, a worker stopped within the grace, both workers holding
 their interpreter (the fault `<role>.gil_hold_s`, as a first grammar compile
 did): every stream ends with its fault-free text, no worker is lost and no
-request moves. (A worker stopped past the grace is lost as ever:
-tests/e2e/test_faults_freeze.py, test_control_plane.py.)"""
+request moves. A worker killed is lost without waiting out the grace (a
+worker stopped past the grace is lost as ever: tests/e2e/test_faults_freeze.py,
+test_control_plane.py)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.streams import stream_all
 from tests.e2e.test_disagg import metric
 from tests.e2e.test_disagg_faults import assert_all_free
+from tests.e2e.test_worker_ids import START_S, registered, serve
 from tests.engine.helpers import random_prompts
 
 
@@ -104,3 +106,20 @@ def test_workers_holding_their_interpreter_lose_no_request(p1d1, offline):
     assert liveness(c, "suspect") >= suspected + 1    # their heartbeats did wait past the window
     assert moved(c) == before
     assert_all_free(c)
+
+
+def test_a_worker_killed_is_lost_when_found_silent_without_the_grace(p1d1, tmp_path):
+    """Its connection closed with it: the probe sent when it turns suspect
+    cannot be delivered, and it is lost then (the reason says so), not after
+    router.liveness_grace_s. (Started by hand: `pdd up` would restart it.)"""
+    c = p1d1
+    extra = serve(c, "decode", "extra-0", tmp_path / "extra-0.log")
+    try:
+        _wait_for(lambda: registered(c, "extra-0", extra.pid), START_S, "extra-0 registered")
+        extra.kill()
+        extra.wait(60)
+        _wait_for(lambda: "extra-0" not in c.workers(), 60.0, "extra-0 counted lost")
+    finally:
+        if extra.poll() is None:
+            extra.kill()
+    assert "worker extra-0 lost (unreachable (sending heartbeat_ack))" in (c.run_dir / "router.log").read_text()
