@@ -69,6 +69,9 @@ class EngineOutput:
     # finish_reason "error": why the request cannot go on (its grammar failed);
     # new_token_ids then holds no token.
     error: str | None = None
+    # The error is the request's own (its grammar did not compile, or not within
+    # its budget): the client is told 400, not that the server failed.
+    invalid: bool = False
 
 
 def _is_token(t, vocab: int) -> bool:
@@ -214,7 +217,7 @@ class LLMEngine:
                 try:
                     req.grammar = self.grammar_compiler.take(c.future)
                 except InvalidRequest as e:
-                    outputs.append(self._fail(req, str(e)))
+                    outputs.append(self._fail(req, str(e), invalid=True))
                     continue
                 req.awaiting_grammar = False
                 if req.num_prior_output_tokens:   # a migrated request: its output so far is the prompt's tail
@@ -225,13 +228,16 @@ class LLMEngine:
             elif now >= c.deadline:
                 del self._compiling[rid]
                 outputs.append(self._fail(req, f"structured_output: the grammar did not compile within "
-                                               f"engine.grammar_compile_timeout_s ({self.cfg.grammar_compile_timeout_s:g} s)"))
+                                               f"engine.grammar_compile_timeout_s ({self.cfg.grammar_compile_timeout_s:g} s)",
+                                          invalid=True))
         return outputs
 
-    def _fail(self, req: Request, error: str) -> EngineOutput:
+    def _fail(self, req: Request, error: str, invalid: bool = False) -> EngineOutput:
         self.scheduler.abort(req.request_id)
         req.status, req.error = RequestStatus.FINISHED_ERROR, error
-        return self._finished_output(req)
+        out = self._finished_output(req)
+        out.invalid = invalid
+        return out
 
     @property
     def num_compiling(self) -> int:

@@ -356,7 +356,7 @@ class OpenAIServer:
                         await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
-            await resp.write(r.sse(APIError(500, str(e), type="server_error").body()))
+            await resp.write(r.sse(APIError(e.status, str(e), type=e.error_type).body()))
         else:
             if req.include_usage:
                 await resp.write(r.sse(r.usage_chunk(req, self._usage(req, groups))))

@@ -114,7 +114,7 @@ async def error_middleware(request: web.Request, handler):
         request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()
         return error_response(503, str(e), "service_unavailable")
     except RequestError as e:
-        return error_response(500, str(e), "server_error")
+        return error_response(e.status, str(e), e.error_type)
     except web.HTTPRequestEntityTooLarge:
         request.app[ROUTER_KEY].metrics.http_errors.labels("413").inc()
         limit = request.app[ROUTER_KEY].cfg.router.max_body_bytes

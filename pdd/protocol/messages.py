@@ -166,6 +166,9 @@ class RequestFailed(Message):
     # True when another worker could still serve it (e.g. this one is out of
     # capacity); False for a request that is itself invalid.
     retriable: bool = False
+    # The request itself is at fault (InvalidRequest: a grammar that does not
+    # compile within its budget, say): its client gets a 400, not a 500.
+    invalid: bool = False
 
 
 @dataclass

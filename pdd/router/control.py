@@ -352,7 +352,7 @@ class ControlPlane:
         if msg.retriable:  # not the request's fault (lease expired, no room): another try
             self._place_again(state, "worker_refused", f"{peer}: {msg.error}")
         else:
-            self._fail(state, msg.error)
+            self._fail(state, msg.error, status=400 if msg.invalid else 500)
 
     def on_reserved(self, peer: str, msg: m.Reserved) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, RESERVING, owner="decode")
@@ -612,14 +612,15 @@ class ControlPlane:
             self._fail(state, f"the client did not read its stream: {state.buffered_tokens} tokens waited for "
                               f"it (router.max_buffered_tokens = {self.cfg.max_buffered_tokens})")
 
-    def _fail(self, state: RequestState, error: str) -> None:
+    def _fail(self, state: RequestState, error: str, status: int = 500) -> None:
+        """`status`: 400 when the request itself is at fault, else 500."""
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
         followers, state.followers = state.followers, []
         for follower in followers:     # the same request: it fails whole
-            self._fail(follower, error)
+            self._fail(follower, error, status)
         self._abort_owners(state)
-        state.fail(error)
+        state.fail(error, status)
         self._retire(state)
 
     def _retire(self, state: RequestState) -> None:

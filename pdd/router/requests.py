@@ -29,7 +29,16 @@ from pdd.tracing.context import SpanContext
 
 
 class RequestError(Exception):
-    """The request cannot complete (worker lost with no replacement, worker refused it)."""
+    """The request cannot complete (worker lost with no replacement, worker refused it).
+    `status`: the HTTP status it is answered with (400: the request's own fault)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def error_type(self) -> str:
+        return "invalid_request_error" if self.status == 400 else "server_error"
 
 
 @dataclass
@@ -125,9 +134,9 @@ class RequestState:
         self.buffered_tokens += len(event.token_ids)
         self._post(event)
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, status: int = 500) -> None:
         self.finished, self.finish_reason = True, "error"
-        self._post(RequestError(error))
+        self._post(RequestError(error, status))
 
     def _post(self, event) -> None:
         self.events.append(event)

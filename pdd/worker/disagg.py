@@ -61,7 +61,7 @@ def admit(engine: LLMEngine, worker_id: str, placements: PlacementTable, msg: m.
                                num_prior_output_tokens=msg.num_prior_output_tokens, block_hashes=msg.block_hashes,
                                prefill_chunk=msg.prefill_chunk)
     except InvalidRequest as e:
-        return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False)]
+        return [m.RequestFailed(worker_id, msg.request_id, msg.epoch, str(e), retriable=False, invalid=True)]
     spans.begin(p, "prefill", msg.traceparent, **{"pdd.prompt_tokens": len(msg.prompt_token_ids)})
     return []
 
@@ -90,7 +90,8 @@ def step_messages(worker_id: str, placements: PlacementTable, prefill_side: Pref
         if o.error:   # ended in error (its grammar failed): whatever its role here, it fails
             p = placements.release(o.request_id)
             if p is not None:
-                failed.append(m.RequestFailed(worker_id, p.request_id, p.epoch, o.error, retriable=False))
+                failed.append(m.RequestFailed(worker_id, p.request_id, p.epoch, o.error, retriable=False,
+                                              invalid=o.invalid))
     outputs = [o for o in outputs if not o.error]
     computed = {o.request_id for o in outputs if placements.state_of(o.request_id) is COMPUTING}
     replies = prefill_side.on_outputs([o for o in outputs if o.request_id in computed]) if computed else []

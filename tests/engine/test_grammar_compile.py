@@ -77,6 +77,7 @@ def test_a_compile_past_its_deadline_fails_its_request(tiny_model):
     release.set()
     (out,) = outs
     assert out.finish_reason == "error" and "grammar_compile_timeout_s" in out.error
+    assert out.invalid   # the request's own fault: its client is told 400
     assert out.error.startswith("structured_output") and not engine.has_unfinished()
 
 

@@ -7,6 +7,7 @@ from pdd.api import SamplingParams
 from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
 from pdd.router.control import Overloaded, Unavailable
+from pdd.router.requests import RequestError
 from tests.router.sim import LAYOUT, SimCluster, token
 
 
@@ -254,6 +255,21 @@ def test_non_retriable_failure_ends_the_request_with_one_error():
     c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "top_k: out of range"))
     assert c.outcome(s.request_id)[0] == "error"
     assert isinstance(c0.inbox[-1], m.Abort)
+    run_to_end(c)
+    assert c.quiescent()
+
+
+@pytest.mark.parametrize("invalid, status, kind", [(True, 400, "invalid_request_error"), (False, 500, "server_error")])
+def test_a_failure_that_is_the_requests_own_fault_is_answered_400(invalid, status, kind):
+    """A worker's InvalidRequest (a grammar over its compile budget, say) is the
+    client's to fix: a 400, where any other failure is the server's 500."""
+    c = SimCluster()
+    c0 = c.add_worker("c0", "colocated")
+    s = c.submit()
+    c.step_inbox(c0)
+    c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "structured_output: too slow", invalid=invalid))
+    (error,) = [e for e in c.states[s.request_id].events if isinstance(e, RequestError)]
+    assert (error.status, error.error_type) == (status, kind)
     run_to_end(c)
     assert c.quiescent()
 
