@@ -12,6 +12,7 @@ import json
 
 import aiohttp
 
+from pdd.http.tokenize import UTILITY_IN_FLIGHT
 from tests.e2e.cluster import UpCluster
 from tests.e2e.http_util import post
 
@@ -82,3 +83,41 @@ def test_a_large_answer_with_logprobs_leaves_the_loop_serving_other_streams(tmp_
         # Streamed, the same request holds no logprobs at the router: not bounded by it.
         reply = post(c.url + "/v1/chat/completions", {**body, "n": 2, "max_tokens": 4, "stream": True})
         assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n"), reply.body[-300:]
+
+
+# A prompt near router.max_body_bytes (4 MiB): seconds of its tokenizer child.
+FLOOD_BODY = {"prompt": "hello world " * 290_000, "return_token_strs": True}
+FLOOD = 4
+# Past pdd.http.tokenize.INLINE_BYTES by its `user` field: tokenized in a child process too.
+LARGE_CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "user": "u" * 20_000}
+
+
+def test_a_tokenize_flood_does_not_delay_chat_requests(tmp_path, tiny_model):
+    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1") as c:
+        chat = {"model": c.model_name, **LARGE_CHAT}
+        assert post(c.url + "/v1/chat/completions", chat).status == 200   # its tokenizer child started
+
+        async def main():
+            done: list[str] = []   # what ended, in order
+
+            async def one(name: str, path: str, body: dict):
+                reply = await asyncio.to_thread(post, c.url + path, body)
+                done.append(f"{name}:{reply.status}")
+                return reply
+            flood = [asyncio.create_task(one("tokenize", "/tokenize", {"model": c.model_name, **FLOOD_BODY}))
+                     for _ in range(FLOOD)]
+            # The flood's refusals come at once: by then the others are in the tokenizer.
+            while not any(d == "tokenize:429" for d in done) and not all(t.done() for t in flood):
+                await asyncio.wait(flood, return_when=asyncio.FIRST_COMPLETED)
+            answer = await one("chat", "/v1/chat/completions", chat)
+            return await asyncio.gather(*flood), answer, done
+        flood, answer, done = asyncio.run(main())
+        assert answer.status == 200, answer.body[:300]
+        # Over its lane's share, a large /tokenize is refused (429, retry), not queued ...
+        refused = [r for r in flood if r.status == 429]
+        assert len(refused) == FLOOD - UTILITY_IN_FLIGHT and all(r.headers["Retry-After"] == "1" for r in refused), done
+        assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
+        # ... and the chat request is answered before the admitted ones are: it did not wait behind them.
+        assert done.index("chat:200") < done.index("tokenize:200"), done
+        admitted = [r.json() for r in flood if r.status == 200]
+        assert all(a["count"] == len(a["tokens"]) == len(a["token_strs"]) > 290_000 for a in admitted)
