@@ -302,6 +302,12 @@ class RouterConfig:
     # and cost the router ~0.5 KB each (~5 KB with top_logprobs 20): at most
     # ~0.5 GB (~5 GB) over 1024 connections that all stop reading.
     max_buffered_tokens: int = 1024
+    # Logprob entries (each choice's tokens x (top_logprobs + 1)) one answer
+    # that is not streamed may ask for: the router holds them all until its
+    # last choice ends (~60 bytes each, as JSON). Past it the request gets 400
+    # (a stream holds none: it is not bounded by this). 262,144: n = 128 at
+    # 97 tokens with top_logprobs 20, or one choice of 12,483 tokens; ~16 MB.
+    max_logprob_entries: int = 262_144
     # Host names a key-less HTTP API answers besides IP addresses, "localhost"
     # and `host` ("*": any name). Other names are refused (403): a web page
     # that rebinds its own domain to this server's address names that domain.
@@ -347,6 +353,8 @@ class RouterConfig:
         if not 0 <= self.max_loop_lag_s < float("inf") or self.max_buffered_bytes < 0:
             raise ConfigError(f"router.max_loop_lag_s and router.max_buffered_bytes: must be >= 0 (0 = no limit), "
                               f"got {self.max_loop_lag_s} and {self.max_buffered_bytes}")
+        if self.max_logprob_entries < 1:
+            raise ConfigError(f"router.max_logprob_entries: must be >= 1, got {self.max_logprob_entries}")
         for host in self.allowed_hosts:
             if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
                 raise ConfigError(f"router.allowed_hosts: {host!r} is not a host name; want a name such as "

@@ -32,6 +32,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import aclosing
 
+import orjson
 from aiohttp import web
 
 from pdd import security, tracing
@@ -179,6 +180,27 @@ class OpenAIServer:
                                 f"exceed this model's context of {max_len} tokens; lower {name} or shorten "
                                 "the prompt", param=name, code="context_length_exceeded")
 
+    def _check_logprobs(self, req: s.GenerateRequest, prompts: list[list[int]]) -> None:
+        """An answer that is not streamed is held whole at the router until its
+        last choice ends: its logprob entries (every choice's tokens, each with
+        its top N) are bounded, as the memory and the work of one request must
+        be. A stream keeps none (each goes out with its token)."""
+        if req.logprobs is None or req.stream:
+            return
+        limit = self.router.cfg.router.max_logprob_entries
+        per_token = req.logprobs + 1
+        echoed = sum(len(ids) for ids in prompts) if req.echo else 0
+        entries = (len(prompts) * req.sampling.max_tokens + echoed) * req.n * per_token
+        if entries <= limit:
+            return
+        top = "top_logprobs" if req.kind == "chat" else "logprobs"
+        tokens = f"{len(prompts)} prompts x " if len(prompts) > 1 else ""
+        raise APIError(400, f"{top}: n {req.n} x {tokens}{req.max_tokens_param} {req.sampling.max_tokens}"
+                            f"{' (+ the echoed prompt)' if echoed else ''} x ({top} {req.logprobs} + 1) is "
+                            f"{entries} logprob entries, over the {limit} an answer that is not streamed may "
+                            f"hold (router.max_logprob_entries); lower n, {req.max_tokens_param} or {top}, "
+                            "or stream the answer", param=top)
+
     async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
         """Every prompt's choices (token ids; completions may give several prompts)."""
         if req.truncate_prompt_tokens is not None:
@@ -186,6 +208,7 @@ class OpenAIServer:
         for i, ids in enumerate(prompts):   # every prompt checked before any is submitted
             field = "messages" if req.kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             self._check_length(req, len(ids), field)
+        self._check_logprobs(req, prompts)
         if not request[request_log.FROM_CLIENT]:
             req.request_id = request[request_log.REQUEST_ID]   # the response's "id" is the request's id
         if req.sampling.max_tokens == 0:
@@ -269,7 +292,7 @@ class OpenAIServer:
                           include_stop_str=req.include_stop_str_in_output)
         lp = None
         if req.logprobs is not None:
-            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1])
+            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1], keep=not req.stream)
         echo = None
         if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
             as_given = given is not None and req.truncate_prompt_tokens is None
@@ -299,21 +322,24 @@ class OpenAIServer:
                 for _, _, reason in pieces:
                     choices[i].finish_reason = reason or choices[i].finish_reason
         usage = self._usage(req, groups)
-        if req.kind == "chat":
-            (group,) = groups
-            body = [self._chat_choice(req, c) for c in group]
-            return json_response(r.response(req, body, usage, self._prompt_logprobs(req, group)))
+        # Each choice's body is made in a slice of its own, the loop serving
+        # others between two (their logprobs are JSON already: LogprobsBuilder).
         body = []
         for group in groups:
             prompt_lps = self._prompt_logprobs(req, group)
-            body += [r.completion_choice(c.index, c.full_text, c.finish_reason,
-                                         c.logprobs.result() if c.logprobs else None, prompt_lps) for c in group]
-        return json_response(r.response(req, body, usage))
+            for c in group:
+                body.append(orjson.Fragment(orjson.dumps(
+                    self._chat_choice(req, c) if req.kind == "chat" else
+                    r.completion_choice(c.index, c.full_text, c.finish_reason,
+                                        c.logprobs.json() if c.logprobs else None, prompt_lps))))
+                c.logprobs = None   # its JSON is in the body now
+                await asyncio.sleep(0)
+        return json_response(r.response(req, body, usage, prompt_lps if req.kind == "chat" else None))
 
     @staticmethod
     def _chat_choice(req: s.GenerateRequest, c: Choice) -> dict:
         """A whole chat answer; with tools, the calls read from its text (pdd.http.tools)."""
-        logprobs = c.logprobs.result() if c.logprobs else None
+        logprobs = c.logprobs.json() if c.logprobs else None
         if req.tool_format is None:
             return r.chat_choice(c.index, c.text.text, c.finish_reason, logprobs)
         content, calls = ToolCallReader.read(req.tool_format, c.text.text)

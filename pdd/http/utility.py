@@ -10,8 +10,9 @@ evaluation clients (vllm bench serve, aiperf, guidellm, lm-eval) call.
 
 A client that reads `root` (or the first `id`) finds the checkpoint the
 tokenizer loads from. The tokenizer is the router's, used as generation uses
-it (large bodies in its child process, chat through the same template), so
-the counts /tokenize gives are the counts a request's usage reports.
+it (chat through the same template), so the counts /tokenize gives are the
+counts a request's usage reports; large bodies go to a child process of their
+own, so that /tokenize never delays generation (pdd.http.tokenize).
 /tokenizer_info (which vLLM serves only when asked to) is what lm-eval's
 local-completions looks for before it loads a tokenizer itself: with it and
 /tokenize, lm-eval scores through pdd's own tokenizer and needs no
@@ -28,8 +29,10 @@ from aiohttp import web
 import pdd
 from pdd.http import structured
 from pdd.http.responses import json_response
+from pdd.http.tokenize import template_error, tokenize
 from pdd.http.schemas import chat_template_args, parse_messages, served_model
 from pdd.http.validate import APIError, Fields, bad, load_object, token_ids
+from pdd.router.control import Overloaded
 
 if TYPE_CHECKING:
     from pdd.http.app import OpenAIServer
@@ -100,6 +103,10 @@ def tokenizer_info(tokenizer: Tokenizer) -> dict:
     return info
 
 
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 class UtilityEndpoints:
     def __init__(self, server: OpenAIServer, model_root: str):
         self.server = server
@@ -123,24 +130,25 @@ class UtilityEndpoints:
         body = await self.server.read_body(request)
         req, ignored = parse_tokenize(body, self.server.served_models)
         self.server.note_ignored(request, ignored)
-        off_loop = self.server.off_loop
-        if req.messages is None:
-            ids = await off_loop.call(len(body), "encode", req.text, add_special_tokens=req.add_special_tokens)
-        elif not req.add_special_tokens:   # exactly what a chat completion is given
-            ids = await off_loop.encode_chat(len(body), req.messages, req.template_args)
-        else:
-            text = off_loop.chat_text(req.messages, req.template_args)
-            ids = await off_loop.call(len(body), "encode", text, add_special_tokens=True)
-        strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        try:
+            ids, strs = await self.server.off_loop.utility(len(body), tokenize, req.text, req.messages,
+                                                           req.template_args, req.add_special_tokens,
+                                                           req.return_token_strs)
+        except (APIError, Overloaded):
+            raise
+        except Exception as e:
+            if req.messages is None:
+                raise
+            raise template_error(e) from None   # the template's errors are the client's (400)
         return json_response({"count": len(ids), "max_model_len": self.router.max_model_len(), "tokens": ids,
-                      "token_strs": strs})
+                              "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self.server.read_body(request)
         ids, ignored = parse_detokenize(body, self.server.served_models, self.tokenizer.vocab_size)
         self.server.note_ignored(request, ignored)
         # Special tokens stay: /tokenize then /detokenize gives the text back as it was.
-        text = await self.server.off_loop.call(len(body), "decode", ids, skip_special_tokens=False)
+        text = await self.server.off_loop.utility(len(body), _decode, ids)
         return json_response({"prompt": text})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:

@@ -20,10 +20,10 @@ def test_large_texts_go_to_a_child_process_and_come_back_the_same(tiny_model):
 
     async def main():
         small = await off.call(100, "encode", "hello there")
-        assert off._pool is None                      # inline: no child for a small text
+        assert off._generation.pool is None                      # inline: no child for a small text
         big = await off.call(len(text), "encode", text)
         chat = await off.call(len(text), "encode_chat", messages)
-        child = next(iter(off._pool._processes.values()))
+        child = next(iter(off._generation.pool._processes.values()))
         return small, big, chat, child
 
     try:
@@ -53,7 +53,7 @@ def test_the_child_does_not_outlive_a_killed_router(tiny_model):
         f"off = OffLoopTokenizer(Tokenizer({str(tiny_model)!r}))\n"
         "text = 'x ' * 20000\n"
         "asyncio.run(off.call(len(text), 'encode', text))\n"
-        "print(next(iter(off._pool._processes)), flush=True)\n"
+        "print(next(iter(off._generation.pool._processes)), flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
