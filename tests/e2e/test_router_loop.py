@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 
 from pdd.http.tokenize import UTILITY_IN_FLIGHT
 from tests.e2e.cluster import UpCluster
 from tests.e2e.http_util import post
+from tests.e2e.test_disagg_faults import _wait_for, assert_all_free
 
 BIG_N, BIG_TOKENS, TOP = 128, 200, 20
 # Steps one bystander write may carry while the large answer is made: measured
@@ -121,3 +123,45 @@ def test_a_tokenize_flood_does_not_delay_chat_requests(tmp_path, tiny_model):
         assert done.index("chat:200") < done.index("tokenize:200"), done
         admitted = [r.json() for r in flood if r.status == 200]
         assert all(a["count"] == len(a["tokens"]) == len(a["token_strs"]) > 290_000 for a in admitted)
+
+
+CUT_STREAMS = 8
+
+
+def rss_bytes(pid: int) -> int:
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_cut_never_reading_streams_with_logprobs_leave_nothing_held(tmp_path, tiny_model):
+    # Default socket buffers: the router sends a stream MBs (thousands of tokens
+    # with top-20 logprobs) before its buffer for it fills; what it kept of them
+    # was ~10 MB a stream, still held after the cut.
+    env = {"PDD_ROUTER__HTTP_SEND_TIMEOUT_S": "2", "PDD_ROUTER__MAX_BUFFERED_TOKENS": "100000"}
+    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1", env=env) as c:
+        router = c.child_pid("router")
+        assert post(c.url + "/v1/chat/completions", {"model": c.model_name, "max_tokens": 4, "logprobs": True,
+                    "top_logprobs": TOP, "messages": [{"role": "user", "content": "hi"}]}).status == 200
+        before = rss_bytes(router)
+        body = json.dumps({"model": c.model_name, "messages": [{"role": "user", "content": "hello"}],
+                           "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": True,
+                           "top_logprobs": TOP}).encode()
+        socks = []
+        for _ in range(CUT_STREAMS):
+            sock = socket.create_connection(("127.0.0.1", c.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(sock)
+        try:
+            _wait_for(lambda: c.admin("security").get("http.send_timeout", 0) >= CUT_STREAMS, 300.0,
+                      "every never-reading stream cut")
+            # Their state is gone at the router and their requests were aborted on the worker.
+            _wait_for(lambda: c.admin("requests") == [], 60.0, "the router's request table empty")
+            assert_all_free(c)
+            held = rss_bytes(router) - before
+        finally:
+            for sock in socks:
+                sock.close()
+        # Kept logprobs were ~10 MB a stream; a stream keeps none now (its buffers
+        # are the kernel's). A generous bound, for the allocator's noise.
+        assert held < CUT_STREAMS * 2 * 2**20, f"router RSS grew by {held / 2**20:.0f} MB"

@@ -590,3 +590,15 @@ def test_result_is_a_snapshot(tok):
     first = b.result()
     b.add(6, -1.0, [], 0)
     assert len(first["content"]) == 1 and len(b.result()["content"]) == 2
+
+
+def test_a_stream_keeps_no_logprobs(tok):
+    """A stream sends each token's fragment and keeps none: the router's memory
+    for a long stream with top_logprobs 20 stays flat (a client that stops
+    reading held ~10 MB of them per stream)."""
+    for kind in ("chat", "completion"):
+        b = LogprobsBuilder(kind, tok, num_top=20, keep=False)
+        frags = [b.add(5, -1.0, [(t, -2.0) for t in range(20)], 0) for _ in range(500)]
+        assert all(frags) and all(not values for values in b._acc.values())
+        with pytest.raises(RuntimeError, match="keep=False"):
+            b.json()
