@@ -48,15 +48,8 @@ class UpCluster:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      cwd=self.cwd)
         threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout_s
         seen = []
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
+        for line in self._lines_for(self.start_timeout_s):
             seen.append(line)
             if "ready at" in line:
                 self.cfg = load_cluster_config(self.run_dir / "cluster.toml")
@@ -68,17 +61,20 @@ class UpCluster:
         for line in self.proc.stdout:
             self.lines.put(line)
 
-    def wait_line(self, text: str, timeout_s: float = 120.0) -> str:
-        """The next line of `pdd up`'s own output that holds `text` (AssertionError
-        with the logs if none comes in time, or `up` exits)."""
+    def _lines_for(self, timeout_s: float):
+        """`pdd up`'s own output lines as they come, until `timeout_s` passes or it exits."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                line = self.lines.get(timeout=0.5)
+                yield self.lines.get(timeout=0.5)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    break
-                continue
+                    return
+
+    def wait_line(self, text: str, timeout_s: float = 120.0) -> str:
+        """The next line of `pdd up`'s own output that holds `text` (AssertionError
+        with the logs if none comes in time, or `up` exits)."""
+        for line in self._lines_for(timeout_s):
             if text in line:
                 return line
         raise AssertionError(f"pdd up never said {text!r}\n{self.logs()}")
