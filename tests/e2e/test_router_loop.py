@@ -21,8 +21,10 @@ from tests.e2e.test_disagg_faults import _wait_for, assert_all_free
 BIG_N, BIG_TOKENS, TOP = 128, 200, 20
 # Steps one bystander write may carry while the large answer is made: measured
 # on a busy 2-core machine, at most 44 with the answer made in slices, 210 at
-# 200 tokens when it was made in one piece on the loop.
-MAX_STEPS_UNSERVED = 100
+# 200 tokens when it was made in one piece on the loop. The bound sits between,
+# nearer the failure: a machine busier than that one (other processes taking
+# the router's core) stretches the fixed figure, not the broken one's floor.
+MAX_STEPS_UNSERVED = 140
 BYSTANDER_TOKENS = 3000
 
 
