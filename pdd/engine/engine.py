@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent import futures
 import random
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
