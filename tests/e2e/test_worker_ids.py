@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pdd import SamplingParams
-from pdd.config import EXIT_REFUSED
+from pdd.config import EXIT_REPLACED
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster
 from tests.e2e.streams import stream_all
@@ -58,7 +58,7 @@ def test_a_process_started_under_a_live_workers_id_replaces_it_and_the_old_one_e
         _wait_for(lambda: registered(c, "extra-0", old.pid), START_S, "the first extra-0 registered")
         new = serve(c, "colocated", "extra-0", tmp_path / "new.log")
         procs.append(new)
-        assert old.wait(START_S) == EXIT_REFUSED       # told at its first word after the new one registered
+        assert old.wait(START_S) == EXIT_REPLACED      # told at its first word after the new one registered
         assert "another process registered under this worker id" in (tmp_path / "old.log").read_text()
         assert registered(c, "extra-0", new.pid)
         c.admin("drain", "colocated-0")                # what is served now, the new extra-0 serves
