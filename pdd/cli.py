@@ -111,12 +111,14 @@ def cmd_admin(args) -> int:
 
 
 def cmd_keys_generate(args) -> int:
-    from pdd.security import generate_keys
+    from pdd.security import generate_keys, router_roles
 
-    roles = tuple(args.only.split(",")) if args.only else ("router", "worker", "admin")
-    unknown = set(roles) - {"router", "worker", "admin"}
+    routers = router_roles(args.routers)
+    roles = tuple(args.only.split(",")) if args.only else (*routers, "worker", "admin")
+    unknown = set(roles) - {*routers, "worker", "admin"}
     if unknown:
-        raise ValueError(f"--only: unknown role(s) {sorted(unknown)}; choose from router, worker, admin")
+        raise ValueError(f"--only: unknown role(s) {sorted(unknown)}; choose from {', '.join(routers)}, worker, "
+                         "admin")
     out = generate_keys(args.dir, roles)
     print(f"pdd keys: {', '.join(roles)} key pair(s) in {out} (secret files 0600, directory 0700); "
           "which host needs which file: README.md, \"Keys\"")
@@ -213,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive", action="store_true",
                    help="router.mode = adaptive: per request, remote or local prefill by measured cost; "
                         "colocated workers also prefill for others, leaning to prefill or decode with the load")
+    p.add_argument("--routers", type=int, default=1, metavar="N",
+                   help="N routers serving the cluster side by side on --port (SO_REUSEPORT spreads the "
+                        "connections); each places its own requests, and one's death loses only its own")
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (refused in one line if in use)")
     p.add_argument("--tool-call-parser", default=None, choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (router.tool_call_parser; default auto: "
@@ -239,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--only", default=None, metavar="ROLES",
                    help="comma list of router, worker, admin (default: all three); "
                         "e.g. --only worker: a pair for one more worker host")
+    k.add_argument("--routers", type=int, default=1, metavar="N",
+                   help="a pair for each of N routers (router, router-1, ...): each router of the cluster "
+                        "proves itself with its own key")
     k.set_defaults(func=cmd_keys_generate)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -245,6 +245,20 @@ class RouterConfig:
     # Admin socket: localhost by default; every command must carry admin_token.
     admin_addr: str = "tcp://127.0.0.1:7101"
     admin_token: str = ""
+    # A cluster of several routers (active-active; `pdd up --routers N`, or a
+    # pdd-router@I unit per router): every router's control and admin address,
+    # in one order on every host. Workers register with each of them and `pdd
+    # admin` speaks to each; this router is number `index` of the lists (then
+    # control_addr and admin_addr are not read). Empty: the one router at
+    # control_addr and admin_addr.
+    control_addrs: tuple[str, ...] = ()
+    admin_addrs: tuple[str, ...] = ()
+    index: int = 0
+    # With several routers on one `port` (SO_REUSEPORT: the kernel picks a
+    # router per connection), router I also listens on http_ports[I], alone:
+    # what is one router's (its /metrics for Prometheus, a balancer's health
+    # check of it) has an address. Empty: no port of its own.
+    http_ports: tuple[int, ...] = ()
     # Names clients put in "model" (aliases; the first is the one /v1/models
     # reports first). Empty: the model as given (engine.model verbatim, as vLLM
     # serves under its --model argument), so a benchmark client can load the
@@ -328,7 +342,46 @@ class RouterConfig:
     adaptive: AdaptiveConfig = AdaptiveConfig()
     threshold: ThresholdConfig = ThresholdConfig()
 
+    @property
+    def routers(self) -> list[tuple[str, str]]:
+        """(control address, admin address) of every router of the cluster, in order."""
+        if self.control_addrs:
+            return list(zip(self.control_addrs, self.admin_addrs))
+        return [(self.control_addr, self.admin_addr)]
+
+    @property
+    def own_http_port(self) -> int | None:
+        return self.http_ports[self.index] if self.http_ports else None
+
+    @property
+    def own_control_addr(self) -> str:
+        return self.routers[self.index][0]
+
+    @property
+    def own_admin_addr(self) -> str:
+        return self.routers[self.index][1]
+
+    @property
+    def router_id(self) -> str:
+        """This router's name among the cluster's (its worker-side request namespace)."""
+        return f"router-{self.index}"
+
     def validate(self) -> "RouterConfig":
+        if len(self.control_addrs) != len(self.admin_addrs):
+            raise ConfigError(f"router.control_addrs and router.admin_addrs: one of each per router, got "
+                              f"{len(self.control_addrs)} and {len(self.admin_addrs)}")
+        if not 0 <= self.index < len(self.routers):
+            raise ConfigError(f"router.index: must name one of the {len(self.routers)} router(s) "
+                              f"(0 to {len(self.routers) - 1}), got {self.index}")
+        for key in ("control_addrs", "admin_addrs"):
+            addrs = getattr(self, key)
+            if len(set(addrs)) != len(addrs):
+                raise ConfigError(f"router.{key}: addresses repeat in {list(addrs)}")
+        if self.http_ports and len(self.http_ports) != len(self.control_addrs):
+            raise ConfigError(f"router.http_ports: one port per router of router.control_addrs "
+                              f"({len(self.control_addrs)}), got {list(self.http_ports)}")
+        if any(not 0 < p < 65536 or p == self.port for p in self.http_ports):
+            raise ConfigError(f"router.http_ports: TCP ports other than router.port, got {list(self.http_ports)}")
         if self.mode not in ROUTER_MODES:
             raise ConfigError(f"router.mode: must be one of {', '.join(ROUTER_MODES)}, got {self.mode!r}")
         if not 0 < self.port < 65536:
@@ -376,7 +429,7 @@ class WorkerConfig:
     role: str = "colocated"
     # Default: "<role>-<host>-<pid>".
     worker_id: str | None = None
-    # Router's control address to connect to (default: router.control_addr).
+    # The one router to connect to (default: every router of router.routers).
     router_addr: str | None = None
     # KV data plane. Decode/colocated workers bind data_addr (port 0 = any free
     # port; the bound address is advertised at registration).

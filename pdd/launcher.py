@@ -62,11 +62,12 @@ def free_port() -> int:
 def address_in_use(cfg: ClusterConfig) -> str | None:
     """Which TCP address the router of `cfg` listens on is taken, if one is (as "port 8000")."""
     wanted = [(f"port {cfg.router.port}", cfg.router.host, cfg.router.port)]
-    for key in ("control_addr", "admin_addr"):
-        addr = getattr(cfg.router, key)
-        host, _, port = addr.removeprefix("tcp://").rpartition(":")
-        if addr.startswith("tcp://") and port.isdigit() and int(port):
-            wanted.append((f"router.{key} {addr}", host.strip("[]").replace("*", ""), int(port)))
+    wanted += [(f"router.http_ports {p}", cfg.router.host, p) for p in cfg.router.http_ports]
+    for control, admin in cfg.router.routers:
+        for key, addr in (("control_addr", control), ("admin_addr", admin)):
+            host, _, port = addr.removeprefix("tcp://").rpartition(":")
+            if addr.startswith("tcp://") and port.isdigit() and int(port):
+                wanted.append((f"router.{key} {addr}", host.strip("[]").replace("*", ""), int(port)))
     for name, host, port in wanted:
         try:
             family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
@@ -156,6 +157,12 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
 
+    @property
+    def router_names(self) -> list[str]:
+        """The routers' child names: "router", or router-0, router-1, ... for several."""
+        n = len(self.cfg.router.routers)
+        return ["router"] if n == 1 else [f"router-{i}" for i in range(n)]
+
     def _popen(self, name: str, args: list[str], env: dict | None) -> tuple[subprocess.Popen, int]:
         """The child started, and where in its log (appended at each start) it begins writing."""
         with open(self.run_dir / f"{name}.log", "ab") as log:
@@ -199,7 +206,8 @@ class Cluster:
         if self.lock_fd is None:
             self.claim()
         write_private(self.config_path, dump_toml(self.cfg))
-        self._spawn("router", ["--role", "router"])
+        for i, name in enumerate(self.router_names):
+            self._spawn(name, ["--role", "router", "--set", f"router.index={i}"])
         envs = worker_envs(self.cfg, self.workers)
         for role, wid, _ in self.workers:
             self._spawn(wid, ["--role", role, "--worker-id", wid], envs[wid])
@@ -209,7 +217,7 @@ class Cluster:
         token, the run dir as the router's state dir."""
         sec, router = cfg.security, cfg.router
         if not sec.keys_dir and not sec.insecure:
-            sec = dataclasses.replace(sec, keys_dir=str(run_dir_keys(self.run_dir)))
+            sec = dataclasses.replace(sec, keys_dir=str(run_dir_keys(self.run_dir, len(router.routers))))
         if not router.admin_token:
             router = dataclasses.replace(router, admin_token=secrets.token_hex(16))
         if not router.state_dir:   # drains outlive a router the cluster restarts
@@ -220,7 +228,7 @@ class Cluster:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def wait_ready(self, timeout_s: float, stopping=lambda: False) -> None:
-        """Until the router reports every worker; RuntimeError if a child dies, time
+        """Until every router reports every worker; RuntimeError if a child dies, time
         runs out, or `stopping()` says a signal came (a cluster that never gets
         ready must still stop on Ctrl-C)."""
         deadline = time.monotonic() + timeout_s
@@ -234,22 +242,36 @@ class Cluster:
                 why = last_error(log, dead.log_start)
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up"
                                    f"{': ' + why if why else ''}; see {log}")
+            if all(n >= want for n in self.registered()):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.run_dir}")
+
+    def registered(self) -> list[int]:
+        """How many workers each router has registered (0 for one not answering)."""
+        if len(self.router_names) == 1:
             health = urllib.request.Request(self.url + "/health")
             if self.cfg.security.api_keys:  # in case /health is not among the open paths
                 health.add_header("Authorization", f"Bearer {self.cfg.security.api_keys[0]}")
             try:
                 with urllib.request.urlopen(health, timeout=1) as r:
-                    if json.loads(r.read()).get("workers", 0) >= want:
-                        return
+                    return [json.loads(r.read()).get("workers", 0)]
             except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.run_dir}")
+                return [0]
+        # The port is shared (SO_REUSEPORT picks a router per connection): ask each on its admin socket.
+        from pdd.admin.client import AdminError, call_with_config
+        counts = []
+        for i in range(len(self.router_names)):
+            try:
+                counts.append(len(call_with_config(self.cfg, "workers", timeout_s=1.0, router=i)))
+            except AdminError:
+                counts.append(0)
+        return counts
 
     def stop(self) -> None:
         """Router first (drains in-flight requests), then the workers."""
-        router = [c for c in self.children if c.name == "router"]
-        rest = [c for c in self.children if c.name != "router"]
+        router = [c for c in self.children if c.name in self.router_names]
+        rest = [c for c in self.children if c.name not in self.router_names]
         for group in (router, rest):
             for c in group:
                 if c.proc.poll() is None:
@@ -284,9 +306,19 @@ def build_cluster(args) -> Cluster:
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.
+    routers = getattr(args, "routers", 1)
+    if routers < 1:
+        raise ValueError(f"--routers: want at least one router, got {routers}")
     if not args.config:
-        overrides["router"]["control_addr"] = f"tcp://127.0.0.1:{free_port()}"
-        overrides["router"]["admin_addr"] = f"tcp://127.0.0.1:{free_port()}"
+        control = [f"tcp://127.0.0.1:{free_port()}" for _ in range(routers)]
+        admin = [f"tcp://127.0.0.1:{free_port()}" for _ in range(routers)]
+        overrides["router"]["control_addr"], overrides["router"]["admin_addr"] = control[0], admin[0]
+        if routers > 1:
+            overrides["router"]["control_addrs"], overrides["router"]["admin_addrs"] = control, admin
+            overrides["router"]["http_ports"] = [free_port() for _ in range(routers)]
+    elif routers > 1 and len(base.router.routers) != routers:
+        raise ValueError(f"--routers {routers}: {args.config} names {len(base.router.routers)} router(s); "
+                         "list every router in router.control_addrs and router.admin_addrs (or drop --routers)")
     why = base.router.admin_token and admin_token_problem(base.router.admin_token)
     if why:
         raise ValueError(f"{args.config}: {why}; remove it (pdd up makes a random one) or set a random one")
@@ -411,6 +443,7 @@ def main(args) -> int:
             notify.status(f"serving {cluster.url}/v1; {dead.name} replaced by another process")
             cluster.forget(dead)
             continue
+        # The one router is the cluster's front door; one of several is restarted as a worker is.
         if dead is not None and (dead.name == "router" or dead.crash_looping(time.monotonic())
                                  or dead.proc.returncode == EXIT_REFUSED):
             print(f"pdd up: {dead.name} exited with code {dead.proc.returncode}; stopping the cluster",

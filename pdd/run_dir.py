@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 
 from pdd.config import ConfigError
-from pdd.security import AUTHORIZED_ADMINS, AUTHORIZED_WORKERS, check_key_set, generate_keys, untrusted_dir
+from pdd.security import (ADMIN, AUTHORIZED_ADMINS, AUTHORIZED_WORKERS, WORKER, check_key_set, generate_keys,
+                          router_roles, untrusted_dir)
 
 LOCK_FILE = "up.lock"
 KEYS = "keys"
@@ -62,11 +63,12 @@ def claim_run_dir(path: Path, holder: str) -> int:
     return fd
 
 
-def run_dir_keys(path: Path) -> Path:
-    """The run directory's keys: the ones an earlier run left, if whole, else a fresh set."""
+def run_dir_keys(path: Path, routers: int = 1) -> Path:
+    """The run directory's keys: the ones an earlier run left, if whole, else a
+    fresh set; with a pair of its own for each of `routers` routers."""
     keys = path / KEYS
     if not keys.exists():
-        return generate_keys(keys)
+        return generate_keys(keys, (*router_roles(routers), WORKER, ADMIN))
     try:
         for d in (keys, keys / AUTHORIZED_WORKERS, keys / AUTHORIZED_ADMINS):
             why = d.is_dir() and untrusted_dir(d)
@@ -76,4 +78,7 @@ def run_dir_keys(path: Path) -> Path:
     except ConfigError as e:
         raise RunDirRefused(f"{keys}, left by an earlier run, cannot be used ({e}); "
                             "remove it to have a fresh key set made") from None
+    missing = tuple(r for r in router_roles(routers) if not (keys / f"{r}.key_secret").exists())
+    if missing:   # an earlier run had fewer routers
+        generate_keys(keys, missing)
     return keys

@@ -77,17 +77,20 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
 
     tokenizer = Tokenizer(model_dir)
     eos_token_ids = model.eos_token_ids
-    tracing.start(cfg.tracing, "router", f"router-{socket.gethostname()}-{os.getpid()}")
+    tracing.start(cfg.tracing, "router", f"{cfg.router.router_id}-{socket.gethostname()}-{os.getpid()}")
     router = Router(cfg)
     await router.start()
-    admin = AdminServer(router, cfg.router.admin_addr, cfg.router.admin_token, admin_security(cfg))
+    admin = AdminServer(router, cfg.router.own_admin_addr, cfg.router.admin_token, admin_security(cfg))
     await admin.start(router.ctx)
     router.served_names = cfg.served_model_names(model_dir)
     app = build_app(router, tokenizer, router.served_names, eos_token_ids,
                     model_root=cfg.model_root(model_dir))
     runner = await serve_http(app, cfg.router.host, cfg.router.port)
     url = f"http://{cfg.router.host}:{cfg.router.port}"
-    log.info("router listening on %s", url)
+    own = cfg.router.own_http_port
+    log.info("router listening on %s%s", url,
+             f" (shared by the cluster's routers; this is {cfg.router.router_id}) and on port {own}, its own"
+             if own else "")
     _warn_open_http(cfg)
 
     stop = asyncio.Event()
@@ -177,15 +180,14 @@ class EngineProgress:
 
 
 def _worker_status(worker: Worker, progress: EngineProgress) -> str:
-    where = f"{worker.worker_id} ({worker.role}), router {worker.router_addr}"
+    where = f"{worker.worker_id} ({worker.role}), {worker.routers_named}"
     if progress.step_running_s >= 1.0:
         hung = " (beyond worker.step_timeout_s: hung)" if progress.hung else ""
         return f"{where}: an engine step has run {progress.step_running_s:.0f}s{hung}"
     if worker.draining:
         return f"{where}: draining"
-    registered = getattr(worker, "registered", None)
-    if registered is None or not registered.is_set():
-        return f"{where}: waiting for the router to register it"
+    if not worker.registered_with():
+        return f"{where}: waiting for a router to register it"
     snap = worker.engine_thread.snapshot
     return f"{where}: {snap.running} running, {snap.waiting} waiting, {snap.free_blocks} free blocks"
 

@@ -19,6 +19,9 @@ on the command line works too, but any user of the host can read it there.
 With keys the socket runs CURVE: the client needs the admin key pair
 (admin.key_secret) and the router's public key (router.key), from --keys DIR or
 the config's security.keys_dir.
+
+A config that lists several routers (router.admin_addrs) has every command
+sent to every router (pdd.admin.fanout); --addr speaks to one.
 """
 from __future__ import annotations
 
@@ -93,34 +96,42 @@ def call(addr: str, token: str, cmd: str, *args, timeout_s: float = 5.0, securit
     return reply.get("result")
 
 
-def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0):
-    """`call` with the address, token and keys a cluster config names."""
-    keys = None if cfg.security.insecure else admin_client_security(cfg.security.keys_dir)
-    return call(cfg.router.admin_addr, cfg.router.admin_token, cmd, *args, timeout_s=timeout_s, security=keys)
+def call_with_config(cfg, cmd: str, *args, timeout_s: float = 5.0, router: int | None = None):
+    """`call` with the address, token and keys a cluster config names: of router
+    number `router` (default: the config's own, router.index)."""
+    i = cfg.router.index if router is None else router
+    keys = None if cfg.security.insecure else admin_client_security(cfg.security.keys_dir, i)
+    return call(cfg.router.routers[i][1], cfg.router.admin_token, cmd, *args, timeout_s=timeout_s, security=keys)
 
 
-def _connection(args) -> tuple[str, str, Curve | None]:
-    """(address, token, CURVE identity or None) from the flags, the config and the environment."""
-    addr, token = args.addr, _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
+def _connections(args) -> list[tuple[str, str, str, Curve | None]]:
+    """(router name, address, token, CURVE identity or None) of each router to
+    ask, from the flags, the config and the environment: --addr's one, else
+    every router the config lists."""
+    token = _flag_token(args) or os.environ.get("PDD_ADMIN_TOKEN", "")
     keys_dir, insecure = args.keys or os.environ.get("PDD_SECURITY__KEYS_DIR", ""), False
     # What the operator gave, named in an error about the keys (the loader names the setting).
     keys_from = f"--keys {args.keys}" if args.keys else "PDD_SECURITY__KEYS_DIR" if keys_dir else None
+    addrs = [args.addr] if args.addr else []
     if args.config:
         from pdd.config_loader import load_cluster_config
         cfg = load_cluster_config(args.config)
-        addr = addr or cfg.router.admin_addr
+        addrs = addrs or [admin for _, admin in cfg.router.routers]
         token = token or cfg.router.admin_token
         keys_dir = keys_dir or cfg.security.keys_dir
         keys_from = keys_from or f"{args.config}: security.keys_dir"
         insecure = cfg.security.insecure
-    addr = addr or DEFAULT_ADDR
+    addrs = addrs or [DEFAULT_ADDR]
+    names = [f"router-{i}" for i in range(len(addrs))] if len(addrs) > 1 else ["router"]
     if keys_dir:
         try:
-            return addr, token, admin_client_security(keys_dir)
+            # --addr: the router at it proves itself with router.key (router 0's pair, or the one they share).
+            return [(name, addr, token, admin_client_security(keys_dir, i if not args.addr else 0))
+                    for i, (name, addr) in enumerate(zip(names, addrs))]
         except ConfigError as e:
             raise AdminError(str(e).replace("security.keys_dir", keys_from, 1), "local") from None
     if insecure:
-        return addr, token, None
+        return [(name, addr, token, None) for name, addr in zip(names, addrs)]
     raise AdminError("no keys: pass --keys DIR (holding admin.key_secret and router.key) or --config FILE "
                      "with security.keys_dir", "local")
 
@@ -150,13 +161,18 @@ def main(args) -> int:
             wire = command.wire(args)
         except ValueError as e:
             raise AdminError(str(e), "usage") from None
-        addr, token, keys = _connection(args)
+        targets = _connections(args)
+        if len(targets) > 1:
+            from pdd.admin.fanout import ask_every_router
+            result = ask_every_router(args, command, wire, targets)
+        else:
+            _, addr, token, keys = targets[0]
 
-        def ask(cmd: str, *cmd_args):
-            return call(addr, token, cmd, *cmd_args, security=keys, timeout_s=BY_NAME[cmd].timeout_s)
+            def ask(cmd: str, *cmd_args):
+                return call(addr, token, cmd, *cmd_args, security=keys, timeout_s=BY_NAME[cmd].timeout_s)
 
-        result = ask(command.name, *wire)
-        result = _follow(args, result, ask)
+            result = ask(command.name, *wire)
+            result = follow(args, result, ask)
     except AdminError as e:
         if args.json:
             _out(json.dumps(error_document(e.kind, str(e), e.exit_code, args.admin_command, **e.detail), indent=2))
@@ -170,7 +186,11 @@ def main(args) -> int:
             print(f"pdd admin: {e}", file=sys.stderr)
         return EXIT_FAILED
     _out(json.dumps(result, indent=2) if args.json else tables.render(command.name, result, args))
-    if command.name == "cache" and result["no_answer"]:
+    routers = result.get("routers") if isinstance(result, dict) else None
+    if routers is not None and any("error" in r for r in routers):
+        return max(r["exit_code"] for r in routers if "error" in r)   # said per router above
+    results = [r["result"] for r in routers] if routers is not None else [result]
+    if command.name == "cache" and any(r["no_answer"] for r in results):
         return EXIT_FAILED   # a flush some worker did not confirm
     return EXIT_OK
 
@@ -182,7 +202,7 @@ def _out(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
 
 
-def _follow(args, result, ask):
+def follow(args, result, ask):
     """What a command does on this side after the router answered."""
     if args.admin_command == "version":
         return {"client": build_info(), **result}

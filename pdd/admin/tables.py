@@ -20,7 +20,16 @@ WORKER_COLUMNS = ["worker_id", "role", "device", "accepting", "inflight", "runni
 
 
 def render(command: str, result, args: Namespace) -> str:
+    if isinstance(result, dict) and set(result) == {"routers"}:   # several routers (pdd.admin.fanout)
+        return "\n\n".join(_router_section(command, r, args) for r in result["routers"])
     return FORMATTERS.get(command, generic)(result, args)
+
+
+def _router_section(command: str, answer: dict, args: Namespace) -> str:
+    head = f"== {answer['router']} ({answer['addr']})"
+    if "error" in answer:
+        return f"{head}\nerror: {answer['error']}"
+    return f"{head}\n{FORMATTERS.get(command, generic)(answer['result'], args)}"
 
 
 def cell(value) -> str:

@@ -463,7 +463,8 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
 
 async def serve_http(app: web.Application, host: str, port: int) -> GuardedServer:
     """Serve `app` on host:port (port 0: any free one, see .port); cleanup() stops it."""
-    sec = app[ROUTER_KEY].cfg.security
+    cfg = app[ROUTER_KEY].cfg
+    sec = cfg.security
     # handler_cancellation: a client that disconnects cancels its handler at
     # once, so its request is aborted even while it waits for a token.
     # lingering_time: how long the unread rest of a refused body is drained.
@@ -473,4 +474,5 @@ async def serve_http(app: web.Application, host: str, port: int) -> GuardedServe
                            keepalive_timeout=sec.http_idle_timeout_s + sec.http_header_timeout_s,
                            lingering_time=min(2.0, sec.http_body_timeout_s))
     await runner.setup()
-    return await serve_guarded(runner, app[GUARDS_KEY], host, port)
+    return await serve_guarded(runner, app[GUARDS_KEY], host, port, reuse_port=len(cfg.router.routers) > 1,
+                               own_port=cfg.router.own_http_port if port else None)

@@ -233,16 +233,17 @@ def shaped_errors(server: web.Server):
 class GuardedServer:
     """aiohttp's runner behind guarded connections; cleanup() stops both."""
 
-    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer):
+    def __init__(self, runner: web.AppRunner, servers: list[asyncio.AbstractServer]):
         self.runner = runner
-        self.server = server
+        self.servers = servers
 
     @property
     def port(self) -> int:
-        return self.server.sockets[0].getsockname()[1]
+        return self.servers[0].sockets[0].getsockname()[1]
 
     async def cleanup(self) -> None:
-        self.server.close()   # no new connections; aiohttp's shutdown drains the rest
+        for server in self.servers:
+            server.close()   # no new connections; aiohttp's shutdown drains the rest
         await self.runner.cleanup()
 
 
@@ -263,10 +264,16 @@ def check_backlog(backlog: int) -> None:
                     "dropped or reset; raise it (sysctl -w net.core.somaxconn=%d)", cap, backlog, cap, backlog)
 
 
-async def serve_guarded(runner: web.AppRunner, guards: Guards, host: str, port: int) -> GuardedServer:
-    """Listen on host:port with every connection wrapped (runner already set up)."""
+async def serve_guarded(runner: web.AppRunner, guards: Guards, host: str, port: int,
+                        reuse_port: bool = False, own_port: int | None = None) -> GuardedServer:
+    """Listen on host:port with every connection wrapped (runner already set up).
+    reuse_port: other routers of the cluster listen on the port too, and the
+    kernel spreads new connections over them (SO_REUSEPORT); own_port: this
+    router's alone, as well (one connection limit over both)."""
     loop = asyncio.get_running_loop()
     check_backlog(guards.max_connections)
-    server = await loop.create_server(guards.factory(shaped_errors(runner.server)), host, port,
-                                      backlog=guards.max_connections)
-    return GuardedServer(runner, server)
+    servers = []
+    for p, shared in ((port, reuse_port), *(((own_port, False),) if own_port else ())):
+        servers.append(await loop.create_server(guards.factory(shaped_errors(runner.server)), host, p,
+                                                backlog=guards.max_connections, reuse_port=shared or None))
+    return GuardedServer(runner, servers)

@@ -92,7 +92,9 @@ class RouterChannel:
 class DealerChannel:
     """Connecting side: one peer (the router)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, identity: str, security: Curve | None = None):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, identity: str, security: Curve | None = None,
+                 on_disconnect=None):
+        """on_disconnect: called (on the loop) when the connection to the router closes."""
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -100,8 +102,10 @@ class DealerChannel:
         self.watch = None
         if security is not None:
             security.dial(self.sock)
+        if security is not None or on_disconnect is not None:
             # A worker whose key the router refuses would otherwise retry in silence.
-            self.watch = HandshakeWatch.for_socket(self.sock, security.domain, client=True)
+            self.watch = HandshakeWatch.for_socket(self.sock, security.domain if security else "control",
+                                                   client=True, on_disconnect=on_disconnect)
         self.sock.connect(addr)
         self.dropped = 0   # malformed messages from the router
         self.unsent = 0    # messages to the router that could not be queued

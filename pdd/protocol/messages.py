@@ -83,6 +83,10 @@ class Register(Message):
     prefills_for_others: bool = False
     step: StepLimits = field(default_factory=StepLimits)
     build: dict = field(default_factory=dict)   # pdd.build_info() of the worker (`pdd admin version`)
+    # How many times this process dropped everything this router placed on it
+    # (pdd.worker.links): the same process registering with another session
+    # holds none of it any more, and the router moves it.
+    session: int = 0
 
 
 @dataclass

@@ -168,11 +168,16 @@ class ControlPlane:
         return state
 
     def check_admission(self) -> None:
-        """Overloaded when router.max_queued_requests requests wait for their first token."""
+        """Overloaded when router.max_queued_requests requests wait for their first
+        token: this router's, or with several routers the cluster's, as the
+        workers last said (each counts what every router queued on it)."""
         limit = self.cfg.max_queued_requests
-        if limit and self.num_queued >= limit:
+        queued = self.num_queued
+        if limit and len(self.cfg.routers) > 1:
+            queued = max(queued, sum(w.load.waiting for w in self.registry.workers.values() if w.load))
+        if limit and queued >= limit:
             self.metrics.rejected.labels("overloaded").inc()
-            raise Overloaded(f"the server is overloaded: {self.num_queued} requests wait for their first "
+            raise Overloaded(f"the server is overloaded: {queued} requests wait for their first "
                              f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
 
     def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,

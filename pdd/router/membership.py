@@ -51,14 +51,21 @@ class Membership:
     departed: dict[str, float] = field(default_factory=dict)   # unregistered worker id -> when it left
 
     def on_register(self, peer: str, msg: m.Register) -> None:
-        replaced = self.registry.workers.get(peer) if self.registry.is_new_incarnation(msg) else None
-        if replaced is not None:
+        known = self.registry.workers.get(peer)
+        # Another process under the id, or this one after it dropped what it held
+        # of ours (its connection to us closed): the old entry goes, with its requests.
+        why = None
+        if self.registry.is_new_incarnation(msg):
+            why = "it restarted (a new process registered under its id)"
+        elif known is not None and known.session != msg.session:
+            why = "it dropped what it held (its connection to this router closed)"
+        if why is not None:
             self.registry.remove(peer)
         again = peer in self.registry.workers   # the same process again (its Registers queued up while we were busy)
         error = self.registry.register(msg)
         if error:
             log.error("refused worker %s: %s", peer, error)
-            if replaced is not None:
+            if why is not None:
                 self._depart(peer)
         else:
             self.departed.pop(peer, None)
@@ -68,9 +75,9 @@ class Membership:
                                         heartbeat_interval_s=self.cfg.heartbeat_interval_s,
                                         liveness_s=self.registry.lost_after_s))
         self.rebalance()
-        if replaced is not None:
-            # Its requests may move to the new process itself: it registered first.
-            self.orphaned(peer, "it restarted (a new process registered under its id)")
+        if why is not None:
+            # Its requests may move to the (new) process itself: it registered first.
+            self.orphaned(peer, why)
 
     def on_heartbeat(self, peer: str, msg: m.Heartbeat) -> None:
         worker = self.registry.workers.get(peer)

@@ -44,6 +44,7 @@ class WorkerInfo:
     prefills_for_others: bool = False   # a colocated worker that also prefills prompts and ships their KV
     step: m.StepLimits = field(default_factory=m.StepLimits)   # its scheduler's limits
     build: dict = field(default_factory=dict)   # its pdd.build_info()
+    session: int = 0                # its drops of what this router placed on it (Register.session)
     last_seen: float = field(default_factory=time.monotonic)
     load: m.Heartbeat | None = None
     heartbeats: int = 0             # received since it registered: lets a caller wait for a fresh one
@@ -66,6 +67,14 @@ class WorkerInfo:
     def accepting(self) -> bool:
         """It takes new work."""
         return self.serving and not self.suspect
+
+    @property
+    def busy(self) -> int:
+        """Requests on it: this router's own (exact, fresher than any heartbeat),
+        or all the worker last said it runs and queues when that is more — which
+        counts the requests other routers of the cluster placed there."""
+        reported = self.load.running + self.load.waiting if self.load else 0
+        return max(self.inflight, reported)
 
     @property
     def free_blocks(self) -> int:
@@ -140,6 +149,7 @@ class WorkerRegistry:
         info = WorkerInfo(msg.worker_id, msg.role, msg.host, msg.pid, msg.device, layout, msg.num_blocks,
                           msg.max_num_seqs, msg.max_model_len, msg.data_addr, list(msg.transfer_backends), msg.host_id,
                           msg.incarnation, msg.public_key, msg.prefills_for_others, msg.step, build=msg.build,
+                          session=msg.session,
                           last_seen=self.clock())
         # Drained by the admin: whatever process registers under the id, after
         # a restart of either side, stays drained until undrained.

@@ -88,7 +88,7 @@ class Router:
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.chan = RouterChannel(self.ctx, self.cfg.router.control_addr, control_security(self.cfg, "router"))
+        self.chan = RouterChannel(self.ctx, self.cfg.router.own_control_addr, control_security(self.cfg, "router"))
         log.info("router control bus on %s", self.chan.addr)
         self._tasks = [asyncio.create_task(loop()) for loop in (self._recv_loop, self._send_loop, self._timer_loop,
                                                                 self.saturation.run)]
@@ -296,6 +296,7 @@ class Router:
 
     def status(self) -> dict:
         return {
+            "router": self.cfg.router.router_id, "routers": len(self.cfg.router.routers),
             "model": self.registry.layout.model_id if self.registry.layout else None,
             "served_model_names": list(self.served_names),
             "mode": self.cfg.router.mode,

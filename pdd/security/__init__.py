@@ -9,6 +9,8 @@ never completes the handshake, so it can neither send nor receive one message.
 The key files (`pdd keys generate DIR`):
 
     router.key, router.key_secret         the router's pair (secret: router host only)
+    router-I.key, router-I.key_secret     router I's own pair in a cluster of several
+                                          (`--routers N`); without it, router I uses router.key
     worker.key, worker.key_secret         a worker's pair (secret: worker hosts)
     admin.key,  admin.key_secret          the operator's pair for `pdd admin`
     authorized_workers/*.key              public keys let onto the control bus and data sockets
@@ -33,8 +35,8 @@ from pdd.security.zap import HandshakeWatch, ZapHandler, count, counts
 
 __all__ = ["Curve", "HandshakeWatch", "KeyDir", "admin_client_security", "admin_security", "admin_token_problem",
            "check_key_set", "check_start", "control_security", "count", "counts", "data_security", "generate_keys",
-           "private_dir", "read_secret_file", "untrusted_dir", "worker_public_key", "writable_by_others",
-           "write_private"]
+           "private_dir", "read_secret_file", "router_key_name", "router_roles", "untrusted_dir", "worker_public_key",
+           "writable_by_others", "write_private"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,18 @@ def _write_key(path: Path, public: bytes, secret: bytes | None) -> None:
     else:
         path.write_text(text)
         os.chmod(path, 0o644)
+
+
+def router_key_name(d: Path, index: int) -> str:
+    """The pair router `index` serves with: its own (router-I) when the key set
+    has one, else the cluster's router pair (router 0's own)."""
+    own = f"{ROUTER}-{index}"
+    return own if index and (d / f"{own}.key").exists() else ROUTER
+
+
+def router_roles(count: int) -> tuple[str, ...]:
+    """The key pairs of `count` routers: router (router 0's), router-1, ..."""
+    return (ROUTER, *(f"{ROUTER}-{i}" for i in range(1, count)))
 
 
 def generate_keys(directory: str | Path, roles: tuple[str, ...] = (ROUTER, WORKER, ADMIN)) -> Path:
@@ -287,15 +301,18 @@ def _keys_dir(cfg: ClusterConfig) -> Path | None:
     return d
 
 
-def control_security(cfg: ClusterConfig, role: str) -> Curve | None:
-    """The control bus: the router serves it to authorized workers; a worker
-    dials it with the router's public key. None when insecure."""
+def control_security(cfg: ClusterConfig, role: str, router_index: int | None = None) -> Curve | None:
+    """The control bus: a router serves it to authorized workers; a worker
+    dials router `router_index` with that router's public key, so it talks to
+    the cluster's routers only. None when insecure."""
     d = _keys_dir(cfg)
     if d is None:
         return None
     if role == ROUTER:
-        return Curve("control", *_load_pair(d, ROUTER), allowed=KeyDir(d / AUTHORIZED_WORKERS))
-    return Curve("control", *_load_pair(d, WORKER), server_key=_load_key(d / f"{ROUTER}.key")[0])
+        return Curve("control", *_load_pair(d, router_key_name(d, cfg.router.index)),
+                     allowed=KeyDir(d / AUTHORIZED_WORKERS))
+    server = router_key_name(d, router_index or 0)
+    return Curve("control", *_load_pair(d, WORKER), server_key=_load_key(d / f"{server}.key")[0])
 
 
 def data_security(cfg: ClusterConfig) -> Curve | None:
@@ -318,13 +335,14 @@ def admin_security(cfg: ClusterConfig) -> Curve | None:
     d = _keys_dir(cfg)
     if d is None:
         return None
-    return Curve("admin", *_load_pair(d, ROUTER), allowed=KeyDir(d / AUTHORIZED_ADMINS))
+    return Curve("admin", *_load_pair(d, router_key_name(d, cfg.router.index)), allowed=KeyDir(d / AUTHORIZED_ADMINS))
 
 
-def admin_client_security(keys_dir: str | Path) -> Curve:
-    """`pdd admin`: the operator's pair and the router's public key."""
+def admin_client_security(keys_dir: str | Path, router_index: int = 0) -> Curve:
+    """`pdd admin`: the operator's pair and router `router_index`'s public key."""
     d = Path(keys_dir).expanduser()
-    return Curve("admin", *_load_pair(d, ADMIN), server_key=_load_key(d / f"{ROUTER}.key")[0])
+    return Curve("admin", *_load_pair(d, ADMIN),
+                 server_key=_load_key(d / f"{router_key_name(d, router_index)}.key")[0])
 
 
 def admin_token_problem(token: str) -> str | None:

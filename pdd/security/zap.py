@@ -163,25 +163,32 @@ _FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed", zmq.EVENT_H
 
 class HandshakeWatch:
     """Counts and logs the handshakes an asyncio socket fails, in a task of the
-    running loop (`for_socket` gives None outside one). close() before the socket's."""
+    running loop (`for_socket` gives None outside one). close() before the socket's.
+    With `on_disconnect`, also calls it when a connection of the socket closes
+    (a socket has one monitor: this is it)."""
 
-    def __init__(self, sock: zmq.Socket, domain: str, client: bool):
+    def __init__(self, sock: zmq.Socket, domain: str, client: bool, on_disconnect=None):
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(sum(_FAILED))
+        self.on_disconnect = on_disconnect
+        events = sum(_FAILED) | (zmq.EVENT_DISCONNECTED if on_disconnect else 0)
+        self.monitor = sock.get_monitor_socket(events)
         self.task = asyncio.get_running_loop().create_task(self._run(domain, client))
 
     @classmethod
-    def for_socket(cls, sock: zmq.Socket, domain: str, client: bool) -> "HandshakeWatch | None":
+    def for_socket(cls, sock: zmq.Socket, domain: str, client: bool, on_disconnect=None) -> "HandshakeWatch | None":
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return None
-        return cls(sock, domain, client)
+        return cls(sock, domain, client, on_disconnect)
 
     async def _run(self, domain: str, client: bool) -> None:
         logged = 0
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect is not None:
+                self.on_disconnect()
+                continue
             what = _FAILED.get(event["event"])
             if what is None:
                 continue

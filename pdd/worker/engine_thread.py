@@ -71,7 +71,6 @@ class _DataPlaneUnavailable(Exception):
 
 class _Control(enum.Enum):
     WAKE = "wake"      # something to look at (a transfer ended, a request's KV landed)
-    FORGET_ALL = "forget_all"   # the router holds none of our requests (it restarted, or lost us)
     DRAIN = "drain"    # take nothing new; end once the work in hand is done
     STOP = "stop"      # end now
 
@@ -90,11 +89,18 @@ class EngineInfo:
     step: m.StepLimits
 
 
+@dataclass(frozen=True)
+class _Forget:
+    """A router holds none of its requests here (it restarted, lost us, or is
+    gone): those whose ids begin with `prefix` are dropped ("": every one)."""
+    prefix: str
+
+
 class EngineListener(Protocol):
     """The event loop's side; each method is called on the loop."""
     def on_engine_started(self, info: EngineInfo) -> None: ...
     def on_engine_messages(self, messages: list[m.Message]) -> None: ...
-    def on_engine_forgot(self) -> None: ...
+    def on_engine_forgot(self, prefix: str) -> None: ...
     def on_engine_exit(self, code: int) -> None: ...
 
 
@@ -136,8 +142,9 @@ class EngineThread(threading.Thread):
         faults.release_hangs()   # a step blocked by an injected hang would never let it drain
         self._queue.put(_Control.DRAIN)
 
-    def forget_all(self) -> None:
-        self._queue.put(_Control.FORGET_ALL)
+    def forget(self, prefix: str = "") -> None:
+        """Drop the requests whose ids begin with `prefix` (pdd.worker.links)."""
+        self._queue.put(_Forget(prefix))
 
     def stop(self) -> None:
         faults.release_hangs()
@@ -270,22 +277,22 @@ class EngineThread(threading.Thread):
         for item in items:
             self._apply(item)
 
-    def _apply(self, item: m.Message | _Control) -> None:
+    def _apply(self, item: m.Message | _Control | _Forget) -> None:
         if item is _Control.DRAIN:
             self._draining = True
         elif item is _Control.STOP:
             self._stopping = True
-        elif item is _Control.FORGET_ALL:
-            held = self.placements.all()
+        elif isinstance(item, _Forget):
+            held = [p for p in self.placements.all() if p.request_id.startswith(item.prefix)]
             if held:
-                log.warning("worker %s: the router holds none of our %d request(s); dropping them", self.worker_id,
-                            len(held))
+                log.warning("worker %s: the router holds none of our %d request(s)%s; dropping them",
+                            self.worker_id, len(held), f" of {item.prefix[:-1]}" if item.prefix else "")
             for p in held:
                 self.placements.release(p.engine_id)
             # What came before is about what was dropped: handed over ahead of
-            # the word that everything is, so the loop can tell the two apart.
+            # the word that it is, so the loop can tell the two apart.
             self._flush()
-            self._post(self.listener.on_engine_forgot)
+            self._post(self.listener.on_engine_forgot, item.prefix)
         elif item is not _Control.WAKE:
             with request_context(getattr(item, "request_id", None)):   # its log lines carry the id
                 try:

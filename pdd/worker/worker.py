@@ -1,10 +1,12 @@
-"""A worker process: one engine, connected to the router over the control bus.
+"""A worker process: one engine, connected to the cluster's routers over the control bus.
 
 Two threads, and only one of them touches the engine:
 
-- the event loop does the control I/O: it registers, receives commands and
-  queues them for the engine thread, sends what the engine thread hands back,
-  and heartbeats from the engine thread's latest snapshot;
+- the event loop does the control I/O: it registers with every router,
+  receives commands and queues them for the engine thread, sends what the
+  engine thread hands back to the router whose request it is, and heartbeats
+  from the engine thread's latest snapshot (pdd.worker.links: one link per
+  router, each router's request ids in a namespace of its own);
 - the engine thread (pdd.worker.engine_thread) owns the engine: it applies
   the queued commands between steps, runs the steps, and publishes snapshots.
 
@@ -36,6 +38,7 @@ from pdd import build_info, faults, logs, sdnotify
 from pdd.config import EXIT_WORKER_FAILED, EXIT_REFUSED, EXIT_REPLACED, ClusterConfig
 from pdd.protocol import messages as m
 from pdd.protocol.bus import DealerChannel
+from pdd.worker.links import Outgoing, RouterLink, into_namespace, make_links
 from pdd.security import control_security, worker_public_key
 from pdd.transfer.ipc import host_id
 from pdd.worker.engine_thread import EngineInfo, EngineThread
@@ -58,18 +61,14 @@ class Worker:
         self.cfg = cfg
         self.role = cfg.worker.role
         self.worker_id = cfg.worker.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
-        self.router_addr = cfg.worker.router_addr or cfg.router.control_addr
+        addrs = [cfg.worker.router_addr] if cfg.worker.router_addr else [a for a, _ in cfg.router.routers]
+        self.links = make_links(addrs)
+        self.outgoing = Outgoing(self.links)
         # This process start: the router tells a restarted worker from a live one.
         self.incarnation = uuid.uuid4().hex
         self.heartbeat_interval = cfg.router.heartbeat_interval_s
-        self.liveness_s = 0.0          # the router's, from its RegisterReply (0: it does not answer heartbeats)
-        self.last_heard = time.monotonic()   # the router's last message
-        self.unanswered = False        # said so: no answer for the liveness window
         self.heartbeats = HeartbeatReader(self.worker_id)
         self.draining = False
-        # ReRegisters whose dropping of everything held the engine thread has not
-        # done yet: until it has, what it hands over is about dropped placements.
-        self.forgets_pending = 0
         self.exit_code = 0
         self.info: EngineInfo | None = None
         self.engine_thread: EngineThread | None = None
@@ -79,8 +78,8 @@ class Worker:
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         control = control_security(self.cfg, self.role)   # a config error stops us before the model loads
-        self.started, self.stopping, self.registered = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.outbox: asyncio.Queue[m.Message | None] = asyncio.Queue()
+        self.started, self.stopping = asyncio.Event(), asyncio.Event()
+        self.outbox: asyncio.Queue[tuple[RouterLink, m.Message] | None] = asyncio.Queue()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain)
         self.engine_thread = EngineThread(self.cfg, self.worker_id, loop, self)
@@ -90,13 +89,18 @@ class Worker:
             await self._stop_engine()
             return self.exit_code
         ctx = zmq.asyncio.Context()
-        # The connection is this process's own (pdd.router.connections): a process
-        # started later under this worker id does not take it over, and the router
-        # can tell this one that it was replaced.
-        self.chan = DealerChannel(ctx, self.router_addr, f"{self.worker_id}/{self.incarnation}", control)
+        for link in self.links:
+            # The connection is this process's own (pdd.router.connections): a process
+            # started later under this worker id does not take it over, and the router
+            # can tell this one that it was replaced.
+            link.chan = DealerChannel(ctx, link.addr, f"{self.worker_id}/{self.incarnation}",
+                                      control_security(self.cfg, self.role, link.index),
+                                      on_disconnect=lambda link=link: self._router_gone(link))
         sender = self._start_task(self._send_loop())
-        tasks = [self._start_task(t) for t in (self._recv_loop(), self._heartbeat_loop(), self._register_loop())]
-        log.info("worker %s (%s) on %s, router %s", self.worker_id, self.role, self.info.device, self.router_addr)
+        tasks = [self._start_task(t) for link in self.links
+                 for t in (self._recv_loop(link), self._register_loop(link))]
+        tasks.append(self._start_task(self._heartbeat_loop()))
+        log.info("worker %s (%s) on %s, %s", self.worker_id, self.role, self.info.device, self.routers_named)
         await self.stopping.wait()
         await self._stop_engine()
         for t in tasks:
@@ -105,11 +109,21 @@ class Worker:
         self.outbox.put_nowait(None)   # what the engine thread handed over is sent first
         await asyncio.gather(sender, return_exceptions=True)
         if self.exit_code == 0:
-            await self.chan.send(m.Goodbye(self.worker_id))
+            for link in self.links:
+                await link.chan.send(m.Goodbye(self.worker_id))
             await asyncio.sleep(0.05)  # let zmq flush the goodbye
-        self.chan.close()
+        for link in self.links:
+            link.chan.close()
         ctx.term()
         return self.exit_code
+
+    @property
+    def routers_named(self) -> str:
+        return ", ".join(f"{link.name} {link.addr}" for link in self.links)
+
+    def registered_with(self) -> int:
+        """How many of the routers hold this worker registered."""
+        return sum(link.registered.is_set() for link in self.links)
 
     def _start_task(self, coro) -> asyncio.Task:
         """A control task; if it fails, the worker stops rather than go on
@@ -163,15 +177,21 @@ class Worker:
         self.started.set()
 
     def on_engine_messages(self, messages: list[m.Message]) -> None:
-        if self.forgets_pending:
-            log.debug("worker %s: %d message(s) about dropped requests not sent", self.worker_id, len(messages))
-            return
+        dropped = 0
         for msg in messages:
-            self.outbox.put_nowait(msg)
+            for link, out in self.outgoing.route(msg):
+                if link.forgets_pending:
+                    dropped += 1
+                else:
+                    self.outbox.put_nowait((link, out))
+        if dropped:
+            log.debug("worker %s: %d message(s) about dropped requests not sent", self.worker_id, dropped)
 
-    def on_engine_forgot(self) -> None:
-        """The engine thread dropped everything it held (a ReRegister's forget_all)."""
-        self.forgets_pending = max(0, self.forgets_pending - 1)
+    def on_engine_forgot(self, prefix: str) -> None:
+        """The engine thread dropped what one router held here (`forget`)."""
+        for link in self.links:
+            if link.prefix == prefix:
+                link.forgets_pending = max(0, link.forgets_pending - 1)
 
     def on_engine_exit(self, code: int) -> None:
         """The engine thread ended: drained (0), or the engine failed."""
@@ -180,43 +200,43 @@ class Worker:
 
     # ------------------------------------------------------------------ control
 
-    def register_message(self) -> m.Register:
+    def register_message(self, link: RouterLink) -> m.Register:
         i = self.info
-        return m.Register(
+        return m.Register(session=link.session,
             worker_id=self.worker_id, role=self.role, host=socket.gethostname(), pid=os.getpid(),
             device=i.device, layout=i.layout.to_dict(), num_blocks=i.num_blocks, max_num_seqs=i.max_num_seqs,
             max_model_len=i.max_model_len, data_addr=i.data_addr, transfer_backends=i.transfer_backends,
             host_id=host_id(), incarnation=self.incarnation, public_key=worker_public_key(self.cfg),
             prefills_for_others=i.prefills_for_others, step=i.step, build=build_info())
 
-    async def _register_loop(self) -> None:
+    async def _register_loop(self, link: RouterLink) -> None:
         """(Re-)register until the router answers; the router may start after us.
         Unanswered for long, it says so (at the default log level): a wrong
         router address or a router that is down is otherwise a silent wait."""
         unanswered = 0
         while True:
-            if self.registered.is_set():
+            if link.registered.is_set():
                 unanswered = 0
             else:
-                await self.chan.send(self.register_message())
+                await link.chan.send(self.register_message(link))
                 unanswered += 1
                 if unanswered % 30 == 10:
-                    log.warning("worker %s: no answer from the router at %s for %ds; still trying",
-                                self.worker_id, self.router_addr, unanswered)
+                    log.warning("worker %s: no answer from the %s at %s for %ds; still trying", self.worker_id,
+                                link.name, link.addr, unanswered)
             await asyncio.sleep(1.0)
 
-    async def _recv_loop(self) -> None:
+    async def _recv_loop(self, link: RouterLink) -> None:
         while True:
-            msg = await self.chan.recv()
-            self._heard()
+            msg = await link.chan.recv()
+            self._heard(link)
             if isinstance(msg, m.Reserve) and faults.should_fail("reserve"):
                 log.warning("fault injection (reserve.drop_rate): dropped the Reserve of %s", msg.request_id)
             elif isinstance(msg, ENGINE_COMMANDS):
-                self.engine_thread.submit(msg)
+                self.engine_thread.submit(into_namespace(link, msg))
             elif isinstance(msg, m.HeartbeatAck):
                 pass   # its arrival is what counts (_heard)
             elif isinstance(msg, m.RegisterReply):
-                self._on_register_reply(msg)
+                self._on_register_reply(link, msg)
             elif isinstance(msg, m.Replaced):
                 log.error("worker %s: another process registered under this worker id; this one exits "
                           "(status %d: not to be restarted)", self.worker_id, EXIT_REPLACED)
@@ -224,15 +244,10 @@ class Worker:
                 self.stopping.set()
             elif isinstance(msg, m.ReRegister):
                 # The router does not know us (it restarted, or took us for lost and
-                # moved our requests): whatever we hold is nobody's. Drop it all first,
-                # and every message about it not sent yet (on_engine_messages): one that
-                # went after the Register could pass for a request the router placed
-                # here since, under the same id (a client's X-Request-Id) and epoch.
-                self.registered.clear()
-                self.forgets_pending += 1
-                self._drop_unsent()
-                self.engine_thread.forget_all()
-                await self.chan.send(self.register_message())
+                # moved our requests): whatever we hold of its is nobody's.
+                link.registered.clear()
+                self._forget(link)
+                await link.chan.send(self.register_message(link))
             elif isinstance(msg, m.SetFaults):
                 self._set_faults(msg)
             elif isinstance(msg, m.SetLogLevel):
@@ -242,15 +257,38 @@ class Worker:
             else:
                 log.warning("worker: ignoring unexpected %s message", msg.TYPE)
 
-    def _on_register_reply(self, msg: m.RegisterReply) -> None:
+    def _forget(self, link: RouterLink) -> None:
+        """Drop what `link`'s router placed here, and every message about it not
+        sent yet (on_engine_messages): one that went after the next Register
+        could pass for a request the router placed here since, under the same
+        id (a client's X-Request-Id) and epoch. A new session: the next Register
+        says so."""
+        link.session += 1
+        link.forgets_pending += 1
+        self._drop_unsent(link)
+        self.engine_thread.forget(link.prefix)
+
+    def _router_gone(self, link: RouterLink) -> None:
+        """The connection to a router closed: the process is gone (or cut off, and
+        then it counts us lost at once). What it placed here is freed now, not
+        after a timeout; its restart finds us registering again."""
+        if not link.registered.is_set():
+            return
+        log.warning("worker %s: the connection to the %s at %s closed; dropping what it placed here and "
+                    "registering again", self.worker_id, link.name, link.addr)
+        link.registered.clear()
+        self._forget(link)
+
+    def _on_register_reply(self, link: RouterLink, msg: m.RegisterReply) -> None:
         if msg.ok:
-            if not self.registered.is_set():
-                log.info("worker %s registered", self.worker_id)
-                sdnotify.notifier().ready(f"{self.worker_id} ({self.role}) registered at {self.router_addr}")
+            if not link.registered.is_set():
+                log.info("worker %s registered with the %s", self.worker_id, link.name)
+                if not self.registered_with():
+                    sdnotify.notifier().ready(f"{self.worker_id} ({self.role}) registered at {link.addr}")
             self.heartbeat_interval = msg.heartbeat_interval_s
-            self.liveness_s = msg.liveness_s
+            link.liveness_s = msg.liveness_s
             self.engine_thread.idle_wakeup_s = msg.heartbeat_interval_s
-            self.registered.set()
+            link.registered.set()
         else:
             log.error("router refused worker %s: %s", self.worker_id, msg.error)
             self.exit_code = EXIT_REFUSED
@@ -268,30 +306,37 @@ class Worker:
         except ValueError as e:
             log.error("worker %s: refused a log level: %s", self.worker_id, e)
 
-    def _drop_unsent(self) -> None:
-        """Empty the outbox (what the engine thread handed over and is not sent yet)."""
-        dropped = 0
+    def _drop_unsent(self, link: RouterLink) -> None:
+        """Take out of the outbox what the engine thread handed over for `link` and is not sent yet."""
+        kept, dropped = [], 0
         while not self.outbox.empty():
-            if self.outbox.get_nowait() is None:   # the stop's end mark stays
-                self.outbox.put_nowait(None)
-                break
-            dropped += 1
+            item = self.outbox.get_nowait()
+            if item is not None and item[0] is link:
+                dropped += 1
+            else:
+                kept.append(item)   # the stop's end mark too
+        for item in kept:
+            self.outbox.put_nowait(item)
         if dropped:
             log.debug("worker %s: %d unsent message(s) about dropped requests discarded", self.worker_id, dropped)
 
     async def _send_loop(self) -> None:
         """Sends what the engine thread handed over, in order, until None."""
-        while (msg := await self.outbox.get()) is not None:
-            await self.chan.send(msg)
+        while (item := await self.outbox.get()) is not None:
+            link, msg = item
+            await link.chan.send(msg)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            if self.registered.is_set():
-                self._watch_router()
-                await self.chan.send(self.heartbeat())
+            beat = None
+            for link in self.links:
+                if link.registered.is_set():
+                    self._watch_router(link)
+                    beat = beat or self.heartbeat()
+                    await link.chan.send(beat)
 
-    def _watch_router(self) -> None:
+    def _watch_router(self, link: RouterLink) -> None:
         """The router answers every heartbeat (HeartbeatAck, ReRegister or
         Replaced); none for its liveness window means it is down, stalled or cut
         off from here, and has counted this worker lost unless it stalled. Said
@@ -299,19 +344,20 @@ class Worker:
         worker with a router restart or stall (a stalled router answers late and
         keeps the requests; a restarted one, or one that moved them, answers
         ReRegister and they are dropped; a process replaced meanwhile is told)."""
-        silent_s = time.monotonic() - self.last_heard
-        if self.liveness_s and silent_s > self.liveness_s and not self.unanswered:
-            self.unanswered = True
-            log.warning("worker %s: no answer from the router for %.1fs (its liveness window is %gs): down, "
-                        "stalled or cut off from this worker; heartbeats go on", self.worker_id, silent_s,
-                        self.liveness_s)
+        silent_s = time.monotonic() - link.last_heard
+        if link.liveness_s and silent_s > link.liveness_s and not link.unanswered:
+            link.unanswered = True
+            log.warning("worker %s: no answer from the %s for %.1fs (its liveness window is %gs): down, "
+                        "stalled or cut off from this worker; heartbeats go on", self.worker_id, link.name,
+                        silent_s, link.liveness_s)
 
-    def _heard(self) -> None:
+    def _heard(self, link: RouterLink) -> None:
         now = time.monotonic()
-        if self.unanswered:
-            self.unanswered = False
-            log.warning("worker %s: the router answers again, after %.1fs", self.worker_id, now - self.last_heard)
-        self.last_heard = now
+        if link.unanswered:
+            link.unanswered = False
+            log.warning("worker %s: the %s answers again, after %.1fs", self.worker_id, link.name,
+                        now - link.last_heard)
+        link.last_heard = now
 
     def heartbeat(self) -> m.Heartbeat:
         t = self.engine_thread

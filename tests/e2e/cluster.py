@@ -82,9 +82,14 @@ class UpCluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.run_dir.glob("*.log")))
 
-    def admin(self, cmd: str, *args):
-        """An admin command, with the cluster's admin key and token (from its cluster.toml)."""
-        return call_with_config(self.cfg, cmd, *args)
+    def admin(self, cmd: str, *args, router: int = 0):
+        """An admin command to one router (of several: `router`), with the cluster's
+        admin key and token (from its cluster.toml)."""
+        return call_with_config(self.cfg, cmd, *args, router=router)
+
+    def router_url(self, i: int) -> str:
+        """Router i's own HTTP address (`--routers N`: router.http_ports)."""
+        return f"http://127.0.0.1:{self.cfg.router.http_ports[i]}"
 
     def control_socket(self, identity: bytes) -> zmq.Socket:
         """A DEALER on the control bus with the cluster's worker key: an
@@ -99,8 +104,8 @@ class UpCluster:
         sock.connect(self.cfg.router.control_addr)
         return sock
 
-    def workers(self) -> dict[str, dict]:
-        return {w["worker_id"]: w for w in self.admin("workers")}
+    def workers(self, router: int = 0) -> dict[str, dict]:
+        return {w["worker_id"]: w for w in self.admin("workers", router=router)}
 
     def wait_idle(self, timeout_s: float = 2.0) -> dict[str, dict]:
         """Until no request is in flight and every worker reports all blocks free."""
@@ -114,15 +119,17 @@ class UpCluster:
                 return workers
             time.sleep(0.05)
 
-    def child_pid(self, role: str) -> int:
-        """The pid of `pdd up`'s child running `pdd serve --role ROLE` (the router, say)."""
+    def child_pid(self, role: str, router: int | None = None) -> int:
+        """The pid of `pdd up`'s child running `pdd serve --role ROLE` (the router,
+        say; of several, number `router`)."""
         for entry in Path("/proc").iterdir():
             try:
                 ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and b"--role" in argv and argv[argv.index(b"--role") + 1] == role.encode():
+            if ppid == self.proc.pid and b"--role" in argv and argv[argv.index(b"--role") + 1] == role.encode() \
+                    and (router is None or f"router.index={router}".encode() in argv):
                 return int(entry.name)
         raise LookupError(f"no {role} child of pdd up ({self.proc.pid})")
 

@@ -36,7 +36,7 @@ def test_the_listen_queue_is_as_deep_as_the_connection_limit(keys):
             server, _ = await start(secure_config(keys, security={"http_max_connections": limit}))
             cap = guard.somaxconn()
             want = min(limit, cap)
-            assert listen_queue(server.server.sockets[0]) == (0, want), \
+            assert listen_queue(server.servers[0].sockets[0]) == (0, want), \
                 f"listen queue bound: want http_max_connections = {limit}, capped by net.core.somaxconn = {cap}"
             await server.cleanup()
 
@@ -105,7 +105,7 @@ def test_a_burst_of_connection_per_request_clients_at_the_limit_is_served_withou
     async def main():
         server, _ = await start(secure_config(keys))   # http_max_connections = 1024
         socks = connect_all(server.port)   # blocks the loop: the server is busy, as under load
-        assert listen_queue(server.server.sockets[0])[0] == CLIENTS
+        assert listen_queue(server.servers[0].sockets[0])[0] == CLIENTS
         answers = await asyncio.gather(*map(one_request, socks), return_exceptions=True)
         failed = [a for a in answers if not isinstance(a, bytes) or not a.startswith(b"HTTP/1.1 200")]
         assert not failed, f"{len(failed)} of {CLIENTS} clients not served, e.g. {failed[0]!r:.200}"

@@ -129,8 +129,8 @@ class Policy(ABC):
 
 
 def load_of(w: WorkerInfo) -> float:
-    """Requests in flight against sequence slots, plus the share of KV blocks in use."""
-    seq_load = w.inflight / max(1, w.max_num_seqs)
+    """Requests on it (every router's) against sequence slots, plus the share of KV blocks in use."""
+    seq_load = w.busy / max(1, w.max_num_seqs)
     kv_load = 1.0 - w.free_blocks / max(1, w.num_blocks)
     return seq_load + kv_load
 
