@@ -1,0 +1,290 @@
+"""What the front door carries: tokens and requests per second delivered against
+concurrency, for 1, 2, 4 ... routers, and what clients get past saturation.
+
+For each router count a cluster is started (`pdd up --routers N`, the built-in
+tiny model unless --model: the engine should not be what limits), and for each
+concurrency C, C streams run in a closed loop (each starts its next request
+when one ends) from --client-procs processes of aiohttp clients, for
+--duration seconds after --warmup. Reported per point: tokens/s and requests/s
+delivered in the window (each SSE event is one token), the routers' CPU per
+token (their processes' user + system time over the window, /proc), ITL p50/p99
+as the clients saw it against the workers' step time p50/p99 (the router's
+step histogram: what the router adds is the difference), TTFT p50/p99, and
+what clients got instead of tokens: 429s (with Retry-After), other statuses,
+connection errors (resets) and streams that ended in an error event.
+
+    pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+GAP_SAMPLE = 20_000   # inter-token gaps kept per client process (a uniform sample)
+
+
+# ---------------------------------------------------------------- clients (each in a process of its own)
+
+async def _stream_loop(session, url: str, body: bytes, window: tuple[float, float], tally: dict) -> None:
+    t0, t1 = window
+    while time.time() < t1:
+        start = time.time()
+        try:
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    key = "429" if resp.status == 429 else f"status_{resp.status}"
+                    tally[key] = tally.get(key, 0) + 1
+                    await resp.read()
+                    await asyncio.sleep(float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5)
+                    continue
+                last = None
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.time()
+                    if b'"error"' in line[:40]:
+                        tally["error_events"] += 1
+                        break
+                    if t0 <= now <= t1:
+                        tally["tokens"] += 1
+                        if last is None:
+                            tally["ttft"].append(now - start)
+                        elif len(tally["gaps"]) < GAP_SAMPLE:
+                            tally["gaps"].append(now - last)
+                        elif random.random() < 0.05:
+                            tally["gaps"][random.randrange(GAP_SAMPLE)] = now - last
+                    last = now
+                if t0 <= time.time() <= t1:
+                    tally["requests"] += 1
+        except (OSError, asyncio.TimeoutError, Exception) as e:   # aiohttp's client errors: resets, cut streams
+            if time.time() < t1:
+                tally["connection_errors"] += 1
+                tally.setdefault("error_kinds", {}).setdefault(type(e).__name__, 0)
+                tally["error_kinds"][type(e).__name__] += 1
+                await asyncio.sleep(0.2)
+
+
+def _client_process(url: str, streams: int, body: bytes, window: tuple[float, float], out) -> None:
+    import aiohttp
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    tally = {"tokens": 0, "requests": 0, "error_events": 0, "connection_errors": 0, "ttft": [], "gaps": []}
+
+    async def main():
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            await asyncio.gather(*(_stream_loop(session, url, body, window, tally) for _ in range(streams)))
+    asyncio.run(main())
+    out.put(tally)
+
+
+def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
+              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str) -> dict:
+    """One point: `concurrency` streams against `url`; the steps as `metrics_url` (one router) counts them."""
+    rng = random.Random(concurrency)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "temperature": 0}).encode()
+    procs = max(1, min(procs, concurrency))
+    start = time.time() + 1.0   # the processes are up by then
+    window = (start + warmup_s, start + warmup_s + duration_s)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url + "/v1/completions", concurrency // procs +
+                                                         (i < concurrency % procs), body, window, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(max(0.0, window[0] - time.time()))
+    steps_before = _step_histogram(metrics_url)
+    cpu_before = _cpu_seconds(cpu_pids)
+    time.sleep(max(0.0, window[1] - time.time()))
+    cpu_s = _cpu_seconds(cpu_pids) - cpu_before
+    steps = _histogram_delta(steps_before, _step_histogram(metrics_url))
+    tallies = [out.get() for _ in workers]   # each process ends its streams soon after the window
+    for w in workers:
+        w.join(60)
+        if w.is_alive():
+            w.kill()
+    total = {k: sum(t[k] for t in tallies) for k in ("tokens", "requests", "error_events", "connection_errors")}
+    for t in tallies:
+        for k, v in t.items():
+            if k == "429" or k.startswith("status_"):
+                total[k] = total.get(k, 0) + v
+    kinds: dict[str, int] = {}
+    for t in tallies:
+        for k, v in t.get("error_kinds", {}).items():
+            kinds[k] = kinds.get(k, 0) + v
+    gaps = sorted(g for t in tallies for g in t["gaps"])
+    ttft = sorted(x for t in tallies for x in t["ttft"])
+    return {"concurrency": concurrency, **total, "error_kinds": kinds,
+            "tokens_s": round(total["tokens"] / duration_s, 1), "requests_s": round(total["requests"] / duration_s, 2),
+            "router_cpu_cores": round(cpu_s / duration_s, 3),
+            "router_us_per_token": round(1e6 * cpu_s / total["tokens"], 2) if total["tokens"] else None,
+            "itl_p50_ms": _ms(_q(gaps, 0.5)), "itl_p99_ms": _ms(_q(gaps, 0.99)),
+            "step_p50_ms": _ms(_histogram_q(steps, 0.5)), "step_p99_ms": _ms(_histogram_q(steps, 0.99)),
+            "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99))}
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+# ---------------------------------------------------------------- what the servers say
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system time of these processes so far (those gone count 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _step_histogram(url: str) -> dict[float, float]:
+    """The router's engine-step histogram: upper bound -> cumulative count."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdd_scheduler_iteration_latency_seconds_bucket{"):
+            le = float(line.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf"))
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])   # summed over the workers' series
+    return out
+
+
+def _histogram_delta(before: dict, after: dict) -> dict:
+    return {le: after[le] - before.get(le, 0.0) for le in after}
+
+
+def _histogram_q(hist: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a cumulative histogram, linear within its bucket."""
+    bounds = sorted(hist)
+    if not bounds or hist[bounds[-1]] <= 0:
+        return None
+    want, prev_le, prev_n = q * hist[bounds[-1]], 0.0, 0.0
+    for le in bounds:
+        n = hist[le]
+        if n >= want:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((want - prev_n) / max(n - prev_n, 1e-9))
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+# ---------------------------------------------------------------- the cluster
+
+class Cluster:
+    """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
+
+    def __init__(self, args, routers: int, run_dir: Path):
+        cmd = [sys.executable, "-m", "pdd.cli", "up", "--mode", args.mode, "--routers", str(routers),
+               "--port", str(args.port), "--run-dir", str(run_dir)]
+        cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
+            ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+        if args.model:
+            cmd += ["--model", args.model]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        for line in self.proc.stdout:
+            if "ready at" in line:
+                break
+        else:
+            raise RuntimeError(f"pdd up --routers {routers} did not start; logs in {run_dir}")
+        self.url = f"http://127.0.0.1:{args.port}"
+        self.own_url = self.url
+        from pdd.config_loader import load_cluster_config
+        cfg = load_cluster_config(run_dir / "cluster.toml")
+        if cfg.router.http_ports:   # one router's port: its step histogram
+            self.own_url = f"http://127.0.0.1:{cfg.router.http_ports[0]}"
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
+            self.model = json.loads(r.read())["data"][0]["id"]
+        self.router_pids = _router_pids(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _router_pids(parent: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"--role" in argv and argv[argv.index(b"--role") + 1] == b"router":
+            pids.append(int(entry.name))
+            pids += [int(c.name) for c in Path("/proc").iterdir() if c.name.isdigit() and _parent(c) == int(entry.name)]
+    return pids
+
+
+def _parent(entry: Path) -> int | None:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def main(args) -> int:
+    routers = [int(x) for x in args.routers.split(",")]
+    points = [int(x) for x in args.concurrency.split(",")]
+    results = []
+    for n in routers:
+        run_dir = Path(args.run_dir) / f"routers-{n}"
+        cluster = Cluster(args, n, run_dir)
+        try:
+            for c in points:
+                r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
+                              args.warmup, args.duration, cluster.router_pids, cluster.own_url)
+                r["routers"] = n
+                results.append(r)
+                print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
+                      f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "
+                      f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms (steps {r['step_p50_ms']}/"
+                      f"{r['step_p99_ms']})  429s {r.get('429', 0)}  resets {r['connection_errors']}  "
+                      f"error events {r['error_events']}", flush=True)
+        finally:
+            cluster.stop()
+    summary = {"date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(), "args": vars(args) | {"func": None},
+               "points": results}
+    for n in routers:
+        mine = [r for r in results if r["routers"] == n]
+        peak = max(mine, key=lambda r: r["tokens_s"])
+        print(f"routers {n}: peak {peak['tokens_s']:,.0f} tok/s at {peak['concurrency']} streams; at the most "
+              f"streams {mine[-1]['tokens_s']:,.0f} ({100 * mine[-1]['tokens_s'] / max(peak['tokens_s'], 1):.0f}% "
+              "of peak)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0
