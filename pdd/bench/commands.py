@@ -99,6 +99,8 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     b.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request (ignore_eos)")
     b.add_argument("--prompt-words", type=int, default=24, help="words of each prompt")
+    b.add_argument("--prefixes", type=int, default=0,
+                   help="prompts share this many prefixes of --prompt-words words (0: one prompt for all)")
     b.add_argument("--client-procs", type=int, default=8, help="client processes the streams are spread over")
     b.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each window")
     b.add_argument("--duration", type=float, default=15.0, help="seconds measured at each point")

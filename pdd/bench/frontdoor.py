@@ -13,7 +13,12 @@ step histogram: what the router adds is the difference), TTFT p50/p99, and
 what clients got instead of tokens: 429s (with Retry-After), other statuses,
 connection errors (resets) and streams that ended in an error event.
 
+With --prefixes K the prompts share K prefixes (of --prompt-words words,
+each followed by a few words of its own), and the workers' prefix-cache hit
+rate over the window says whether affinity holds with N routers as with one.
+
     pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
+    pdd bench frontdoor --routers 1,2 --workers 2 --prefixes 8 --prompt-words 400 --concurrency 64
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ GAP_SAMPLE = 20_000   # inter-token gaps kept per client process (a uniform samp
 
 # ---------------------------------------------------------------- clients (each in a process of its own)
 
-async def _stream_loop(session, url: str, body: bytes, window: tuple[float, float], tally: dict) -> None:
+async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[float, float], tally: dict) -> None:
     t0, t1 = window
     while time.time() < t1:
+        body = random.choice(bodies)
         start = time.time()
         try:
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
@@ -76,7 +82,7 @@ async def _stream_loop(session, url: str, body: bytes, window: tuple[float, floa
                 await asyncio.sleep(0.2)
 
 
-def _client_process(url: str, streams: int, body: bytes, window: tuple[float, float], out) -> None:
+def _client_process(url: str, streams: int, bodies: list[bytes], window: tuple[float, float], out) -> None:
     import aiohttp
     try:
         import uvloop
@@ -88,34 +94,47 @@ def _client_process(url: str, streams: int, body: bytes, window: tuple[float, fl
     async def main():
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            await asyncio.gather(*(_stream_loop(session, url, body, window, tally) for _ in range(streams)))
+            await asyncio.gather(*(_stream_loop(session, url, bodies, window, tally) for _ in range(streams)))
     asyncio.run(main())
     out.put(tally)
 
 
-def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
-              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str) -> dict:
-    """One point: `concurrency` streams against `url`; the steps as `metrics_url` (one router) counts them."""
+def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
+    """One prompt of `prompt_words` words; or with `prefixes`, many prompts of
+    that many shared prefixes, each with a short suffix of its own."""
     rng = random.Random(concurrency)
-    prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "temperature": 0}).encode()
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))   # noqa: E731
+    if not prefixes:
+        return [words(prompt_words)]
+    heads = [words(prompt_words) for _ in range(prefixes)]
+    return [f"{head} {words(6)}" for head in heads for _ in range(64)]
+
+
+def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
+              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0) -> dict:
+    """One point: `concurrency` streams against `url`; the steps and prefix-cache
+    lookups as `metrics_url` (one router: every worker reports to each) counts them."""
+    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                          "stream": True, "temperature": 0}).encode() for p in prompts(concurrency, prompt_words,
+                                                                                        prefixes)]
     procs = max(1, min(procs, concurrency))
     start = time.time() + 1.0   # the processes are up by then
     window = (start + warmup_s, start + warmup_s + duration_s)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=(url + "/v1/completions", concurrency // procs +
-                                                         (i < concurrency % procs), body, window, out))
+                                                         (i < concurrency % procs), bodies, window, out))
                for i in range(procs)]
     for w in workers:
         w.start()
     time.sleep(max(0.0, window[0] - time.time()))
-    steps_before = _step_histogram(metrics_url)
+    steps_before, prefix_before = _scrape(metrics_url)
     cpu_before = _cpu_seconds(cpu_pids)
     time.sleep(max(0.0, window[1] - time.time()))
     cpu_s = _cpu_seconds(cpu_pids) - cpu_before
-    steps = _histogram_delta(steps_before, _step_histogram(metrics_url))
+    steps_after, prefix_after = _scrape(metrics_url)
+    steps = _histogram_delta(steps_before, steps_after)
+    hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
     tallies = [out.get() for _ in workers]   # each process ends its streams soon after the window
     for w in workers:
         w.join(60)
@@ -138,7 +157,8 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
             "router_us_per_token": round(1e6 * cpu_s / total["tokens"], 2) if total["tokens"] else None,
             "itl_p50_ms": _ms(_q(gaps, 0.5)), "itl_p99_ms": _ms(_q(gaps, 0.99)),
             "step_p50_ms": _ms(_histogram_q(steps, 0.5)), "step_p99_ms": _ms(_histogram_q(steps, 0.99)),
-            "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99))}
+            "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99)),
+            "prefix_hit_rate": round(hits / queries, 3) if queries else None}
 
 
 def _q(xs: list[float], q: float) -> float | None:
@@ -164,19 +184,25 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / tick
 
 
-def _step_histogram(url: str) -> dict[float, float]:
-    """The router's engine-step histogram: upper bound -> cumulative count."""
+def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:
+    """From a router's /metrics: its engine-step histogram (upper bound ->
+    cumulative count, over every worker), and the workers' prefix-cache
+    (hit, looked-up) prompt tokens so far."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
-        return {}
-    out = {}
+        return {}, (0.0, 0.0)
+    steps, hits, queries = {}, 0.0, 0.0
     for line in text.splitlines():
         if line.startswith("pdd_scheduler_iteration_latency_seconds_bucket{"):
             le = float(line.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf"))
-            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])   # summed over the workers' series
-    return out
+            steps[le] = steps.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdd_prefix_cache_hit_tokens_total{"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdd_prefix_cache_query_tokens_total{"):
+            queries += float(line.rsplit(" ", 1)[1])
+    return steps, (hits, queries)
 
 
 def _histogram_delta(before: dict, after: dict) -> dict:
@@ -267,14 +293,14 @@ def main(args) -> int:
         try:
             for c in points:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
-                              args.warmup, args.duration, cluster.router_pids, cluster.own_url)
+                              args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes)
                 r["routers"] = n
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
                       f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "
                       f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms (steps {r['step_p50_ms']}/"
                       f"{r['step_p99_ms']})  429s {r.get('429', 0)}  resets {r['connection_errors']}  "
-                      f"error events {r['error_events']}", flush=True)
+                      f"error events {r['error_events']}  prefix hits {r['prefix_hit_rate']}", flush=True)
         finally:
             cluster.stop()
     summary = {"date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(), "args": vars(args) | {"func": None},

@@ -208,6 +208,29 @@ def test_restart_under_the_same_id_moves_the_old_process_requests():
     assert c.outcome(s.request_id) == ("done", expected(s.request_id, 5))
 
 
+def test_the_same_process_registering_with_a_new_session_has_its_requests_moved():
+    """A worker that dropped what this router placed on it (its connection to
+    the router closed, pdd.worker.links) registers again with a new session:
+    the request it held is placed again, not left waiting for tokens that never
+    come, and the count of what it holds stays exact."""
+    c = SimCluster()
+    w = c.add_worker("c0", "colocated")
+    s = c.submit(max_tokens=5)
+    c.step_inbox(w)
+    c.act(w, (s.request_id, 1))
+    w.holds.clear()                               # what it dropped
+    again = w.register_message()
+    c.control.handle("c0", again)                 # the same session: Registers that queued up, nothing moves
+    assert s.epoch == 1 and isinstance(w.inbox.popleft(), m.RegisterReply) and not w.inbox
+    again.session = 1
+    c.control.handle("c0", again)
+    assert isinstance(w.inbox.popleft(), m.RegisterReply)
+    assert s.epoch == 2 and isinstance(w.inbox[-1], m.Admit) and w.inbox[-1].num_prior_output_tokens == 1
+    assert c.registry.workers["c0"].inflight == 1
+    run_to_end(c)
+    assert c.outcome(s.request_id) == ("done", expected(s.request_id, 5))
+
+
 def test_stale_epoch_tokens_are_dropped_and_the_copy_aborted():
     c, c0, _, s = running_on_c0(4)
     c.control.handle("c0", m.RequestFailed("c0", s.request_id, 1, "no room", retriable=True))
