@@ -178,3 +178,26 @@ def test_a_key_overwritten_in_place_is_read_again(tmp_path, stranger_keys):
     os.utime(path, ns=(1, 1))   # a new mtime even within the filesystem's timestamp granularity
     assert os.stat(d / "authorized_workers").st_mtime_ns == before
     assert allowed.lookup(old) is None and allowed.lookup(new) == "worker"
+
+
+def test_each_router_of_several_proves_itself_with_its_own_pair(tmp_path):
+    """`pdd keys generate --routers 2`: router 1 serves with router-1's pair, and
+    workers and `pdd admin` dial it with router-1's public key — a process
+    holding only router.key_secret cannot pass for router 1 — while a key set
+    without a router-1 pair has router 1 use the cluster's router pair."""
+    from pdd.config_loader import load_cluster_config
+    from pdd.security import (admin_client_security, admin_security, control_security, generate_keys,
+                              router_roles)
+    d = generate_keys(tmp_path / "keys", (*router_roles(2), "worker", "admin"))
+    routers = {"control_addrs": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"],
+               "admin_addrs": ["tcp://127.0.0.1:3", "tcp://127.0.0.1:4"]}
+    cfg = [load_cluster_config(env={}, overrides={"security": {"keys_dir": str(d)}, "router": {**routers, "index": i}})
+           for i in (0, 1)]
+    served = [control_security(c, "router").public for c in cfg]
+    assert served[0] != served[1] and [admin_security(c).public for c in cfg] == served
+    assert [control_security(cfg[0], "worker", i).server_key for i in (0, 1)] == served
+    assert [admin_client_security(d, i).server_key for i in (0, 1)] == served
+    shared = generate_keys(tmp_path / "shared")
+    one = load_cluster_config(env={}, overrides={"security": {"keys_dir": str(shared)}, "router": {**routers,
+                                                                                                 "index": 1}})
+    assert control_security(one, "router").public == control_security(one, "worker", 0).server_key
