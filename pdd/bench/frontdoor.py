@@ -38,6 +38,9 @@ from pathlib import Path
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 GAP_SAMPLE = 20_000   # inter-token gaps kept per client process (a uniform sample)
+# What the routers say they refused or cut (their /metrics, summed by labels): who reset a client.
+GUARD_COUNTERS = ("pdd_requests_rejected_total", "pdd_http_connections_refused_total", "pdd_http_clients_cut_total",
+                  "pdd_http_errors_total")
 
 
 # ---------------------------------------------------------------- clients (each in a process of its own)
@@ -111,7 +114,8 @@ def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
 
 
 def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
-              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0) -> dict:
+              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0,
+              router_urls: tuple[str, ...] = ()) -> dict:
     """One point: `concurrency` streams against `url`; the steps and prefix-cache
     lookups as `metrics_url` (one router: every worker reports to each) counts them."""
     bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
@@ -125,6 +129,7 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     workers = [ctx.Process(target=_client_process, args=(url + "/v1/completions", concurrency // procs +
                                                          (i < concurrency % procs), bodies, window, out))
                for i in range(procs)]
+    guards_before = _guards(router_urls)
     for w in workers:
         w.start()
     time.sleep(max(0.0, window[0] - time.time()))
@@ -140,6 +145,8 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
         w.join(60)
         if w.is_alive():
             w.kill()
+    guards = {k: v - guards_before.get(k, 0.0) for k, v in _guards(router_urls).items()
+              if v - guards_before.get(k, 0.0)}
     total = {k: sum(t[k] for t in tallies) for k in ("tokens", "requests", "error_events", "connection_errors")}
     for t in tallies:
         for k, v in t.items():
@@ -158,7 +165,7 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
             "itl_p50_ms": _ms(_q(gaps, 0.5)), "itl_p99_ms": _ms(_q(gaps, 0.99)),
             "step_p50_ms": _ms(_histogram_q(steps, 0.5)), "step_p99_ms": _ms(_histogram_q(steps, 0.99)),
             "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99)),
-            "prefix_hit_rate": round(hits / queries, 3) if queries else None}
+            "prefix_hit_rate": round(hits / queries, 3) if queries else None, "router_guards": guards}
 
 
 def _q(xs: list[float], q: float) -> float | None:
@@ -205,6 +212,22 @@ def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:
     return steps, (hits, queries)
 
 
+def _guards(urls) -> dict[str, float]:
+    """GUARD_COUNTERS of every router, summed by series (name and labels)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(GUARD_COUNTERS):
+                series, value = line.rsplit(" ", 1)
+                out[series] = out.get(series, 0.0) + float(value)
+    return out
+
+
 def _histogram_delta(before: dict, after: dict) -> dict:
     return {le: after[le] - before.get(le, 0.0) for le in after}
 
@@ -245,11 +268,11 @@ class Cluster:
         else:
             raise RuntimeError(f"pdd up --routers {routers} did not start; logs in {run_dir}")
         self.url = f"http://127.0.0.1:{args.port}"
-        self.own_url = self.url
         from pdd.config_loader import load_cluster_config
         cfg = load_cluster_config(run_dir / "cluster.toml")
-        if cfg.router.http_ports:   # one router's port: its step histogram
-            self.own_url = f"http://127.0.0.1:{cfg.router.http_ports[0]}"
+        # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
+        self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
+        self.own_url = self.router_urls[0]
         with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
             self.model = json.loads(r.read())["data"][0]["id"]
         self.router_pids = _router_pids(self.proc.pid)
@@ -293,7 +316,8 @@ def main(args) -> int:
         try:
             for c in points:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
-                              args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes)
+                              args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
+                              cluster.router_urls)
                 r["routers"] = n
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
@@ -301,6 +325,9 @@ def main(args) -> int:
                       f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms (steps {r['step_p50_ms']}/"
                       f"{r['step_p99_ms']})  429s {r.get('429', 0)}  resets {r['connection_errors']}  "
                       f"error events {r['error_events']}  prefix hits {r['prefix_hit_rate']}", flush=True)
+                if r["router_guards"] or r["error_kinds"]:
+                    print(f"    routers refused/cut: {r['router_guards']}; client errors: {r['error_kinds']}",
+                          flush=True)
         finally:
             cluster.stop()
     summary = {"date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(), "args": vars(args) | {"func": None},
