@@ -70,10 +70,12 @@ async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[flo
                         tally["tokens"] += 1
                         if last is None:
                             tally["ttft"].append(now - start)
-                        elif len(tally["gaps"]) < GAP_SAMPLE:
-                            tally["gaps"].append(now - last)
-                        elif random.random() < 0.05:
-                            tally["gaps"][random.randrange(GAP_SAMPLE)] = now - last
+                        else:   # a uniform sample of every gap in the window (reservoir)
+                            tally["n_gaps"] += 1
+                            if len(tally["gaps"]) < GAP_SAMPLE:
+                                tally["gaps"].append(now - last)
+                            elif (j := random.randrange(tally["n_gaps"])) < GAP_SAMPLE:
+                                tally["gaps"][j] = now - last
                     last = now
                 if t0 <= time.time() <= t1:
                     tally["requests"] += 1
@@ -92,7 +94,8 @@ def _client_process(url: str, streams: int, bodies: list[bytes], window: tuple[f
         uvloop.install()
     except ImportError:
         pass
-    tally = {"tokens": 0, "requests": 0, "error_events": 0, "connection_errors": 0, "ttft": [], "gaps": []}
+    tally = {"tokens": 0, "requests": 0, "error_events": 0, "connection_errors": 0, "ttft": [], "gaps": [],
+             "n_gaps": 0}
 
     async def main():
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -132,11 +135,14 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     guards_before = _guards(router_urls)
     for w in workers:
         w.start()
-    time.sleep(max(0.0, window[0] - time.time()))
+    # The CPU is read at the window's ends; /metrics (which a saturated router
+    # answers late) just before and after it: the steps and prefix lookups are
+    # rates over whatever interval those answers span.
     steps_before, prefix_before = _scrape(metrics_url)
-    cpu_before = _cpu_seconds(cpu_pids)
+    time.sleep(max(0.0, window[0] - time.time()))
+    cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
     time.sleep(max(0.0, window[1] - time.time()))
-    cpu_s = _cpu_seconds(cpu_pids) - cpu_before
+    cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
     steps_after, prefix_after = _scrape(metrics_url)
     steps = _histogram_delta(steps_before, steps_after)
     hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
@@ -254,8 +260,8 @@ class Cluster:
     """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
 
     def __init__(self, args, routers: int, run_dir: Path):
-        cmd = [sys.executable, "-m", "pdd.cli", "up", "--mode", args.mode, "--routers", str(routers),
-               "--port", str(args.port), "--run-dir", str(run_dir)]
+        cmd = [sys.executable, "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
+               "--run-dir", str(run_dir), *(["--routers", str(routers)] if routers > 1 else [])]
         cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
             ["--prefill", str(args.prefill), "--decode", str(args.decode)]
         if args.model:

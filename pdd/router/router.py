@@ -235,6 +235,12 @@ class Router:
                 self._received(conn, msg)
             except Exception:
                 log.exception("router: error handling %s from %s", msg.TYPE, conn)
+            # A receive that finds a message waiting completes without yielding to
+            # the loop: while the workers send faster than this loop handles (a
+            # step's TokenBatch of a thousand streams costs milliseconds), it would
+            # never yield, and the streams' handlers — the writes to the clients —
+            # and the timers would wait for seconds. One message, then their turn.
+            await asyncio.sleep(0)
 
     def _received(self, conn: str, msg: m.Message) -> None:
         """A message from connection `conn`, to the control plane as its worker's."""
