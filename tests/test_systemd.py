@@ -263,6 +263,53 @@ def test_pdd_up_is_ready_once_the_cluster_serves_then_pings(tmp_path, tiny_model
 
 # ---------------------------------------------------------------- the install and the units
 
+def _unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """systemd/NAME as {section: {key: [values, in order]}} (comments and blank lines left out)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    for line in (REPO / "systemd" / name).read_text().splitlines():
+        if not line.strip() or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = sections.setdefault(line.strip("[]"), {})
+        else:
+            key, value = line.split("=", 1)
+            section.setdefault(key, []).append(value)
+    return sections
+
+
+def test_a_router_unit_per_router_index_ordered_before_the_workers_of_its_host():
+    """pdd-router@I runs router.index I (its own runtime directory; the host's
+    state directory shared), and every pdd-router@I comes before
+    pdd-routers.target, which the workers come after: at a stop of pdd.target
+    the workers drain before any router of their host stops."""
+    router, worker, routers = _unit("pdd-router@.service"), _unit("pdd-worker@.service"), _unit("pdd-routers.target")
+    assert router["Service"]["ExecStart"] == [
+        "/opt/pdd/venv/bin/pdd serve --role router --set router.index=%i --config /etc/pdd/pdd.toml"]
+    assert router["Service"]["UnsetEnvironment"] == ["PDD_ROUTER__INDEX"]   # the environment would win over --set
+    assert router["Service"]["RuntimeDirectory"] == ["pdd/router-%i"]
+    assert router["Service"]["StateDirectory"] == worker["Service"]["StateDirectory"] == ["pdd"]
+    assert router["Unit"]["Before"] == router["Unit"]["Wants"][-1:] == ["pdd-routers.target"]
+    assert "pdd-routers.target" in worker["Unit"]["After"][0].split()
+    assert router["Unit"]["PartOf"] == worker["Unit"]["PartOf"] == routers["Unit"]["PartOf"] == ["pdd.target"]
+    assert router["Install"] == {"WantedBy": ["pdd.target"], "DefaultInstance": ["0"]}
+    assert not (REPO / "systemd/pdd-router.service").exists()
+    for path in (REPO / "systemd").iterdir():
+        assert "pdd-router.service" not in path.read_text(), path.name
+
+
+def test_the_router_units_command_hands_its_instance_to_router_index(tmp_path):
+    """ExecStart as systemd runs pdd-router@2 on a config of two routers: index 2 is
+    refused (78, no restart), so the instance did reach router.index."""
+    path = write_config(tmp_path / "pdd.toml", router={
+        "control_addrs": [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)],
+        "admin_addrs": [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)], "admin_token": "t" * 32})
+    exec_start = _unit("pdd-router@.service")["Service"]["ExecStart"][0].split()
+    args = [str(path) if a == "/etc/pdd/pdd.toml" else a.replace("%i", "2") for a in exec_start[1:]]
+    r = subprocess.run(pdd(*args), capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert "router.index: must name one of the 2 router(s) (0 to 1), got 2" in r.stderr
+
+
 def _systemd_analyze() -> str:
     tool = shutil.which("systemd-analyze")
     if tool is None:
@@ -299,8 +346,11 @@ def test_install_systemd_twice_then_the_units_verify_and_score_at_most_3(tmp_pat
 
     etc = root / "etc"
     assert (root / "opt/pdd/venv/bin/pdd").is_file() and os.access(root / "opt/pdd/venv/bin/pdd", os.X_OK)
-    for unit in ("pdd-router.service", "pdd-worker@.service", "pdd.target"):
+    installed = sorted(p.name for p in (etc / "systemd/system").iterdir() if p.name.startswith("pdd"))
+    assert installed == sorted(p.name for p in (REPO / "systemd").iterdir() if p.suffix in (".service", ".target"))
+    for unit in installed:
         assert (etc / "systemd/system" / unit).read_text() == (REPO / "systemd" / unit).read_text()
+    assert "pdd-router@0.service" in r.stdout and "pdd-router.service" not in r.stdout
     assert (etc / "pdd/pdd.toml").read_text() == (REPO / "conf/disagg.toml").read_text()
     assert re.search(r"^PDD_ROUTER__ADMIN_TOKEN=[0-9a-f]{32}$", (etc / "pdd/pdd.env").read_text(), re.M)
     assert (etc / "pdd/keys/worker.key_secret").read_bytes() == (handed / "worker.key_secret").read_bytes()
@@ -317,10 +367,11 @@ def test_install_systemd_twice_then_the_units_verify_and_score_at_most_3(tmp_pat
         assert (st.st_mode & 0o7777, owner if owner is None else st.st_uid, group if group is None else st.st_gid) \
             == (mode, owner, group), rel
 
-    units = ["pdd-router.service", "pdd-worker@decode-0.service", "pdd.target"]
+    units = ["pdd-router@0.service", "pdd-router@1.service", "pdd-worker@decode-0.service", "pdd-routers.target",
+             "pdd.target"]
     r = subprocess.run([analyze, "verify", f"--root={root}", *units], capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
-    for unit in units[:2]:
+    for unit in ("pdd-router@0.service", "pdd-worker@decode-0.service"):
         r = subprocess.run([analyze, "security", "--offline=yes", f"--root={root}", unit], capture_output=True,
                            text=True, timeout=300)
         found = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout)
