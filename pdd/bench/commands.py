@@ -115,6 +115,15 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--run-dir", default="/tmp/pdd-bench-stall", help="where the cluster's logs and config go")
     _add_json_arg(b)
 
+    b = _bench_parser(sub, "grammar-stall", "a live stream's token gaps while slow-to-compile grammars arrive "
+                                             "(compiles off the engine step)")
+    _add_tiny_model_arg(b)
+    b.add_argument("--grammars", type=int, default=48,
+                   help="requests sent at once, each with its own slow regex (a{1000}){N}, N = 2..K+1")
+    b.add_argument("--alone-s", type=float, default=3.0, help="seconds the stream's gaps are measured alone first")
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-grammar-stall", help="where the cluster's logs and config go")
+    _add_json_arg(b)
+
     b = _bench_parser(sub, "chaos", "fault scenarios at a fixed load, each on a throw-away cluster")
     b.add_argument("--scenarios", default="", help="comma list (default: all): kill-decode, kill-prefill, "
                    "hang-decode, transfer-fail-cleared, transfer-fail-0.3, abort-storm, overload")

@@ -18,22 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdd.bench.load import start_cluster
-
-
-async def _stream(session, url: str, model: str, marks: list[float], flowing: asyncio.Event) -> None:
-    # As long as the context allows (the built-in model's is 4,096 tokens): the
-    # stream must outlast the window of big prompts.
-    body = {"model": model, "prompt": "tell me a story", "max_tokens": 4000, "ignore_eos": True,
-            "stream": True, "temperature": 0}
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"the live stream was refused: {resp.status} {await resp.text()}")
-        async for line in resp.content:
-            if line.startswith(b"data: {"):
-                marks.append(time.perf_counter())
-                if len(marks) >= 50:
-                    flowing.set()
+from pdd.bench.bystander import Bystander, colocated_cluster
 
 
 async def _probe_health(session, url: str, until: asyncio.Event, times: list[float]) -> None:
@@ -48,15 +33,9 @@ async def _probe_health(session, url: str, until: asyncio.Event, times: list[flo
 async def _measure(url: str, model: str, headers: dict, k: int, body_bytes: int) -> dict:
     text = ("lorem ipsum dolor sit amet " * (body_bytes // 27 + 1))[:body_bytes - 200]
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        marks, flowing, done, health = [], asyncio.Event(), asyncio.Event(), []
-        stream = asyncio.create_task(_stream(session, url, model, marks, flowing))
-        flows = asyncio.create_task(flowing.wait())
-        await asyncio.wait([stream, flows], return_when=asyncio.FIRST_COMPLETED)
-        if stream.done():   # refused, or ended before it flowed
-            flows.cancel()
-            stream.result()
-            raise RuntimeError("the live stream ended before it flowed")
-        before = len(marks)
+        stream, done, health = Bystander(session, url, model), asyncio.Event(), []
+        await stream.start()
+        before = len(stream.marks)
         probe = asyncio.create_task(_probe_health(session, url, done, health))
         t0 = time.perf_counter()
 
@@ -68,12 +47,10 @@ async def _measure(url: str, model: str, headers: dict, k: int, body_bytes: int)
         window = (t0, time.perf_counter())
         done.set()
         await probe
-        n_after = len(marks)
-        await asyncio.sleep(0.5)
-        stream.cancel()
-    gaps = [b - a for a, b in zip(marks, marks[1:])]
-    baseline = gaps[:before - 1]
-    during = [b - a for a, b in zip(marks, marks[1:]) if b >= window[0] and a <= window[1]]
+        n_after = len(stream.marks)
+        await stream.stop()
+    baseline = stream.gaps_before(window[0])
+    during = stream.gaps(*window)
     return {"statuses": statuses, "window_s": window[1] - window[0], "chunks_in_window": n_after - before,
             "gap_p50_before_ms": 1000 * statistics.median(baseline),
             "max_gap_during_ms": 1000 * max(during, default=0.0),
@@ -91,14 +68,9 @@ def _tokenize_once(model: str | None, body_bytes: int) -> float:
 
 
 def main(args) -> int:
-    cluster = start_cluster(args.run_dir, [("colocated", "colocated-0", None)], args.model, "colocated")
-    try:
-        keys = cluster.cfg.security.api_keys
-        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-        result = asyncio.run(_measure(cluster.url, cluster.model_name, headers, args.big_prompts,
+    with colocated_cluster(args.run_dir, args.model) as cluster:
+        result = asyncio.run(_measure(cluster.url, cluster.model_name, cluster.headers, args.big_prompts,
                                       args.body_bytes))
-    finally:
-        cluster.stop()
     result["tokenize_one_s"] = _tokenize_once(args.model, args.body_bytes)
     result.update(date=time.strftime("%Y-%m-%d"), big_prompts=args.big_prompts, body_bytes=args.body_bytes)
     print(f"{args.big_prompts} prompts of {args.body_bytes / 2**20:.1f} MiB (answers {sorted(set(result['statuses']))}) "
