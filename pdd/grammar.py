@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # Tokens the router's check walks into a grammar (see `check`).
 PROBE_TOKENS = 4
+# Grammar compiles run this much nicer than the engine's thread (0-19, Linux).
+COMPILE_NICENESS = 10
 
 
 def _llg():
@@ -239,8 +242,10 @@ class GrammarCompiler:
         self._compiled: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
         # llguidance drops the GIL while it compiles and computes masks: these
-        # threads leave the engine's (and the event loop's) to run.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pdd-grammar")
+        # threads leave the engine's (and the event loop's) to run. They run at a
+        # lower priority, so that on a host short of cores a compile waits for
+        # the engine's steps rather than the steps for it.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pdd-grammar", initializer=_background)
         self.on_ready: Callable[[], None] | None = None   # called from a pool thread when a compile ends
 
     @classmethod
@@ -336,6 +341,14 @@ class GrammarCompiler:
     def _ended(self, _future: Future) -> None:
         if self.on_ready is not None:
             self.on_ready()
+
+
+def _background() -> None:
+    """This thread, niced (Linux: a thread's own priority; elsewhere nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 class _MallInfo2(ctypes.Structure):
