@@ -296,12 +296,15 @@ class RouterConfig:
     # worker, reserving, prefilling). Above it new requests get 429 with
     # Retry-After (0 = no limit).
     max_queued_requests: int = 4096
-    # The router's own limits (pdd.router.saturation): past either, new requests
+    # The router's own limits (pdd.router.saturation): past any, new requests
     # get 429 with Retry-After while the streams it holds go on. max_loop_lag_s:
     # its event loop ran this late at each of its last probes (a loop busy all the
     # time, not one stall); max_buffered_bytes: what its HTTP connections hold that
     # the kernel has not taken yet, all together. 0 = no limit.
     max_loop_lag_s: float = 0.5
+    # max_loop_busy: the share of the last half second its loop's thread was on
+    # a CPU (its one core spent: a request more slows every stream it relays).
+    max_loop_busy: float = 0.95
     max_buffered_bytes: int = 256 * 2**20
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
@@ -403,6 +406,9 @@ class RouterConfig:
             raise ConfigError("router.http_send_timeout_s: must be > 0")
         if self.max_buffered_tokens < 1:
             raise ConfigError("router.max_buffered_tokens: must be >= 1")
+        if not 0 <= self.max_loop_busy <= 1:
+            raise ConfigError(f"router.max_loop_busy: a share of one core, 0 to 1 (0 = no limit), "
+                              f"got {self.max_loop_busy}")
         if not 0 <= self.max_loop_lag_s < float("inf") or self.max_buffered_bytes < 0:
             raise ConfigError(f"router.max_loop_lag_s and router.max_buffered_bytes: must be >= 0 (0 = no limit), "
                               f"got {self.max_loop_lag_s} and {self.max_buffered_bytes}")

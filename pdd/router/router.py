@@ -61,7 +61,8 @@ class Router:
                                     step_timeout_s=cfg.worker.step_timeout_s,
                                     traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
-        self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected)
+        self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected,
+                                     rc.max_loop_busy)
         self.drained = DrainedWorkers(state_dir(rc.state_dir))
         self.registry.drained = self.drained.load()
         self.accepting = True

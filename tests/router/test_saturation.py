@@ -132,3 +132,30 @@ def test_a_router_holding_too_many_unsent_bytes_refuses_new_requests(tiny_model)
         await stop(router, [])
 
     run(main())
+
+
+def test_a_loop_on_its_cpu_all_the_time_is_saturated_and_one_that_idles_is_not():
+    """The loop's thread on a CPU for more than router.max_loop_busy of the last
+    probes' span: refused (a request more would slow every stream), though no
+    probe ran late; back to admitting once it idles again."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import LOOP_BUSY, PROBE_INTERVAL_S, PROBES, Saturation
+    rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
+    sat = Saturation(0.5, 0, rejected, max_loop_busy=0.95)
+    wall = cpu = 0.0
+    for _ in range(PROBES + 1):          # every interval spent on the CPU, each probe on time
+        wall, cpu = wall + PROBE_INTERVAL_S, cpu + PROBE_INTERVAL_S
+        sat.probe(0.001, wall, cpu)
+    assert sat.reason == LOOP_BUSY
+    try:
+        sat.check()
+        raise AssertionError("admitted while saturated")
+    except Overloaded as e:
+        assert "router.max_loop_busy" in str(e)
+    for _ in range(PROBES):              # then half of each interval
+        wall, cpu = wall + PROBE_INTERVAL_S, cpu + PROBE_INTERVAL_S / 2
+        sat.probe(0.001, wall, cpu)
+    assert sat.reason is None
+    sat.check()
