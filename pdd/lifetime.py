@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 from collections.abc import Mapping
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +47,24 @@ def follow_supervisor(environ: Mapping[str, str] = os.environ) -> None:
     pid = environ.get(SUPERVISOR_ENV, "")
     if pid.isdigit():
         die_with_parent(int(pid), signal.SIGTERM)
+
+
+def children(pid: int) -> list[tuple[int, list[bytes]]]:
+    """The processes whose parent is `pid`, with their command lines (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")))
+        except (OSError, ValueError, IndexError):   # gone meanwhile
+            continue
+    return found
+
+
+def serving(argv: list[bytes], role: str, router: int | None = None) -> bool:
+    """Whether a command line is `pdd serve --role ROLE` (of several routers: number `router`)."""
+    return (b"--role" in argv and argv.index(b"--role") + 1 < len(argv) and argv[argv.index(b"--role") + 1] ==
+            role.encode() and (router is None or f"router.index={router}".encode() in argv))

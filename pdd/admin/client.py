@@ -186,7 +186,7 @@ def main(args) -> int:
             print(f"pdd admin: {e}", file=sys.stderr)
         return EXIT_FAILED
     _out(json.dumps(result, indent=2) if args.json else tables.render(command.name, result, args))
-    routers = result.get("routers") if isinstance(result, dict) else None
+    routers = result["routers"] if len(targets) > 1 else None
     if routers is not None and any("error" in r for r in routers):
         return max(r["exit_code"] for r in routers if "error" in r)   # said per router above
     results = [r["result"] for r in routers] if routers is not None else [result]

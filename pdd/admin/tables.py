@@ -20,7 +20,7 @@ WORKER_COLUMNS = ["worker_id", "role", "device", "accepting", "inflight", "runni
 
 
 def render(command: str, result, args: Namespace) -> str:
-    if isinstance(result, dict) and set(result) == {"routers"}:   # several routers (pdd.admin.fanout)
+    if isinstance(result, dict) and isinstance(result.get("routers"), list):   # several routers (pdd.admin.fanout)
         return "\n\n".join(_router_section(command, r, args) for r in result["routers"])
     return FORMATTERS.get(command, generic)(result, args)
 

@@ -106,6 +106,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--duration", type=float, default=15.0, help="seconds measured at each point")
     b.add_argument("--port", type=int, default=18080, help="the routers' HTTP port")
     b.add_argument("--run-dir", default="/tmp/pdd-bench-frontdoor", help="where the clusters' logs go")
+    b.add_argument("--server-path", default=None, metavar="DIR",
+                   help="run the clusters from the pdd package under DIR (e.g. an older commit's, for a "
+                        "before/after in one sitting); the clients stay this pdd's")
     _add_json_arg(b)
 
     b = _bench_parser(sub, "stall", "a live stream's token gaps while huge text prompts arrive (router loop)")

@@ -35,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdd.lifetime import children, serving
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 GAP_SAMPLE = 20_000   # inter-token gaps kept per client process (a uniform sample)
@@ -266,8 +268,11 @@ class Cluster:
             ["--prefill", str(args.prefill), "--decode", str(args.decode)]
         if args.model:
             cmd += ["--model", args.model]
+        env = dict(os.environ)
+        if args.server_path:   # the cluster runs another pdd (before/after in one sitting)
+            env["PYTHONPATH"] = os.pathsep.join([args.server_path, *filter(None, [env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         for line in self.proc.stdout:
             if "ready at" in line:
                 break
@@ -292,24 +297,9 @@ class Cluster:
 
 
 def _router_pids(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and b"--role" in argv and argv[argv.index(b"--role") + 1] == b"router":
-            pids.append(int(entry.name))
-            pids += [int(c.name) for c in Path("/proc").iterdir() if c.name.isdigit() and _parent(c) == int(entry.name)]
-    return pids
-
-
-def _parent(entry: Path) -> int | None:
-    try:
-        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    """`pdd up`'s routers and their children (the tokenizer processes): what the router CPU is."""
+    routers = [pid for pid, argv in children(parent) if serving(argv, "router")]
+    return routers + [pid for r in routers for pid, _ in children(r)]
 
 
 def main(args) -> int:
@@ -324,7 +314,7 @@ def main(args) -> int:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
                               args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
                               cluster.router_urls)
-                r["routers"] = n
+                r["routers"], r["server"] = n, args.server_path or "this pdd"
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
                       f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "

@@ -303,7 +303,7 @@ class Router:
 
     def status(self) -> dict:
         return {
-            "router": self.cfg.router.router_id, "routers": len(self.cfg.router.routers),
+            "router": self.cfg.router.router_id, "routers_in_cluster": len(self.cfg.router.routers),
             "model": self.registry.layout.model_id if self.registry.layout else None,
             "served_model_names": list(self.served_names),
             "mode": self.cfg.router.mode,

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from pdd import lifetime
 from pdd.admin.client import call_with_config
 from pdd.bench.layouts import interrupt
 from pdd.config_loader import load_cluster_config
@@ -122,15 +123,9 @@ class UpCluster:
     def child_pid(self, role: str, router: int | None = None) -> int:
         """The pid of `pdd up`'s child running `pdd serve --role ROLE` (the router,
         say; of several, number `router`)."""
-        for entry in Path("/proc").iterdir():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == self.proc.pid and b"--role" in argv and argv[argv.index(b"--role") + 1] == role.encode() \
-                    and (router is None or f"router.index={router}".encode() in argv):
-                return int(entry.name)
+        for pid, argv in lifetime.children(self.proc.pid):
+            if lifetime.serving(argv, role, router):
+                return pid
         raise LookupError(f"no {role} child of pdd up ({self.proc.pid})")
 
     def stop(self) -> int:
@@ -156,11 +151,4 @@ def _wait_for(cond, timeout_s=20.0, what="condition"):
 
 def children(pid: int) -> list[int]:
     """The pids whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return [child for child, _ in lifetime.children(pid)]

@@ -81,7 +81,7 @@ def test_each_router_serves_the_texts_one_router_gives_and_admin_reaches_both(tw
         admin("log-level", "info")
     status = admin("status")
     assert [s["result"]["router"] for s in status] == ["router-0", "router-1"]
-    assert all(s["result"]["routers"] == 2 for s in status)
+    assert all(s["result"]["routers_in_cluster"] == 2 for s in status)
 
 
 def test_a_router_killed_loses_only_its_own_requests_and_rejoins(two_routers, offline):
