@@ -262,7 +262,8 @@ class Cluster:
     """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
 
     def __init__(self, args, routers: int, run_dir: Path):
-        cmd = [sys.executable, "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
+        # -P: not the working directory first on sys.path, so that --server-path decides which pdd serves.
+        cmd = [sys.executable, "-P", "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
                "--run-dir", str(run_dir), *(["--routers", str(routers)] if routers > 1 else [])]
         cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
             ["--prefill", str(args.prefill), "--decode", str(args.decode)]
