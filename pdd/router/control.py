@@ -337,12 +337,14 @@ class ControlPlane:
                       state.decode_worker, item.position, len(state.output_token_ids))
             self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
             return None
+        if seen == 0:   # the common case: all of it is new
+            return TokenEvent(item.token_ids, item.finished, item.finish_reason, item.logprobs,
+                              item.num_cached_tokens, item.prompt_logprobs)
         tokens = item.token_ids[seen:]
         if not tokens and not item.finished:
             return None
         return TokenEvent(tokens, item.finished, item.finish_reason,
-                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens,
-                          item.prompt_logprobs if seen == 0 else None)
+                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
 
     def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
