@@ -314,6 +314,7 @@ class ControlPlane:
             handler(peer, msg)
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
+        now = self.clock()   # the step's tokens all arrived now
         for item in msg.items:
             state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
             if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
@@ -324,7 +325,7 @@ class ControlPlane:
                 self._release_followers(state, peer)
             event = self._unseen(state, item)
             if event is not None:
-                self._deliver(state, event)
+                self._deliver(state, event, now)
 
     def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | None:
         """The part of `item` the client has not had. The first token can come
@@ -596,8 +597,9 @@ class ControlPlane:
             self.breakers.placed(chosen.worker_id, decode.worker_id, now, state.request_id)
         return state.prefill_worker
 
-    def _deliver(self, state: RequestState, event: TokenEvent) -> None:
-        now = self.clock()
+    def _deliver(self, state: RequestState, event: TokenEvent, now: float | None = None) -> None:
+        if now is None:
+            now = self.clock()
         if state.last_token_at is not None or event.token_ids:
             self.metrics.observe_tokens(state, now)
         self.metrics.generation_tokens.inc(len(event.token_ids))
