@@ -106,6 +106,7 @@ class RouterMetrics:
         self.show_breaker(*PATH, "closed")   # the whole path's, before anything is placed
         # A worker's (hit, query) totals as of its last heartbeat: the next delta's base.
         self._prefix_totals: dict[str, tuple[int, int]] = {}
+        self._itl: dict[tuple[str, str], object] = {}   # (pool, worker) -> its pdd_inter_token_latency series
         if registry_view is not None:
             r.register(_WorkerCollector(registry_view))
         r.register(_TracingCollector())
@@ -146,7 +147,10 @@ class RouterMetrics:
         """Tokens of `state` delivered at `now` (before state.deliver takes them)."""
         labels = (state.mode, state.decode_worker or "")
         if state.last_token_at is not None:
-            self.itl.labels(*labels).observe(now - state.last_token_at)
+            itl = self._itl.get(labels)   # once per stream per step: the labelled series kept, not looked up
+            if itl is None:
+                itl = self._itl[labels] = self.itl.labels(*labels)
+            itl.observe(now - state.last_token_at)
         else:
             self.ttft.labels(*labels).observe(now - state.arrival)
 
@@ -156,6 +160,7 @@ class RouterMetrics:
                            self.prefix_queries):
             _remove(per_worker, worker_id)
         self._prefix_totals.pop(worker_id, None)
+        self._itl = {labels: series for labels, series in self._itl.items() if labels[1] != worker_id}
         for per_token in (self.ttft, self.itl, self.tpot):
             for pool, worker in _label_sets(per_token, _TOKEN_LABELS):
                 if worker == worker_id:

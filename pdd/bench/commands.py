@@ -127,6 +127,18 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--run-dir", default="/tmp/pdd-bench-grammar-stall", help="where the cluster's logs and config go")
     _add_json_arg(b)
 
+    b = _bench_parser(sub, "router-cost", "the router's CPU per streamed token (us/token) at a few concurrencies")
+    _add_tiny_model_arg(b)
+    b.add_argument("--streams", default="64,256", help="comma list of concurrent streams, one level each")
+    b.add_argument("--max-tokens", type=int, default=256, help="tokens per request (ignore_eos)")
+    b.add_argument("--rounds", type=int, default=2, help="times each level's streams run, one after the other")
+    b.add_argument("--prompt-words", type=int, default=24, help="words in the prompt")
+    b.add_argument("--py-spy", default=None, metavar="DIR", help="also record the router with py-spy (raw "
+                   "folded stacks in DIR) and print the top of the profile")
+    b.add_argument("--top", type=int, default=15, help="--py-spy: functions printed per level")
+    b.add_argument("--run-dir", default="/tmp/pdd-bench-router-cost", help="where the cluster's logs and config go")
+    _add_json_arg(b)
+
     b = _bench_parser(sub, "chaos", "fault scenarios at a fixed load, each on a throw-away cluster")
     b.add_argument("--scenarios", default="", help="comma list (default: all): kill-decode, kill-prefill, "
                    "hang-decode, transfer-fail-cleared, transfer-fail-0.3, abort-storm, overload")

@@ -35,6 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdd.bench.router_cost import cpu_seconds
 from pdd.lifetime import children, serving
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -188,15 +189,13 @@ def _ms(x: float | None) -> float | None:
 
 def _cpu_seconds(pids: list[int]) -> float:
     """User + system time of these processes so far (those gone count 0)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(cpu_seconds(pid))
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
+    return total
 
 
 def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:

@@ -45,6 +45,7 @@ from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
+from pdd.http.relay import DirectWriter, Relay
 from pdd.http.middleware import (API_KEYS_KEY, CORS_KEY, GUARDS_KEY, KEYLESS_KEY, ROUTER_KEY, access_middleware,
                                  cors_headers, cors_middleware, error_middleware, ignored_fields_header)
 from pdd.http import request_log
@@ -72,6 +73,7 @@ class OpenAIServer:
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
+        self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -242,45 +244,61 @@ class OpenAIServer:
         a list for whatever arrived since the last one; the last piece finishes.
         With echo the prompt comes first, as one piece (its logprobs are the
         first choice's: only it computes them). Raises RequestError when the
-        request fails (after the pieces before it)."""
-        state, text, lp = c.state, c.text, c.logprobs
-        echo = c.echo_text is not None
-        while True:
+        request fails (after the pieces before it). The relay (_stream_one) may
+        have taken some of the events, and ended the choice."""
+        state = c.state
+        while not c.ended:
             pieces = []
             for ev in await state.take_events():
                 if isinstance(ev, RequestError):
                     if pieces:
                         yield pieces
                     raise ev
-                if echo:
-                    echo = False
-                    frag = lp.add_prompt(state.prompt_token_ids, first.state.prompt_logprobs) if lp else None
-                    pieces.append((c.echo_text, frag, None))
-                if req.echo_only:   # its one token is not shown
-                    if ev.finished:
-                        pieces.append(("", None, "length"))
-                        yield pieces
-                        return
-                    continue
-                lps = ev.logprobs or [None] * len(ev.token_ids)
-                for tok, tok_lp in zip(ev.token_ids, lps):
-                    offset = c.echo_chars + text.generated_chars
-                    delta = text.add([tok])
-                    frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
-                    if text.stopped:
-                        pieces.append((delta, frag, "stop"))
-                        # Its answer is complete: its worker stops now, not when the
-                        # whole response ends (other choices may run on for long).
-                        await self.router.abort(state, "stop")
-                        yield pieces
-                        return
-                    pieces.append((delta, frag, None))
-                if ev.finished:
-                    last = text.finish()   # may complete a stop string the held-back text began
-                    pieces.append((last, None, "stop" if text.stopped else ev.finish_reason))
-                    yield pieces
-                    return
+                pieces += self._take(req, c, first, ev)
+                if c.ended:
+                    break
+            if c.text.stopped:
+                # Its answer is complete: its worker stops now, not when the
+                # whole response ends (other choices may run on for long).
+                await self.router.abort(state, "stop")
             yield pieces
+
+    def _take(self, req: s.GenerateRequest, c: Choice, first: Choice, ev) -> list[tuple]:
+        """The pieces of one token event of choice `c`; c.ended once it ends it."""
+        text, lp = c.text, c.logprobs
+        pieces = []
+        if c.echo_text is not None and not c.echoed:
+            c.echoed = True
+            frag = lp.add_prompt(c.state.prompt_token_ids, first.state.prompt_logprobs) if lp else None
+            pieces.append((c.echo_text, frag, None))
+        if req.echo_only:   # its one token is not shown
+            if ev.finished:
+                pieces.append(("", None, "length"))
+                c.ended = True
+            return pieces
+        if lp is None and len(ev.token_ids) == 1:   # the common case: one token, no logprobs
+            delta = text.add(ev.token_ids)
+            if text.stopped:
+                c.ended = True
+                pieces.append((delta, None, "stop"))
+                return pieces
+            pieces.append((delta, None, None))
+        else:
+            lps = ev.logprobs or [None] * len(ev.token_ids)
+            for tok, tok_lp in zip(ev.token_ids, lps):
+                offset = c.echo_chars + text.generated_chars
+                delta = text.add([tok])
+                frag = lp.add(tok, tok_lp[0], tok_lp[1], offset) if lp is not None and tok_lp else None
+                if text.stopped:
+                    c.ended = True
+                    pieces.append((delta, frag, "stop"))
+                    return pieces
+                pieces.append((delta, frag, None))
+        if ev.finished:
+            last = text.finish()   # may complete a stop string the held-back text began
+            pieces.append((last, None, "stop" if text.stopped else ev.finish_reason))
+            c.ended = True
+        return pieces
 
     def _choice(self, req: s.GenerateRequest, prompt_ids: list[int], given: str | None, index: int,
                 state) -> Choice:
@@ -354,32 +372,43 @@ class OpenAIServer:
         def so_far() -> dict | None:   # vLLM's continuous usage: every chunk says the usage so far
             return self._usage(req, groups) if req.continuous_usage else None
 
+        chunks = r.StreamChunks(req)
+
         def chunk(i: int, delta: str, reason, frag=None) -> bytes:
             reader = tool_calls.get(i)
             if reader is not None:   # the text goes through the tool-call reader
                 deltas = reader.feed(delta) + (reader.finish() if reason else [])
                 reason = "tool_calls" if reason == "stop" and reader.ids else reason
-                out = [r.chat_chunk(req, d, None, frag if k == 0 else None, so_far(), i) for k, d in enumerate(deltas)]
+                out = [chunks.chunk(i, d, None, frag if k == 0 else None, so_far()) for k, d in enumerate(deltas)]
                 if reason or (frag and not deltas):
-                    out.append(r.chat_chunk(req, {}, reason, None if deltas else frag, so_far(), i))
-                return b"".join(map(r.sse, out))
+                    out.append(chunks.chunk(i, {}, reason, None if deltas else frag, so_far()))
+                return b"".join(out)
             if chat:
-                return r.sse(r.chat_chunk(req, {"content": delta} if delta else {}, reason, frag, so_far(), i))
-            return r.sse(r.completion_chunk(req, delta, reason, frag, so_far(), i))
+                return chunks.chunk(i, {"content": delta} if delta else {}, reason, frag, so_far())
+            return chunks.chunk(i, delta, reason, frag, so_far())
+
+        def emit(i: int, pieces: list[tuple]) -> bytes:
+            if len(pieces) == 1:   # the common case: one token's
+                delta, frag, reason = pieces[0]
+                return chunk(i, delta, reason, frag) if delta or frag or reason else b""
+            return b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in pieces
+                             if delta or frag or reason])
 
         # Each choice's text goes through its own tool-call reader (chat with tools).
         tool_calls = {c.index: ToolCallReader(req.tool_format) for c in choices} if req.tool_format is not None else {}
 
         if chat:
-            await resp.write(b"".join(r.sse(r.chat_chunk(req, {"role": "assistant", "content": ""}, None, None,
-                                                         so_far(), c.index)) for c in choices))
+            await resp.write(b"".join(chunks.chunk(c.index, {"role": "assistant", "content": ""}, usage=so_far())
+                                      for c in choices))
         try:
-            async with self._merged(req, groups) as pieces_of:
-                async for i, pieces in pieces_of:
-                    out = b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in pieces
-                                    if delta or frag or reason])
-                    if out:
-                        await resp.write(out)
+            if len(choices) == 1:
+                await self._stream_one(req, choices[0], resp, emit)
+            else:
+                async with self._merged(req, groups) as pieces_of:
+                    async for i, pieces in pieces_of:
+                        out = emit(i, pieces)
+                        if out:
+                            await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
             await resp.write(r.sse(APIError(e.status, str(e), type=e.error_type).body()))
@@ -387,6 +416,52 @@ class OpenAIServer:
             if req.include_usage:
                 await resp.write(r.sse(r.usage_chunk(req, self._usage(req, groups))))
         return await _end_stream(resp)
+
+    async def _stream_one(self, req: s.GenerateRequest, c: Choice, resp: web.StreamResponse, emit) -> None:
+        """One choice's stream. While its client keeps up, the relay writes each
+        step's chunk of it (pdd.http.relay: no wake-up of this handler, no
+        awaited write per token); the handler wakes for the end, an error, and
+        what the relay left (the client fell behind: it goes out here, with
+        aiohttp's drain)."""
+        state, direct, failed, live = c.state, DirectWriter(resp), [], True
+
+        def flush() -> None:   # the relay's, once per loop iteration with events
+            if not live or not state.events:   # (the handler took them meanwhile)
+                return
+            if c.ended or isinstance(state.events[-1], RequestError) or not direct.can_write():
+                state.nudge()   # the handler deals with these
+                return
+            try:
+                pieces = []
+                for ev in state.take_now():
+                    pieces += self._take(req, c, c, ev)
+                    if c.ended:
+                        break
+                out = emit(c.index, pieces)
+                if out:
+                    direct.write(out)
+            except Exception as e:   # noqa: BLE001 -- raised in the handler, as if it had happened there
+                failed.append(e)
+                c.ended = True
+            if c.ended:
+                state.nudge()   # the handler ends the stream
+
+        if direct.usable:
+            state.listener = self.relay.listener(flush)
+        try:
+            async with aclosing(self._pieces(req, c, c)) as pieces_of:
+                async for pieces in pieces_of:
+                    if failed:
+                        raise failed[0]
+                    out = emit(c.index, pieces)
+                    if out:
+                        direct.busy = True   # what comes meanwhile waits for these bytes
+                        try:
+                            await resp.write(out)
+                        finally:
+                            direct.busy = False
+        finally:
+            live, state.listener = False, None
 
     async def _prompts_only(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
         """max_tokens 0 without echo: nothing to compute, no worker asked; every

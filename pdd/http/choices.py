@@ -25,6 +25,8 @@ class Choice:
     # (None: no echo), and the prompt's token ids its logprobs cover.
     echo_text: str | None = None
     finish_reason: str | None = None
+    echoed: bool = False    # its echo went out (with its first event)
+    ended: bool = False     # its last piece is made
 
     @property
     def echo_chars(self) -> int:

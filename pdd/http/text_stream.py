@@ -37,6 +37,9 @@ class TextStream:
         """New tokens -> text safe to release now ('' if none)."""
         if self.stopped_on is not None:
             return ""
+        if len(token_ids) == 1 and token_ids[0] not in self.stop_token_ids:   # the common case: one token
+            self.num_tokens += 1
+            return self._take(token_ids, final=False)
         for i, token in enumerate(token_ids):
             self.num_tokens += 1
             if token in self.stop_token_ids and self.num_tokens > self.min_tokens:

@@ -92,6 +92,24 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    ONE_CACHE_SIZE = 1 << 16   # single-token texts kept, per skip_special_tokens
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), remembered: a stream decodes each of its tokens
+        alone once (IncrementalDetokenizer's prefix), and a few thousand ids make
+        most of any text."""
+        cache = self._one_cache[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+            if len(cache) < self.ONE_CACHE_SIZE:
+                cache[token_id] = text
+        return text
+
+    @cached_property
+    def _one_cache(self) -> dict[bool, dict[int, str]]:
+        return {True: {}, False: {}}
+
     @cached_property
     def _template(self):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -168,13 +186,17 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._decode_one = getattr(tokenizer, "decode_one", None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        if self.read_offset - self.prefix_offset == 1 and self._decode_one is not None:   # a token at a time
+            prefix = self._decode_one(self.ids[self.prefix_offset], self.skip_special_tokens)
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window = self._decode(self.ids[self.prefix_offset:])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
             return self._release(window[len(prefix):], len(self.ids))

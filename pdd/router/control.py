@@ -319,6 +319,7 @@ class ControlPlane:
             handler(peer, msg)
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
+        now = self.clock()   # the step's tokens all arrived now
         for item in msg.items:
             state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
             if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
@@ -329,7 +330,7 @@ class ControlPlane:
                 self._release_followers(state, peer)
             event = self._unseen(state, item)
             if event is not None:
-                self._deliver(state, event)
+                self._deliver(state, event, now)
 
     def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | None:
         """The part of `item` the client has not had. The first token can come
@@ -342,12 +343,14 @@ class ControlPlane:
                       state.decode_worker, item.position, len(state.output_token_ids))
             self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
             return None
+        if seen == 0:   # the common case: all of it is new
+            return TokenEvent(item.token_ids, item.finished, item.finish_reason, item.logprobs,
+                              item.num_cached_tokens, item.prompt_logprobs)
         tokens = item.token_ids[seen:]
         if not tokens and not item.finished:
             return None
         return TokenEvent(tokens, item.finished, item.finish_reason,
-                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens,
-                          item.prompt_logprobs if seen == 0 else None)
+                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
 
     def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
         state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
@@ -599,8 +602,9 @@ class ControlPlane:
             self.breakers.placed(chosen.worker_id, decode.worker_id, now, state.request_id)
         return state.prefill_worker
 
-    def _deliver(self, state: RequestState, event: TokenEvent) -> None:
-        now = self.clock()
+    def _deliver(self, state: RequestState, event: TokenEvent, now: float | None = None) -> None:
+        if now is None:
+            now = self.clock()
         if state.last_token_at is not None or event.token_ids:
             self.metrics.observe_tokens(state, now)
         self.metrics.generation_tokens.inc(len(event.token_ids))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -107,7 +108,13 @@ class RequestState:
     # such a waiting choice's first one.
     followers: list[RequestState] = field(default_factory=list, repr=False, compare=False)
     leader: RequestState | None = field(default=None, repr=False, compare=False)
+    # Told of each posted event instead of waking the handler, when set:
+    # pdd.http.app's relay, which writes the chunks of every stream with events
+    # in one callback per loop iteration (take_now) rather than waking each
+    # stream's handler; it nudges the handler for what it leaves.
+    listener: Callable[[RequestState], None] | None = field(default=None, repr=False, compare=False)
     _waiter: asyncio.Future | None = field(default=None, repr=False)
+    _nudged: bool = field(default=False, repr=False)
 
     @property
     def owners(self) -> tuple[str, ...]:
@@ -140,19 +147,32 @@ class RequestState:
 
     def _post(self, event) -> None:
         self.events.append(event)
+        if self.listener is not None:
+            self.listener(self)
+        else:
+            self.nudge()
+
+    def nudge(self) -> None:
+        """Wake the handler waiting in take_events, with or without events (the relay ended its stream)."""
+        self._nudged = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def take_events(self) -> list:
         """Every event posted since the last call, in order, waiting for one if
-        there is none. Under load a handler wakes once for several tokens and
-        writes them to its client at once."""
-        while not self.events:
+        there is none (or for a nudge: then the list may be empty). Under load a
+        handler wakes once for several tokens and writes them to its client at once."""
+        while not self.events and not self._nudged:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        self._nudged = False
+        return self.take_now()
+
+    def take_now(self) -> list:
+        """Every event posted since the last take, without waiting."""
         taken, self.events, self.buffered_tokens = self.events, [], 0
         return taken
 

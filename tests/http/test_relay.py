@@ -1,0 +1,61 @@
+"""The relay's pieces: chunk bytes from the per-request template are those of
+the dicts serialized whole, and DirectWriter writes a prepared aiohttp stream
+with the aiohttp installed (else every stream would silently take the slow path)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdd.http import responses as r
+from pdd.http.relay import DirectWriter, Relay
+
+
+@pytest.mark.parametrize("kind,include_usage", list(itertools.product(["completion", "chat"], [False, True])))
+def test_chunk_template_bytes_are_those_of_the_whole_dict(kind, include_usage):
+    req = SimpleNamespace(kind=kind, include_usage=include_usage, request_id='cmpl-"q\u00e9', created=123,
+                          model="m/\u2028odel")
+    chunks, build = r.StreamChunks(req), (r.completion_chunk if kind == "completion" else r.chat_chunk)
+    contents = ["a\"b\n\u00e9", ""] if kind == "completion" else [{"content": "x"}, {}]
+    for content, reason, lp, usage, index in itertools.product(
+            contents, (None, "stop"), (None, {"tokens": ["a"], "token_logprobs": [-0.5]}),
+            (None, {"prompt_tokens": 1}) if include_usage else (None,), (0, 3)):
+        assert chunks.chunk(index, content, reason, lp, usage) == r.sse(build(req, content, reason, lp, usage, index))
+
+
+def test_direct_writes_reach_the_client_between_awaited_ones_in_order():
+    async def handler(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        direct = DirectWriter(resp)
+        assert direct.usable and direct.can_write()
+        await resp.write(b"one ")
+        direct.write(b"two ")
+        ran = asyncio.Event()
+        relay = Relay()
+        relay.listener(lambda: (direct.write(b"three "), ran.set()))(None)   # as an event posted would
+        await ran.wait()
+        await resp.write(b"four")
+        await resp.write_eof()
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as resp:
+                assert resp.headers.get("Transfer-Encoding") == "chunked"
+                return await resp.read()
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == b"one two three four"
