@@ -303,8 +303,10 @@ class RouterConfig:
     # the kernel has not taken yet, all together. 0 = no limit.
     max_loop_lag_s: float = 0.5
     # max_loop_busy: the share of the last half second its loop's thread was on
-    # a CPU (its one core spent: a request more slows every stream it relays).
-    max_loop_busy: float = 0.95
+    # a CPU. Off by default: at 0.95 it refused work a router carried well
+    # (closed-loop clients start their requests in waves, each a burst of a
+    # busy loop; docs/benchmarks.md, "The front door").
+    max_loop_busy: float = 0.0
     max_buffered_bytes: int = 256 * 2**20
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
