@@ -9,6 +9,7 @@ import dataclasses
 import threading
 
 import aiohttp
+import orjson
 
 from pdd import LLM
 from pdd.api import SamplingParams
@@ -17,8 +18,6 @@ from pdd.http.app import build_app, serve_http
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestState, TokenEvent
 from tests.security.conftest import StubRouter
-
-JSON = {"Content-Type": "application/json"}
 
 
 class EngineRouter(StubRouter):
@@ -65,7 +64,6 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dic
 
 async def post_stream(s: aiohttp.ClientSession, url: str, body: dict) -> list[dict]:
     """The chunks of a streamed answer (the SSE events before [DONE])."""
-    import orjson
     chunks = []
     async with s.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
         assert r.status == 200, await r.text()

@@ -26,7 +26,8 @@ from tests.http.engine_server import post, run, serve
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string"},
                          "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
-                         "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+                         "tags": {"type": "array",
+                                  "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
                          "pet": {"anyOf": [{"$ref": "#/$defs/Dog"}, {"type": "null"}]}},
           "required": ["city"],
           "$defs": {"Dog": {"type": "object", "properties": {"name": {"type": "string"}}}}}
