@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.api import InvalidRequest, StructuredOutput
+from pdd.closed_schema import closed
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ def grammar_for(so: StructuredOutput) -> str:
             schema = json.loads(spec)
             if not isinstance(schema, dict):
                 raise InvalidRequest("structured_output: a JSON schema must be an object")
-            # The text, not the parsed object: llguidance reads it without the GIL.
-            return llg.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
+            # Objects closed where the schema leaves them open, as vLLM's
+            # default backend does (pdd.closed_schema). The text, not the
+            # parsed object: llguidance reads it without the GIL.
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)), overrides=JSON_OPTIONS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
@@ -92,6 +95,8 @@ def grammar_for(so: StructuredOutput) -> str:
             return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
     except InvalidRequest:
         raise
+    except RecursionError:
+        raise InvalidRequest(f"structured_output: the {kind} is nested too deep") from None
     except Exception as e:   # JSON errors, GBNF conversion errors, llguidance's ValueErrors
         raise InvalidRequest(f"structured_output: cannot read the {kind} ({e})") from None
     raise InvalidRequest(f"structured_output.kind: unknown kind {kind!r}")

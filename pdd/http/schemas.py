@@ -198,9 +198,10 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         fmt = tool_fmt or tool_format("hermes", None)
         if fmt.keeps_special_tokens:   # its calls begin with a special token
             text_options["skip_special_tokens"] = False
-        if choice != "auto":
+        if choice != "auto":   # the output is the calls, a call cut short still one
             sampling.structured_output = structured.tool_grammar(fmt, listed, choice, parallel)
             structured_param = "tools"
+            fmt = dataclasses.replace(fmt, forced=True)
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)

@@ -93,7 +93,7 @@ def _response_format(f: Fields) -> StructuredOutput | None:
     sf = Fields(spec, prefix=f.param("json_schema."))
     if sf.string("name") is None:
         raise bad(sf.param("name"), f"'{sf.param('name')}' is required")
-    sf.boolean("strict")   # strict or not, the grammar holds the output to the schema
+    sf.boolean("strict")   # strict or not: held to the schema, its objects closed (pdd.closed_schema)
     schema = sf.mapping("schema")
     if schema is None:   # OpenAI allows none: any JSON object
         return StructuredOutput("json_object")

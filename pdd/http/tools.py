@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdd.api import StructuredOutput
+from pdd.closed_schema import closed
 from pdd.grammar import JSON_OPTIONS
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -36,6 +37,9 @@ class ToolFormat:
     # mistral's [TOOL_CALLS] is a special token: the forcing grammar names it
     # by id, and the text the router parses must keep special tokens.
     marker_token: int | None = None
+    # The output is the calls (a forced call: the grammar wrote it): none of it
+    # is content, and a call cut short (max_tokens) is still the call it began.
+    forced: bool = False
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -69,20 +73,27 @@ def detect(tokenizer) -> str:
 # ---------------------------------------------------------------- forcing a call
 
 def forced_grammar(fmt: ToolFormat, tools: list[dict], choice, parallel: bool) -> StructuredOutput:
-    """The grammar of the output when a call is required: one call (or several,
-    with `parallel`) of the tools `choice` allows ("required": any of them; a
-    named function: that one), in the model's format, arguments valid for the
-    function's parameters."""
+    """The grammar of the output when a call is required: "required", one call
+    of any of the tools (or several, with `parallel`); a named function, one
+    call of it. In the model's format, arguments valid for the function's
+    parameters, their objects closed as a JSON schema's (pdd.closed_schema)."""
     functions = [t["function"] for t in tools]
     if isinstance(choice, dict):
         functions = [f for f in functions if f["name"] == choice["function"]["name"]]
+    # Each function's parameters sit inside the call's object: their local
+    # $refs ("#/$defs/X", a nested pydantic model's) are made to point there.
+    at = [f"/properties/{fmt.args_key}" if len(functions) == 1 else f"/anyOf/{i}/properties/{fmt.args_key}"
+          for i in range(len(functions))]
     variants = [{"type": "object",
                  "properties": {"name": {"const": f["name"]},
-                                fmt.args_key: f.get("parameters") or {"type": "object"}},
+                                fmt.args_key: _rebased(f.get("parameters") or {"type": "object"}, where)},
                  "required": ["name", fmt.args_key], "additionalProperties": False}
-                for f in functions]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+                for f, where in zip(functions, at)]
+    schema = closed(variants[0] if len(variants) == 1 else {"anyOf": variants})
     call = "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    # A named function is called once; "required" takes one call or more
+    # (with `parallel`) and ends when the model ends its calls.
+    parallel = parallel and not isinstance(choice, dict)
     if fmt.name == "hermes":
         rules = ['start: call ("\\n" call)*' if parallel else "start: call",
                  'call: "<tool_call>\\n" obj "\\n</tool_call>"']
@@ -92,6 +103,33 @@ def forced_grammar(fmt: ToolFormat, tools: list[dict], choice, parallel: bool) -
         marker = f"<[{fmt.marker_token}]>" if fmt.marker_token is not None else json.dumps(fmt.marker)
         rules = [f'start: {marker} "[" obj ' + ('(", " obj)* ' if parallel else "") + '"]"']
     return StructuredOutput("grammar", "\n".join(rules + [f"obj: {call}"]))
+
+
+# Keywords whose values are data, not schemas (a "$ref" key in them is no
+# reference), and those whose values map names to schemas.
+_DATA_KEYS = ("const", "enum", "default", "examples")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rebased(node, at: str, names: bool = False):
+    """`node` (a schema, or a part of one; `names`: a map of names to schemas)
+    with its local $refs ("#...") made relative to the JSON pointer `at`, where
+    the schema is embedded."""
+    if isinstance(node, list):
+        return [_rebased(v, at) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if names:
+            out[key] = _rebased(value, at)
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + at + value[1:]
+        elif key in _DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at, key in _NAMED)
+    return out
 
 
 # ---------------------------------------------------------------- reading calls
@@ -269,10 +307,12 @@ class ToolCallReader:
     def _deltas(self, final: bool) -> list[dict]:
         start = self._region(final)
         calls = self._calls(start) if start is not None else []
-        if start is not None and final and not any(c.name for c in calls):
+        if start is not None and final and not any(c.name for c in calls) and not self.fmt.forced:
             start, calls = None, []    # no call after all: all of it is content
         out = []
-        if start is not None:     # the content ends where the calls begin, less its trailing whitespace
+        if self.fmt.forced:
+            content = ""
+        elif start is not None:     # the content ends where the calls begin, less its trailing whitespace
             content = self.text[self.content_sent:start].rstrip() if self.content_sent < start else ""
             self.content_sent = max(self.content_sent, start)
         else:
@@ -304,14 +344,20 @@ class ToolCallReader:
         return reader.result()
 
     def result(self) -> tuple[str | None, list[dict]]:
-        """The whole text's content (None when empty) and complete calls."""
+        """The whole text's content (None when empty) and complete calls (forced:
+        no content, and every call that has its name, its arguments as far as
+        they got)."""
         start = self._region(True)
-        calls = [c for c in self._calls(start) if c.name and c.args_done] if start is not None else []
-        if not calls:
+        calls = [c for c in self._calls(start) if c.name and (c.args_done or self.fmt.forced)] \
+            if start is not None else []
+        if self.fmt.forced:
+            content = None
+        elif not calls:
             return (self.text or None), []
-        content = self.text[:start].rstrip()
-        return (content or None), [{"id": _call_id(), "type": "function",
-                                    "function": {"name": c.name, "arguments": c.args}} for c in calls]
+        else:
+            content = self.text[:start].rstrip() or None
+        return content, [{"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.args}}
+                         for c in calls]
 
 
 def _call_id() -> str:
