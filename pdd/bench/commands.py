@@ -123,7 +123,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     _add_tiny_model_arg(b)
     b.add_argument("--grammars", type=int, default=48,
                    help="requests sent at once, each with its own slow regex (a{1000}){N}, N = 2..K+1")
-    b.add_argument("--alone-s", type=float, default=3.0, help="seconds the stream's gaps are measured alone first")
+    b.add_argument("--alone-s", type=float, default=1.0, help="seconds the stream's gaps are measured alone first")
     b.add_argument("--run-dir", default="/tmp/pdd-bench-grammar-stall", help="where the cluster's logs and config go")
     _add_json_arg(b)
 

@@ -6,13 +6,15 @@ held every stream on the worker for the length of their compiles, long enough
 bounded pool beside the step (engine.grammar_compile_threads), each within
 engine.grammar_compile_timeout_s. This bench shows which of the two holds.
 
-One bystander stream runs alone for --alone-s; then K requests, each with its
-own regex `(a{1000}){N}` (N = 2..K+1: no compiled grammar is reused), are sent
-at once. Reported: the bystander's chunk gaps alone and while the K are in
-flight, the K's answers and wall time, and whether the router saw any worker
-turn suspect, lost or hung meanwhile.
+One bystander stream runs alone for --alone-s; then K requests without a
+grammar are sent at once (the control: what K arrivals cost the bystander
+anyway, their prefill in its steps); then K requests, each with its own regex
+`(a{1000}){N}` (N = 2..K+1: no compiled grammar is reused). Reported: the
+bystander's chunk gaps alone, beside the K plain requests and beside the K
+grammar requests, the K's answers and wall time, and whether the router saw
+any worker turn suspect, lost or hung meanwhile.
 
-    pdd bench grammar-stall [--model DIR] [--grammars 48] [--alone-s 3]
+    pdd bench grammar-stall [--model DIR] [--grammars 48] [--alone-s 1]
 """
 from __future__ import annotations
 
@@ -67,8 +69,11 @@ def _kind(status: int, text: str) -> str:
     return str(status)
 
 
-async def _grammar_request(session, url: str, model: str, n: int) -> tuple[str, float, str]:
-    body = {"model": model, "prompt": "say a", "max_tokens": 8, "guided_regex": f"(a{{1000}}){{{n}}}"}
+async def _request(session, url: str, model: str, n: int | None) -> tuple[str, float, str]:
+    """One of the burst: with the regex (a{1000}){n}, or (n None) without a grammar."""
+    body = {"model": model, "prompt": "say a", "max_tokens": 8}
+    if n is not None:
+        body["guided_regex"] = f"(a{{1000}}){{{n}}}"
     t0 = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body) as resp:
         text = await resp.text()
@@ -88,10 +93,14 @@ async def _measure(cluster, k: int, alone_s: float) -> dict:
         await stream.start()
         alone_from = time.perf_counter()
         await asyncio.sleep(alone_s)
+        p0 = time.perf_counter()
+        plain = await asyncio.gather(*(_request(session, url, model, None) for _ in range(k)))
+        p1 = time.perf_counter()
+        await asyncio.sleep(0.5)
         done, seen = asyncio.Event(), {}
         watch = asyncio.create_task(_watch_workers(cluster.cfg, done, seen))
         t0 = time.perf_counter()
-        answers = await asyncio.gather(*(_grammar_request(session, url, model, n) for n in range(2, k + 2)))
+        answers = await asyncio.gather(*(_request(session, url, model, n) for n in range(2, k + 2)))
         t1 = time.perf_counter()
         done.set()
         await watch
@@ -101,7 +110,9 @@ async def _measure(cluster, k: int, alone_s: float) -> dict:
     moved = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
     errors = Counter(e for _, _, e in answers if e)
     return {"grammars": k, "alone_s": alone_s,
-            "itl_alone": _itl(stream.gaps(alone_from, t0)), "itl_beside": _itl(stream.gaps(t0, t1)),
+            "itl_alone": _itl(stream.gaps(alone_from, p0)), "itl_beside_plain": _itl(stream.gaps(p0, p1)),
+            "plain_statuses": dict(Counter(kind for kind, _, _ in plain)), "plain_wall_s": p1 - p0,
+            "itl_beside": _itl(stream.gaps(t0, t1)),
             "statuses": dict(Counter(kind for kind, _, _ in answers)),
             "wall_s": t1 - t0, "slowest_answer_s": max(s for _, s, _ in answers),
             "bystander_outlasted_window": outlasted, "bystander_error": stream.error,
@@ -117,8 +128,8 @@ def _summary(r: dict) -> str:
     statuses = ", ".join(f"{n}x {kind}" for kind, n in sorted(r["statuses"].items()))
     health = "none" if not (r["counters_moved"] or r["workers_flagged"]) else \
         f"counters {r['counters_moved']}, flagged {r['workers_flagged']}"
-    lines = [f"bystander ITL p50/p99/max: alone {itl(r['itl_alone'])}; beside {r['grammars']} grammars "
-             f"{itl(r['itl_beside'])}",
+    lines = [f"bystander ITL p50/p99/max: alone {itl(r['itl_alone'])}; beside {r['grammars']} plain requests "
+             f"{itl(r['itl_beside_plain'])}; beside {r['grammars']} grammars {itl(r['itl_beside'])}",
              f"{r['grammars']} grammar requests: {statuses} in {r['wall_s']:.2f}s "
              f"({r['compile_threads']} compile threads, {r['compile_timeout_s']:g}s budget)",
              f"worker suspect/lost/hung during the run: {health}"]
