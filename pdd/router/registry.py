@@ -55,6 +55,7 @@ class WorkerInfo:
     # Requests with a phase owned here (pdd.router.control keeps it exact;
     # fresher than the last heartbeat).
     inflight: int = 0
+    inflight_at_report: int = 0     # `inflight` when its last heartbeat came (busy)
     cached_hashes: OrderedDict = field(default_factory=OrderedDict)
 
     @property
@@ -70,11 +71,14 @@ class WorkerInfo:
 
     @property
     def busy(self) -> int:
-        """Requests on it: this router's own (exact, fresher than any heartbeat),
-        or all the worker last said it runs and queues when that is more — which
-        counts the requests other routers of the cluster placed there."""
-        reported = self.load.running + self.load.waiting if self.load else 0
-        return max(self.inflight, reported)
+        """Requests on it: what the worker last said it runs and queues (every
+        router's), moved by what this router placed or ended there since; never
+        less than this router's own (exact). Without the move, every request a
+        router places between two heartbeats would go to the one worker that
+        last reported least."""
+        if self.load is None:
+            return self.inflight
+        return max(self.inflight, self.load.running + self.load.waiting + self.inflight - self.inflight_at_report)
 
     @property
     def free_blocks(self) -> int:
@@ -168,6 +172,7 @@ class WorkerRegistry:
         if info is None:
             return False
         info.load = msg
+        info.inflight_at_report = info.inflight
         info.heartbeats += 1
         info.self_draining = msg.draining
         info.note_hashes(msg.recent_hashes)

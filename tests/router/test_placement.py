@@ -162,3 +162,25 @@ def test_the_prefill_queue_counts_what_was_placed_until_the_next_heartbeat():
     placements = c.control.metrics.placements
     assert placements.labels("disagg", "long_prompt")._value.get() == 3
     assert placements.labels("local_prefill", "prefill_queue")._value.get() == 1
+
+
+def test_a_router_spreads_its_requests_between_heartbeats_by_the_load_the_workers_reported():
+    """Several routers: a worker's load is what it reported (every router's
+    requests) moved by what this router placed there since. Between two
+    heartbeats the requests a router places spread over the workers instead
+    of all going to the one that last reported least."""
+    from pdd.router.placement import pick_worker
+    from pdd.router.registry import WorkerRegistry
+    registry = WorkerRegistry(0.5, 3, 5.0)
+    c = SimCluster()
+    for wid in ("c0", "c1"):
+        c.add_worker(wid, "colocated")
+        registry.workers[wid] = c.registry.workers[wid]
+    for wid, running in (("c0", 10), ("c1", 12)):   # the other routers' requests, as reported
+        registry.heartbeat(m.Heartbeat(wid, running=running, waiting=0, free_blocks=64, total_blocks=64))
+    picked = []
+    for _ in range(6):
+        w = pick_worker(registry.workers.values(), [])
+        w.inflight += 1   # this router placed one there
+        picked.append(w.worker_id)
+    assert picked.count("c0") == 4 and picked.count("c1") == 2
