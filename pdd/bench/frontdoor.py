@@ -6,7 +6,9 @@ tiny model unless --model: the engine should not be what limits), and for each
 concurrency C, C streams run in a closed loop (each starts its next request
 when one ends) from --client-procs processes of aiohttp clients, for
 --duration seconds after --warmup. Reported per point: tokens/s and requests/s
-delivered in the window (each SSE event is one token), the routers' CPU per
+delivered in the window (a request's max_tokens, ignore_eos, spread over its
+SSE events: an event carries a token's text, and a token whose text is held
+back sends none), the routers' CPU per
 token (their processes' user + system time over the window, /proc), ITL p50/p99
 as the clients saw it against the workers' step time p50/p99 (the router's
 step histogram: what the router adds is the difference), TTFT p50/p99, and
@@ -48,7 +50,8 @@ GUARD_COUNTERS = ("pdd_requests_rejected_total", "pdd_http_connections_refused_t
 
 # ---------------------------------------------------------------- clients (each in a process of its own)
 
-async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[float, float], tally: dict) -> None:
+async def _stream_loop(session, url: str, bodies: list[bytes], max_tokens: int, window: tuple[float, float],
+                       tally: dict) -> None:
     t0, t1 = window
     while time.time() < t1:
         body = random.choice(bodies)
@@ -61,16 +64,18 @@ async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[flo
                     await resp.read()
                     await asyncio.sleep(float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5)
                     continue
-                last = None
+                last, events, in_window, failed = None, 0, 0, False
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
                         continue
                     now = time.time()
                     if b'"error"' in line[:40]:
                         tally["error_events"] += 1
+                        failed = True
                         break
+                    events += 1
                     if t0 <= now <= t1:
-                        tally["tokens"] += 1
+                        in_window += 1
                         if last is None:
                             tally["ttft"].append(now - start)
                         else:   # a uniform sample of every gap in the window (reservoir)
@@ -80,6 +85,11 @@ async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[flo
                             elif (j := random.randrange(tally["n_gaps"])) < GAP_SAMPLE:
                                 tally["gaps"][j] = now - last
                     last = now
+                # An event is not a token: one whose text is held back (an incomplete
+                # UTF-8 character, a stop string's possible start) sends none. A request
+                # that ran to the end had max_tokens (ignore_eos): its share in the window.
+                if events and not failed:
+                    tally["tokens"] += max_tokens * in_window / events
                 if t0 <= time.time() <= t1:
                     tally["requests"] += 1
         except (OSError, asyncio.TimeoutError, Exception) as e:   # aiohttp's client errors: resets, cut streams
@@ -90,7 +100,8 @@ async def _stream_loop(session, url: str, bodies: list[bytes], window: tuple[flo
                 await asyncio.sleep(0.2)
 
 
-def _client_process(url: str, streams: int, bodies: list[bytes], window: tuple[float, float], out) -> None:
+def _client_process(url: str, streams: int, bodies: list[bytes], max_tokens: int, window: tuple[float, float],
+                    out) -> None:
     import aiohttp
     try:
         import uvloop
@@ -103,7 +114,8 @@ def _client_process(url: str, streams: int, bodies: list[bytes], window: tuple[f
     async def main():
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            await asyncio.gather(*(_stream_loop(session, url, bodies, window, tally) for _ in range(streams)))
+            await asyncio.gather(*(_stream_loop(session, url, bodies, max_tokens, window, tally)
+                                   for _ in range(streams)))
     asyncio.run(main())
     out.put(tally)
 
@@ -133,7 +145,8 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=(url + "/v1/completions", concurrency // procs +
-                                                         (i < concurrency % procs), bodies, window, out))
+                                                         (i < concurrency % procs), bodies, max_tokens, window,
+                                                         out))
                for i in range(procs)]
     guards_before = _guards(router_urls)
     for w in workers:
