@@ -19,7 +19,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ import torch
 from pdd import ops
 from pdd.api import InvalidRequest, SamplingParams, StepSample, query_key_pairs
 from pdd.config import EngineConfig
+from pdd.engine.grammar_jobs import GrammarJobs
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.request import Request, RequestStatus
 from pdd.engine.scheduler import Scheduler
@@ -40,14 +40,6 @@ if TYPE_CHECKING:
     from pdd.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Compile:
-    """A request's grammar being compiled (pdd.grammar.GrammarCompiler.start)."""
-    request: Request
-    future: futures.Future
-    deadline: float   # time.monotonic()
 
 
 @dataclass
@@ -127,13 +119,11 @@ class LLMEngine:
         self.in_flight = None  # the launched step whose results are not taken yet
         self._batch = None     # what the running step() call scheduled (see abort_failed_step)
         self.steps_done = 0    # launched steps known to have finished on the device
-        # The vocabulary for constrained decoding, built now (about a second for
-        # 128k tokens, holding the GIL): never on a first structured request in service.
-        self.grammar_compiler: GrammarCompiler | None = None
-        self._no_grammars = ""   # why there is none
-        self._build_grammar_compiler()
-        # Requests waiting for their grammar's compile (request id -> it): not scheduled until it ends.
-        self._compiling: dict[str, _Compile] = {}
+        # Requests waiting for their grammars (pdd.engine.grammar_jobs): not scheduled until compiled.
+        c = self.cfg
+        self.grammar_jobs = GrammarJobs(self.model_dir, self.model_config.vocab_size,
+                                        tuple(self.model_config.eos_token_ids), c.grammar_compile_threads,
+                                        c.grammar_cache_bytes, c.grammar_compile_timeout_s)
         self.runner.enable_cuda_graphs(self.max_model_len)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -179,57 +169,24 @@ class LLMEngine:
                                      f"{self.cfg.block_size}")
             req.block_hashes = list(block_hashes)
         if sampling.structured_output is not None:   # last: nothing may refuse it after its compile starts
-            req.awaiting_grammar = True
-            self._compiling[request_id] = _Compile(req, self.grammars.start(sampling.structured_output),
-                                                   time.monotonic() + self.cfg.grammar_compile_timeout_s)
+            self.grammar_jobs.start(req)
         return req
 
     @property
-    def grammars(self) -> "GrammarCompiler":
-        """The checkpoint's vocabulary for constrained decoding (pdd.grammar);
-        InvalidRequest naming structured_output where there is none."""
-        if self.grammar_compiler is None:
-            raise InvalidRequest(self._no_grammars)
-        return self.grammar_compiler
-
-    def _build_grammar_compiler(self) -> None:
-        from pdd.grammar import GrammarCompiler
-        try:
-            self.grammar_compiler = GrammarCompiler.for_checkpoint(
-                self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids),
-                threads=self.cfg.grammar_compile_threads, cache_bytes=self.cfg.grammar_cache_bytes)
-        except InvalidRequest as e:
-            self._no_grammars = str(e)
-            if (self.model_dir / "tokenizer.json").is_file():
-                log.warning("structured outputs unavailable: %s", e)
+    def grammar_compiler(self) -> "GrammarCompiler | None":
+        return self.grammar_jobs.compiler
 
     def _attach_grammars(self) -> list[EngineOutput]:
-        """Between steps: give each request whose compile ended its matcher (it
-        is scheduled from now on); fail those whose compile failed or ran past
-        grammar_compile_timeout_s. Returns the outputs of the requests that ended."""
-        now, outputs = time.monotonic(), []
-        for rid, c in list(self._compiling.items()):
-            req = c.request
-            if self.scheduler.requests.get(rid) is not req:   # aborted, or never held (no blocks to reserve)
-                del self._compiling[rid]
-            elif c.future.done():
-                del self._compiling[rid]
-                try:
-                    req.grammar = self.grammar_compiler.take(c.future)
-                except InvalidRequest as e:
-                    outputs.append(self._fail(req, str(e), invalid=True))
-                    continue
-                req.awaiting_grammar = False
-                if req.num_prior_output_tokens:   # a migrated request: its output so far is the prompt's tail
-                    req.grammar.replay(req.prompt_token_ids[-req.num_prior_output_tokens:])
-                if req.output_token_ids and req.check_stop():   # a first token it got meanwhile (KV landed) ends it
-                    self.scheduler.finish(req)
-                    outputs.append(self._finished_output(req))
-            elif now >= c.deadline:
-                del self._compiling[rid]
-                outputs.append(self._fail(req, f"structured_output: the grammar did not compile within "
-                                               f"engine.grammar_compile_timeout_s ({self.cfg.grammar_compile_timeout_s:g} s)",
-                                          invalid=True))
+        """Between steps: what became of the compiles (pdd.engine.grammar_jobs).
+        The outputs of the requests that ended."""
+        outputs = []
+        held = lambda req: self.scheduler.requests.get(req.request_id) is req   # noqa: E731 (not aborted)
+        for req, error in self.grammar_jobs.settle(held):
+            if error is not None:
+                outputs.append(self._fail(req, error, invalid=True))
+            elif req.output_token_ids and req.check_stop():   # a first token it got meanwhile (KV landed) ends it
+                self.scheduler.finish(req)
+                outputs.append(self._finished_output(req))
         return outputs
 
     def _fail(self, req: Request, error: str, invalid: bool = False) -> EngineOutput:
@@ -242,16 +199,16 @@ class LLMEngine:
     @property
     def num_compiling(self) -> int:
         """Requests waiting for their grammar's compile."""
-        return len(self._compiling)
+        return len(self.grammar_jobs)
 
     def wait_for_grammars(self, timeout_s: float) -> None:
         """Block until a pending compile ends, at most timeout_s (an offline
         caller with nothing else to step on)."""
-        futures.wait([c.future for c in self._compiling.values()], timeout_s, futures.FIRST_COMPLETED)
+        self.grammar_jobs.wait(timeout_s)
 
     def flush_grammar_cache(self) -> int:
         """Forget the compiled grammars (cache flush); how many there were."""
-        return self.grammar_compiler.flush() if self.grammar_compiler is not None else 0
+        return self.grammar_jobs.flush()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None, **kwargs) -> Request:
@@ -459,7 +416,7 @@ class LLMEngine:
         self._use_device()  # steps may come from another thread than __init__
         t0 = time.perf_counter()
         self._batch = None   # stays None if scheduling raises (see abort_failed_step)
-        ended = self._attach_grammars() if self._compiling else []
+        ended = self._attach_grammars() if len(self.grammar_jobs) else []
         out = self._batch = self.scheduler.schedule()
         launched = self._launch(out) if out else None
         # The step in flight stays in_flight until its results are taken: if
