@@ -300,3 +300,24 @@ def test_the_thinking_checkpoint_opens_think_and_takes_reasoning_effort(thinking
     assert thinking["choices"][0]["finish_reason"] == "length"
     assert message["reasoning_content"] and message["content"] is None
     assert plain["choices"][0]["message"]["content"] and plain["choices"][0]["message"].get("reasoning_content") is None
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_the_parser_is_a_setting_and_a_flag_of_pdd_up(tmp_path):
+    from pdd.cli import build_parser
+    from pdd.config import ConfigError
+    from pdd.launcher import build_cluster
+
+    assert load_cluster_config(env={}).router.reasoning_parser == "auto"
+    with pytest.raises(ConfigError, match="router.reasoning_parser"):
+        load_cluster_config(env={}, overrides={"router": {"reasoning_parser": "r2"}})
+    args = build_parser().parse_args(["up", "--model", str(tmp_path), "--reasoning-parser", "qwen3",
+                                      "--run-dir", str(tmp_path / "run")])
+    assert build_cluster(args).cfg.router.reasoning_parser == "qwen3"
+    made = build_parser().parse_args(["make-model", "--chat-template", "thinking", "--out", str(tmp_path)])
+    assert made.chat_template == "thinking"
+
+
+def test_the_default_checkpoint_has_no_reasoning_parser(tiny_model):
+    assert reasoning_format("auto", Tokenizer(tiny_model)) is None
