@@ -301,7 +301,9 @@ def _message(m: object, i: int) -> dict:
     message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf, role)}
     if calls:
         message["tool_calls"] = calls
-    for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
+    # Templates that know them write them; the others ignore them (reasoning_content:
+    # an earlier answer's, as a reasoning model's template may show or drop it).
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = mf.string(key)
         if value is not None:
             message[key] = value

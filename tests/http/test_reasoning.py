@@ -321,3 +321,10 @@ def test_the_parser_is_a_setting_and_a_flag_of_pdd_up(tmp_path):
 
 def test_the_default_checkpoint_has_no_reasoning_parser(tiny_model):
     assert reasoning_format("auto", Tokenizer(tiny_model)) is None
+
+
+def test_an_earlier_answers_reasoning_content_reaches_the_template():
+    history = ASK + [{"role": "assistant", "content": "4", "reasoning_content": "2 and 2"},
+                     {"role": "user", "content": "And 3 + 3?"}]
+    req = s.parse_chat_request(json.dumps({"messages": history}).encode(), ("tiny",))
+    assert req.messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2"}
