@@ -28,7 +28,8 @@ def cmd_make_model(args) -> int:
 
     try:
         out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, fp8=args.fp8,
-                         kv_scales=args.kv_scales, kv_scale_naming=args.kv_scale_names)
+                         kv_scales=args.kv_scales, kv_scale_naming=args.kv_scale_names,
+                         chat_template=args.chat_template)
     except ValueError as e:  # e.g. --kv-scales without --fp8
         raise SystemExit(f"pdd make-model: {e}") from None
     print(out)
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: output for the fp8 method, attn for compressed")
     p.add_argument("--dequantized-copy", metavar="DIR", default=None,
                    help="with --fp8: also write the same weights dequantized to bfloat16 (a plain checkpoint) in DIR")
+    p.add_argument("--chat-template", choices=["chatml", "thinking"], default="chatml",
+                   help="the checkpoint's chat template: ChatML, or thinking (a reasoning model's, DeepSeek-R1 "
+                        "style: the generation prompt opens <think>; enable_thinking false leaves it out)")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate text offline")
@@ -222,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (router.tool_call_parser; default auto: "
                         "read from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=["auto", "none", "deepseek_r1", "qwen3"],
+                   help="how a reasoning model's <think>...</think> goes into reasoning_content "
+                        "(router.reasoning_parser; default auto: read from the chat template)")
     p.add_argument("--run-dir", default=None,
                    help="where logs, keys and the generated config go (default ~/.cache/pdd/run/up-PORT): "
                         "made 0700 if new; an existing one is used as it is, its keys kept, if only you can write it")

@@ -139,6 +139,7 @@ class EngineConfig:
 ROLES = ("router", "colocated", "prefill", "decode")
 MAX_WORKER_ID_BYTES = 200
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")   # pdd.http.tools
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")   # pdd.http.reasoning
 ROUTER_MODES = ("auto", "colocated", "disagg", "adaptive", "threshold")
 
 # Exit status of a worker the router refused (KV layout mismatch): EX_CONFIG.
@@ -338,6 +339,10 @@ class RouterConfig:
     # The format the model writes tool calls in (pdd.http.tools): auto (read
     # from the chat template), hermes, llama3_json or mistral.
     tool_call_parser: str = "auto"
+    # How a reasoning model's <think>...</think> is split from the answer into
+    # reasoning_content (pdd.http.reasoning): auto (read from the chat
+    # template), none, deepseek_r1 or qwen3.
+    reasoning_parser: str = "auto"
     # Where the router keeps what must outlive it: the workers drained by
     # `pdd admin drain` (pdd.router.drained). "": systemd's $STATE_DIRECTORY
     # (the units' StateDirectory=, /var/lib/pdd) when set, else nowhere (a
@@ -404,6 +409,9 @@ class RouterConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"router.tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"router.reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"got {self.reasoning_parser!r}")
         if self.http_send_timeout_s <= 0:
             raise ConfigError("router.http_send_timeout_s: must be > 0")
         if self.max_buffered_tokens < 1:

@@ -303,6 +303,8 @@ def build_cluster(args) -> Cluster:
         overrides["router"]["mode"] = "colocated" if args.mode == "colocated" else "auto"
     if getattr(args, "tool_call_parser", None):
         overrides["router"]["tool_call_parser"] = args.tool_call_parser
+    if getattr(args, "reasoning_parser", None):
+        overrides["router"]["reasoning_parser"] = args.reasoning_parser
     base = load_cluster_config(args.config) if args.config else load_cluster_config()
     # Fresh loopback ports for the control and admin sockets unless the config
     # names them, so two clusters (or a test run) on one host never collide.

@@ -52,6 +52,7 @@ from pdd.http import request_log
 from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
+from pdd.http.reasoning import ReasoningSplit, reasoning_format
 from pdd.http.tools import ToolCallReader, tool_format
 from pdd.http.utility import IGNORED_FIELDS_KEY, UtilityEndpoints
 from pdd.http.validate import say_ignored
@@ -73,6 +74,7 @@ class OpenAIServer:
         self.body_timeout_s = router.cfg.security.http_body_timeout_s
         self.off_loop = OffLoopTokenizer(tokenizer)
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
+        self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
         self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
 
     async def read_body(self, request: web.Request) -> bytes:
@@ -115,7 +117,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_body(request)
         req = s.parse_chat_request(body, self.served_models, vocab_size=self.tokenizer.vocab_size,
-                                   tool_fmt=self.tool_format)
+                                   tool_fmt=self.tool_format, reasoning_fmt=self.reasoning_format)
         self.note_ignored(request, req.ignored_fields)
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
@@ -356,13 +358,20 @@ class OpenAIServer:
 
     @staticmethod
     def _chat_choice(req: s.GenerateRequest, c: Choice) -> dict:
-        """A whole chat answer; with tools, the calls read from its text (pdd.http.tools)."""
+        """A whole chat answer; with tools, the calls read from its text (pdd.http.tools),
+        from its content only when a reasoning model thought first (pdd.http.reasoning)."""
         logprobs = c.logprobs.json() if c.logprobs else None
-        if req.tool_format is None:
-            return r.chat_choice(c.index, c.text.text, c.finish_reason, logprobs)
-        content, calls = ToolCallReader.read(req.tool_format, c.text.text)
+        text, reasoning = c.text.text, None
+        if req.reasoning is not None:
+            reasoning, text = ReasoningSplit.split(req.reasoning, text)
+            reasoning, text = reasoning or None, text or None
+        if req.tool_format is None or text is None:
+            return r.chat_choice(c.index, text, c.finish_reason, logprobs, reasoning=reasoning,
+                                 thinks=req.reasoning is not None)
+        content, calls = ToolCallReader.read(req.tool_format, text)
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return r.chat_choice(c.index, content, finish, logprobs, calls)
+        return r.chat_choice(c.index, content, finish, logprobs, calls, reasoning=reasoning,
+                             thinks=req.reasoning is not None)
 
     async def _stream(self, request: web.Request, req: s.GenerateRequest, groups: list[list[Choice]]):
         resp = await _open_stream(request)
@@ -374,7 +383,18 @@ class OpenAIServer:
 
         chunks = r.StreamChunks(req)
 
-        def chunk(i: int, delta: str, reason, frag=None) -> bytes:
+        def thought_chunk(i: int, delta: str, reason, frag=None) -> bytes:
+            """A reasoning model's: its reasoning part goes out as such, the rest as the answer."""
+            thought, delta = thinking[i].feed(delta)
+            if reason:
+                more_thought, more = thinking[i].finish()
+                thought, delta = thought + more_thought, delta + more
+            if not thought:   # (all of it may be held back: a tag may begin)
+                return answer_chunk(i, delta, reason, frag) if delta or reason or frag else b""
+            out = chunks.chunk(i, {"reasoning_content": thought}, None, frag, so_far())
+            return out + answer_chunk(i, delta, reason) if delta or reason else out
+
+        def answer_chunk(i: int, delta: str, reason, frag=None) -> bytes:
             reader = tool_calls.get(i)
             if reader is not None:   # the text goes through the tool-call reader
                 deltas = reader.feed(delta) + (reader.finish() if reason else [])
@@ -396,6 +416,9 @@ class OpenAIServer:
 
         # Each choice's text goes through its own tool-call reader (chat with tools).
         tool_calls = {c.index: ToolCallReader(req.tool_format) for c in choices} if req.tool_format is not None else {}
+        # ... and, before it, through its reasoning split (a reasoning model's chat).
+        thinking = {c.index: ReasoningSplit(req.reasoning) for c in choices} if req.reasoning is not None else {}
+        chunk = thought_chunk if thinking else answer_chunk
 
         if chat:
             await resp.write(b"".join(chunks.chunk(c.index, {"role": "assistant", "content": ""}, usage=so_far())

@@ -109,8 +109,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, *, reasoning: str | None = None,
+                thinks: bool = False) -> dict:
+    """thinks: a reasoning model's answer, whose message says its reasoning_content (None: none)."""
     message = {"role": "assistant", "content": text}
+    if thinks:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

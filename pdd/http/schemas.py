@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
 from pdd.http import structured
+from pdd.http.reasoning import ReasoningFormat, for_request
 from pdd.http.tools import ToolFormat, tool_format
 from pdd.http.validate import (APIError, Fields, bad, json_type, load_object, reject_nonempty,
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
@@ -49,6 +50,7 @@ UNSUPPORTED_EXTRAS = ("use_beam_search", "bad_words", "allowed_token_ids",
                       "mm_processor_kwargs")
 # Names a chat template is rendered with: chat_template_kwargs may not replace them.
 TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's
 MAX_LOGPROBS_COMPLETION = 5     # OpenAI's limits
 MAX_LOGPROBS_CHAT = 20
 MAX_CHOICES = 128               # OpenAI's limit on n
@@ -107,6 +109,9 @@ class GenerateRequest:
     # Chat with tools (tool_choice not "none"): the format the output's calls are
     # read in (pdd.http.tools); None: the output is all content.
     tool_format: ToolFormat | None = None
+    # Chat with a reasoning model: how its output splits into reasoning_content
+    # and content (pdd.http.reasoning); None: all of it is content.
+    reasoning: ReasoningFormat | None = None
     # The field sampling.structured_output came from: errors of its compilation
     # (pdd.http.structured.check, run by the app off its loop) name it.
     structured_param: str | None = None
@@ -162,8 +167,10 @@ def parse_completion_request(body: bytes, served_models: Sequence[str], max_toke
 
 
 def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: int | None = None,
-                       tool_fmt: ToolFormat | None = None) -> GenerateRequest:
-    """tool_fmt: the format the model writes tool calls in (default: hermes)."""
+                       tool_fmt: ToolFormat | None = None,
+                       reasoning_fmt: ReasoningFormat | None = None) -> GenerateRequest:
+    """tool_fmt: the format the model writes tool calls in (default: hermes);
+    reasoning_fmt: how its output splits into reasoning and content (None: no split)."""
     f = Fields(load_object(body))
     model = served_model(f, served_models)
     messages = parse_messages(f)
@@ -202,6 +209,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
             sampling.structured_output = structured.tool_grammar(fmt, listed, choice, parallel)
             structured_param = "tools"
             fmt = dataclasses.replace(fmt, forced=True)
+    reasoning = for_request(reasoning_fmt, template_args, sampling.structured_output is not None)
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)
@@ -210,7 +218,7 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
         sampling=sampling, stream=stream, include_usage=include_usage, logprobs=logprobs,
         request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
         max_tokens_unset=unset, max_tokens_param=max_tokens_param, template_args=template_args,
-        continuous_usage=continuous, n=n, prompt_logprobs=wanted, tool_format=fmt,
+        continuous_usage=continuous, n=n, prompt_logprobs=wanted, tool_format=fmt, reasoning=reasoning,
         structured_param=structured_param, **text_options)
     req.ignored_fields = f.unread()
     return req
@@ -293,7 +301,9 @@ def _message(m: object, i: int) -> dict:
     message = {"role": role, "content": "" if calls and mf.obj.get("content") is None else _content(mf, role)}
     if calls:
         message["tool_calls"] = calls
-    for key in ("name", "tool_call_id"):   # templates that know them write them; the others ignore them
+    # Templates that know them write them; the others ignore them (reasoning_content:
+    # an earlier answer's, as a reasoning model's template may show or drop it).
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = mf.string(key)
         if value is not None:
             message[key] = value
@@ -430,7 +440,13 @@ def chat_template_args(f: Fields) -> dict:
     taken = sorted(set(kwargs) & set(TEMPLATE_NAMES))
     if taken:
         raise bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(taken)}")
-    return {"add_generation_prompt": generation, "continue_final_message": continue_final, **kwargs}
+    # A template variable for the templates that take it (chat_template_kwargs' own wins).
+    effort = f.string("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
+                                      f"got {effort!r}")
+    extra = {} if effort is None else {"reasoning_effort": effort}
+    return {"add_generation_prompt": generation, "continue_final_message": continue_final, **extra, **kwargs}
 
 
 def _stream(f: Fields) -> tuple[bool, bool, bool]:

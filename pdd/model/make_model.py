@@ -110,6 +110,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# ChatML for a reasoning model, DeepSeek-R1 style: the generation prompt opens
+# <think> (unless chat_template_kwargs.enable_thinking is false), so the output
+# starts inside the reasoning and ends it with </think>; a reasoning_effort the
+# request gives is said in a system line (a template variable, as gpt-oss's).
+THINKING_CHAT_TEMPLATE = (
+    "{% if reasoning_effort is defined %}"
+    "{{ '<|im_start|>system\\nReasoning effort: ' + reasoning_effort + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is not defined or enable_thinking %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "thinking": THINKING_CHAT_TEMPLATE}
+
 _CORPUS = Path(__file__).with_name("corpus.txt")
 _VOCAB_ALIGN = 64  # embedding rows are padded to this, as real checkpoints do
 
@@ -136,7 +153,7 @@ def _tokenizer_json(preset: str) -> dict[str, Any]:
     return tokenizer_json({tok: i for i, tok in enumerate(vocab)}, list(merges), _special_ids(preset))
 
 
-def _tokenizer_config(preset: str) -> dict[str, Any]:
+def _tokenizer_config(preset: str, chat_template: str = "chatml") -> dict[str, Any]:
     decoder = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -149,7 +166,7 @@ def _tokenizer_config(preset: str) -> dict[str, Any]:
         "added_tokens_decoder": decoder,
         "additional_special_tokens": [IM_START, IM_END],
         "bos_token": ENDOFTEXT,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATES[chat_template],
         "clean_up_tokenization_spaces": False,
         "eos_token": IM_END,
         "errors": "replace",
@@ -310,15 +327,18 @@ def _json_bytes(obj: Any, sort_keys: bool = True) -> bytes:
 
 def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
                fp8: str | None = None, kv_scales: float | str | None = None,
-               kv_scale_naming: str | None = None) -> Path:
+               kv_scale_naming: str | None = None, chat_template: str = "chatml") -> Path:
     """Write a random-weight HF checkpoint for (preset, arch, seed) into out_dir and return it.
     `fp8` (one of FP8_FORMATS): the same weights as an FP8 checkpoint of that format, in
     bfloat16 apart from the quantized linear layers, as published FP8 checkpoints are.
     `kv_scales` (with `fp8`): also per-layer FP8 KV-cache scales, all this value or
-    "random" (kv_scale_values), named as `kv_scale_naming` (default: KV_SCALE_NAMING)."""
+    "random" (kv_scale_values), named as `kv_scale_naming` (default: KV_SCALE_NAMING).
+    `chat_template`: "chatml", or "thinking" (a reasoning model's: CHAT_TEMPLATES)."""
     from pdd.model.kv_scale_tensors import NAMINGS
 
     _check(preset, arch)
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"unknown chat template {chat_template!r}; choose from {tuple(CHAT_TEMPLATES)}")
     if fp8 is not None and fp8 not in FP8_FORMATS:
         raise ValueError(f"unknown FP8 format {fp8!r}; choose from {FP8_FORMATS}")
     if kv_scales is not None:
@@ -341,7 +361,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
     Tokenizer.from_str(tok_json.decode("utf-8"))  # fail here, not in a loader, if the format is wrong
     files = {
         "tokenizer.json": tok_json,
-        "tokenizer_config.json": _json_bytes(_tokenizer_config(preset)),
+        "tokenizer_config.json": _json_bytes(_tokenizer_config(preset, chat_template)),
         "special_tokens_map.json": _json_bytes(_special_tokens_map()),
         "config.json": _json_bytes(cfg),
         "generation_config.json": _json_bytes(_generation_config(preset)),

@@ -57,8 +57,10 @@ def test_fields_nothing_reads_are_accepted_and_named():
     assert req.ignored_fields == tuple(newer)
     chat = parse_chat_request(orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                             "top_p": 0.5, **newer}), MODELS)
-    # Chat reads parallel_tool_calls (it goes with tools); completions have no tools.
-    assert chat.ignored_fields == tuple(name for name in newer if name != "parallel_tool_calls")
+    # Chat reads parallel_tool_calls (it goes with tools) and reasoning_effort (a
+    # template variable); completions have neither tools nor a template.
+    read = ("parallel_tool_calls", "reasoning_effort")
+    assert chat.ignored_fields == tuple(name for name in newer if name not in read)
     # Known fields, sent or not, are never among them; a known field set to what
     # pdd does not do is still refused, naming it.
     assert parse_completion_request(cmpl(stream=False, seed=3, user="u", top_k=5), MODELS).ignored_fields == ()
