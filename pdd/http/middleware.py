@@ -130,11 +130,21 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, "internal server error", "server_error")
 
 
+# OpenAI endpoints of models pdd does not serve: a 404 that says so, not just "no such endpoint".
+NOT_GENERATIVE = {"/v1/embeddings": "embeddings", "/v1/audio": "audio", "/v1/images": "images",
+                  "/v1/moderations": "moderations", "/v1/rerank": "rerankers", "/rerank": "rerankers",
+                  "/v1/score": "scoring", "/score": "scoring", "/pooling": "pooling"}
+
+
 def _aiohttp_error(request: web.Request, e: web.HTTPException) -> web.Response:
     """aiohttp's own error in OpenAI's shape, saying which request it answers;
     a 405 with the Allow header HTTP requires of it."""
     where = f"{request.method} {request.path}"
     if isinstance(e, web.HTTPNotFound):
+        what = next((kind for path, kind in NOT_GENERATIVE.items() if request.path.startswith(path)), None)
+        if what is not None:
+            return error_response(404, f"{where}: not found: pdd serves generative models (completions, chat, "
+                                       f"responses), not {what}")
         return error_response(404, f"{where}: not found (no such endpoint)")
     if isinstance(e, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(e.allowed_methods))

@@ -172,6 +172,12 @@ def test_an_unknown_path_or_method_is_said_with_the_request_and_a_405_says_what_
                                                     "this endpoint takes POST")
             async with s.delete(url + "/v1/models") as r:
                 assert r.status == 405 and set(r.headers["Allow"].split(", ")) == {"GET", "HEAD"}
+            # A kind of model pdd does not serve: the 404 says so.
+            async with s.post(url + "/v1/embeddings", json={"model": "m", "input": "hello"}) as r:
+                body = await r.json()
+                assert_openai_error(r.status, body, 404, None)
+                assert "pdd serves generative models" in body["error"]["message"] and "embeddings" in \
+                    body["error"]["message"]
         await server.cleanup()
 
     run(main())
