@@ -351,7 +351,8 @@ class OpenAIServer:
                 body.append(orjson.Fragment(orjson.dumps(
                     self._chat_choice(req, c) if req.kind == "chat" else
                     r.completion_choice(c.index, c.full_text, c.finish_reason,
-                                        c.logprobs.json() if c.logprobs else None, prompt_lps))))
+                                        c.logprobs.json() if c.logprobs else None, prompt_lps,
+                                        stop_reason=_stop_reason(req, c)))))
                 c.logprobs = None   # its JSON is in the body now
                 await asyncio.sleep(0)
         return json_response(r.response(req, body, usage, prompt_lps if req.kind == "chat" else None))
@@ -367,11 +368,11 @@ class OpenAIServer:
             reasoning, text = reasoning or None, text or None
         if req.tool_format is None or text is None:
             return r.chat_choice(c.index, text, c.finish_reason, logprobs, reasoning=reasoning,
-                                 thinks=req.reasoning is not None)
+                                 thinks=req.reasoning is not None, stop_reason=_stop_reason(req, c))
         content, calls = ToolCallReader.read(req.tool_format, text)
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         return r.chat_choice(c.index, content, finish, logprobs, calls, reasoning=reasoning,
-                             thinks=req.reasoning is not None)
+                             thinks=req.reasoning is not None, stop_reason=_stop_reason(req, c))
 
     async def _stream(self, request: web.Request, req: s.GenerateRequest, groups: list[list[Choice]]):
         resp = await _open_stream(request)
@@ -403,9 +404,10 @@ class OpenAIServer:
                 if reason or (frag and not deltas):
                     out.append(chunks.chunk(i, {}, reason, None if deltas else frag, so_far()))
                 return b"".join(out)
+            stop = _stop_reason(req, choices[i]) if reason else None
             if chat:
-                return chunks.chunk(i, {"content": delta} if delta else {}, reason, frag, so_far())
-            return chunks.chunk(i, delta, reason, frag, so_far())
+                return chunks.chunk(i, {"content": delta} if delta else {}, reason, frag, so_far(), stop)
+            return chunks.chunk(i, delta, reason, frag, so_far(), stop)
 
         def emit(i: int, pieces: list[tuple]) -> bytes:
             if len(pieces) == 1:   # the common case: one token's
@@ -514,6 +516,14 @@ async def _end_stream(resp: web.StreamResponse) -> web.StreamResponse:
     await resp.write(r.SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+def _stop_reason(req: s.GenerateRequest, c: Choice) -> str | int | None:
+    """What ended the choice, as vLLM says it: the stop string it met, or the
+    stop token id of the request's stop_token_ids; None for the model's end of
+    sequence and for any other end."""
+    on = c.text.stopped_on if c.text is not None else None
+    return on if isinstance(on, str) or (on is not None and on in req.sampling.stop_token_ids) else None
 
 
 def _flat(groups: list[list[Choice]]) -> list[Choice]:

@@ -54,14 +54,25 @@ def _stream_envelope(req: GenerateRequest, choice: dict, usage: dict | None) -> 
 
 
 def completion_chunk(req: GenerateRequest, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
-    return _stream_envelope(req, completion_choice(index, text, finish_reason, logprobs), usage)
+                     logprobs: dict | None = None, usage: dict | None = None, index: int = 0,
+                     stop_reason: str | int | None = None) -> dict:
+    return _stream_envelope(req, completion_choice(index, text, finish_reason, logprobs, stop_reason=stop_reason),
+                            usage)
 
 
 def chat_chunk(req: GenerateRequest, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None, usage: dict | None = None, index: int = 0) -> dict:
-    return _stream_envelope(req, {"index": index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}, usage)
+               logprobs: dict | None = None, usage: dict | None = None, index: int = 0,
+               stop_reason: str | int | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _stream_envelope(req, _ended(choice, stop_reason), usage)
+
+
+def _ended(choice: dict, stop_reason: str | int | None) -> dict:
+    """vLLM's stop_reason beside a finish_reason: the stop string or stop token id
+    that ended the choice (None: the end-of-sequence token, or another reason)."""
+    if choice["finish_reason"] is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
 
 
 class StreamChunks:
@@ -82,7 +93,7 @@ class StreamChunks:
         self._heads: dict[int, bytes] = {}
 
     def chunk(self, index: int, content, finish_reason: str | None = None, logprobs: dict | None = None,
-              usage: dict | None = None) -> bytes:
+              usage: dict | None = None, stop_reason: str | int | None = None) -> bytes:
         """content: the choice's text (completions) or delta (chat)."""
         head = self._heads.get(index)
         if head is None:
@@ -90,8 +101,9 @@ class StreamChunks:
         if finish_reason is None and logprobs is None and usage is None:
             return head + orjson.dumps(content) + self._plain_tail
         tail = b',"usage":' + orjson.dumps(usage) if self._usage else b""
+        ended = b',"stop_reason":' + orjson.dumps(stop_reason) if finish_reason is not None else b""
         return (head + orjson.dumps(content) + b',"logprobs":' + orjson.dumps(logprobs) + b',"finish_reason":'
-                + orjson.dumps(finish_reason) + b"}]" + tail + b"}\n\n")
+                + orjson.dumps(finish_reason) + ended + b"}]" + tail + b"}\n\n")
 
 
 def usage_chunk(req: GenerateRequest, usage: dict) -> dict:
@@ -100,9 +112,10 @@ def usage_chunk(req: GenerateRequest, usage: dict) -> dict:
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                      prompt_logprobs: list | None = None) -> dict:
+                      prompt_logprobs: list | None = None, stop_reason: str | int | None = None) -> dict:
     """prompt_logprobs: vLLM's, in its shape (prompt_logprobs_json), when asked for."""
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = _ended({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
+                    stop_reason)
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
     return choice
@@ -110,14 +123,15 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
                 tool_calls: list[dict] | None = None, *, reasoning: str | None = None,
-                thinks: bool = False) -> dict:
+                thinks: bool = False, stop_reason: str | int | None = None) -> dict:
     """thinks: a reasoning model's answer, whose message says its reasoning_content (None: none)."""
     message = {"role": "assistant", "content": text}
     if thinks:
         message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _ended({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason},
+                  stop_reason)
 
 
 def response(req: GenerateRequest, choices: list[dict], usage: dict, prompt_logprobs: list | None = None) -> dict:

@@ -21,10 +21,12 @@ def test_chunk_template_bytes_are_those_of_the_whole_dict(kind, include_usage):
                           model="m/\u2028odel")
     chunks, build = r.StreamChunks(req), (r.completion_chunk if kind == "completion" else r.chat_chunk)
     contents = ["a\"b\n\u00e9", ""] if kind == "completion" else [{"content": "x"}, {}]
-    for content, reason, lp, usage, index in itertools.product(
+    for content, reason, lp, usage, index, stop in itertools.product(
             contents, (None, "stop"), (None, {"tokens": ["a"], "token_logprobs": [-0.5]}),
-            (None, {"prompt_tokens": 1}) if include_usage else (None,), (0, 3)):
-        assert chunks.chunk(index, content, reason, lp, usage) == r.sse(build(req, content, reason, lp, usage, index))
+            (None, {"prompt_tokens": 1}) if include_usage else (None,), (0, 3), (None, "###", 7)):
+        stop = stop if reason else None   # a stop reason comes with a finish reason only
+        assert chunks.chunk(index, content, reason, lp, usage, stop) == \
+            r.sse(build(req, content, reason, lp, usage, index, stop))
 
 
 def test_direct_writes_reach_the_client_between_awaited_ones_in_order():
