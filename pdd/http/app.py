@@ -315,8 +315,10 @@ class OpenAIServer:
             lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1], keep=not req.stream)
         echo = None
         if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
+            # Its ids decoded as they are, special tokens too (as vLLM): the text
+            # says what `tokens` and `text_offset` of its logprobs say.
             as_given = given is not None and req.truncate_prompt_tokens is None
-            echo = given if as_given else self.tokenizer.decode(prompt_ids, req.skip_special_tokens)
+            echo = given if as_given else self.tokenizer.decode(prompt_ids, False)
         return Choice(index, state, text, lp, echo)
 
     def _usage(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> dict:

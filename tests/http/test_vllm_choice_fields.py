@@ -1,7 +1,8 @@
-"""vLLM's stop_reason beside finish_reason: the stop string or the stop token id
-that ended a choice, None for the end of sequence or the length limit — in a
-whole answer and in a stream's last chunk (tests/http/engine_server.py: the
-tiny random-weight model behind a real HTTP app)."""
+"""Choice fields as vLLM has them (tests/http/engine_server.py: the tiny
+random-weight model behind a real HTTP app): stop_reason beside finish_reason
+(the stop string or the stop token id that ended a choice, None for the end of
+sequence or the length limit), in a whole answer and in a stream's last chunk;
+the echo of a token-id prompt decoded with its special tokens."""
 from __future__ import annotations
 
 import aiohttp
@@ -60,3 +61,23 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_choice(llm):
         assert (got["string", stream]["finish_reason"], got["string", stream]["stop_reason"]) == ("stop",
                                                                                                  stop_string)
         assert (got["token", stream]["finish_reason"], got["token", stream]["stop_reason"]) == ("stop", stop_token)
+
+
+def test_the_echo_of_a_token_id_prompt_keeps_its_special_tokens(llm):
+    """vLLM decodes the ids as they are: the echoed text holds <|im_start|> where
+    `tokens` (and text_offset) of the logprobs have it."""
+    special = 1022   # the tiny tokenizer's <|im_start|>
+
+    async def main():
+        server, url = await serve(llm)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": [special, 300, 301],
+                                                              "echo": True, "max_tokens": 1, "logprobs": 0}) as r:
+                assert r.status == 200, await r.text()
+                choice = (await r.json())["choices"][0]
+        await server.cleanup()
+        return choice
+
+    choice = run(main())
+    assert choice["text"].startswith("<|im_start|>")
+    assert choice["logprobs"]["tokens"][0] == "<|im_start|>" and choice["logprobs"]["text_offset"][:2] == [0, 12]
