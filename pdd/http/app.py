@@ -312,7 +312,8 @@ class OpenAIServer:
                           include_stop_str=req.include_stop_str_in_output)
         lp = None
         if req.logprobs is not None:
-            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1], keep=not req.stream)
+            lp = r.LogprobsBuilder(req.kind, self.tokenizer, req.logprobs, prompt_ids[-1], keep=not req.stream,
+                                   tokens_as_ids=req.tokens_as_ids)
         echo = None
         if req.echo:   # the prompt as given, or as the model saw it when given as ids or cut
             # Its ids decoded as they are, special tokens too (as vLLM): the text

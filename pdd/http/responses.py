@@ -185,8 +185,11 @@ class LogprobsBuilder:
     not done at its end) and about a fifth of the size of the same dicts.
     """
 
-    def __init__(self, kind: str, tokenizer, num_top: int, prev_token: int | None = None, keep: bool = True):
-        """prev_token: the prompt's last token, the context of the first token's text."""
+    def __init__(self, kind: str, tokenizer, num_top: int, prev_token: int | None = None, keep: bool = True,
+                 tokens_as_ids: bool = False):
+        """prev_token: the prompt's last token, the context of the first token's text.
+        tokens_as_ids: each token named "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        self.tokens_as_ids = tokens_as_ids
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self.kind = kind
@@ -218,6 +221,12 @@ class LogprobsBuilder:
                 return both[len(before):]
         return decode([token_id], skip_special_tokens=False)
 
+    def _name(self, token_id: int, text: str | None = None) -> str:
+        """How the logprobs name a token: its text (`text` when known), or its id."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._token(token_id) if text is None else text
+
     def _keep(self, frag: dict) -> None:
         if not self.keep:
             return
@@ -235,15 +244,16 @@ class LogprobsBuilder:
         frag, offset = self._empty(), 0
         self._follow(None)
         for i, tid in enumerate(prompt_ids):
+            text = self._token(tid)
             if i == 0 or entries is None or i > len(entries):
-                entry = {"tokens": [self._token(tid)], "token_logprobs": [None], "top_logprobs": [None],
+                entry = {"tokens": [self._name(tid, text)], "token_logprobs": [None], "top_logprobs": [None],
                          "text_offset": [offset]}
             else:
                 lp, _, top = entries[i - 1]
                 entry = self._completion_entry(tid, lp, top[:self.num_top], offset)
             for key, values in entry.items():
                 frag[key].extend(values)
-            offset += len(entry["tokens"][0])
+            offset += len(text)
             self._follow(tid)
         self._keep(frag)
         return frag
@@ -263,7 +273,7 @@ class LogprobsBuilder:
     def _chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def one(tid: int, lp: float) -> dict:
             tok = self._token(tid)
-            return {"token": tok, "logprob": _finite(lp), "bytes": self._bytes(tid, tok)}
+            return {"token": self._name(tid, tok), "logprob": _finite(lp), "bytes": self._bytes(tid, tok)}
         return {**one(token_id, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
@@ -276,11 +286,11 @@ class LogprobsBuilder:
 
     def _completion_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]],
                           text_offset: int) -> dict:
-        tok = self._token(token_id)
+        tok = self._name(token_id)
         top_dict: dict[str, float] = {}
         for t, lp in top:
             # Distinct ids can decode to the same string; keep the likelier (first).
-            top_dict.setdefault(self._token(t), _finite(lp))
+            top_dict.setdefault(self._name(t), _finite(lp))
         top_dict.setdefault(tok, _finite(logprob))
         return {"tokens": [tok], "token_logprobs": [_finite(logprob)],
                 "top_logprobs": [top_dict], "text_offset": [text_offset]}

@@ -46,7 +46,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 # vLLM's request fields for features we do not have: refused when set (not None,
 # not empty, not false), as OpenAI's are.
 UNSUPPORTED_EXTRAS = ("use_beam_search", "bad_words", "allowed_token_ids",
-                      "return_tokens_as_token_ids", "priority", "chat_template", "documents",
+                      "priority", "chat_template", "documents",
                       "mm_processor_kwargs")
 # Names a chat template is rendered with: chat_template_kwargs may not replace them.
 TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -90,6 +90,9 @@ class GenerateRequest:
     # whether a matched stop string or stop token is part of the text.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>",
+    # never its text (two tokens may decode alike, or to a piece of a character).
+    tokens_as_ids: bool = False
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
     # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
     # carries the usage so far, not null.
@@ -426,6 +429,7 @@ def _text_options(f: Fields) -> dict:
     truncate = f.integer("truncate_prompt_tokens", lo=1)
     return {"skip_special_tokens": f.boolean("skip_special_tokens", True),
             "include_stop_str_in_output": f.boolean("include_stop_str_in_output", False),
+            "tokens_as_ids": f.boolean("return_tokens_as_token_ids", False),
             "truncate_prompt_tokens": truncate}
 
 

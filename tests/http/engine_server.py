@@ -22,7 +22,7 @@ from tests.security.conftest import StubRouter
 
 class EngineRouter(StubRouter):
     """Submits to the engine and delivers each choice's tokens in one event,
-    with the engine's finish reason."""
+    with the engine's finish reason and logprobs."""
 
     def __init__(self, llm: LLM):
         super().__init__(load_cluster_config(env={}), max_model_len=llm.engine.max_model_len)
@@ -37,7 +37,8 @@ class EngineRouter(StubRouter):
         states = []
         for i, out in enumerate(outs):
             state = RequestState(f"{request_id}-{i}", list(prompt_token_ids), params[i], [])
-            state.deliver(TokenEvent(out.token_ids, True, out.finish_reason, None, 0))
+            logprobs = [[lp, [list(t) for t in top]] for lp, top in out.logprobs] if out.logprobs else None
+            state.deliver(TokenEvent(out.token_ids, True, out.finish_reason, logprobs, 0))
             states.append(state)
         return states
 

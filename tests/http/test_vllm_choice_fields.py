@@ -81,3 +81,36 @@ def test_the_echo_of_a_token_id_prompt_keeps_its_special_tokens(llm):
     choice = run(main())
     assert choice["text"].startswith("<|im_start|>")
     assert choice["logprobs"]["tokens"][0] == "<|im_start|>" and choice["logprobs"]["text_offset"][:2] == [0, 12]
+
+
+def test_return_tokens_as_token_ids_names_every_token_of_the_logprobs_by_its_id(llm):
+    """Two tokens that decode alike (or to a piece of one character) stay apart:
+    completions' tokens and top_logprobs keys, chat's token fields, all
+    "token_id:<id>", the ids the model sampled; the text is the text."""
+    out = llm.generate([PROMPT], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])[0]
+
+    async def main():
+        server, url = await serve(llm)
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 2, "return_tokens_as_token_ids": True}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                completion = (await r.json())["choices"][0]
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+                    "return_tokens_as_token_ids": True}
+            async with s.post(url + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200, await r.text()
+                chat_choice = (await r.json())["choices"][0]
+        await server.cleanup()
+        return completion, chat_choice
+
+    completion, chat_choice = run(main())
+    lp = completion["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in out.token_ids] and completion["text"] == out.text
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    entries = chat_choice["logprobs"]["content"]
+    assert len(entries) == 4 and all(e["token"].startswith("token_id:") and
+                                     all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+                                     for e in entries)
