@@ -1,0 +1,460 @@
+"""The Responses API (POST /v1/responses) on the chat path.
+
+A Responses request is turned into the chat request the server already
+serves (`to_chat`: input items become messages, `instructions` a system
+message first, function tools and `text.format` chat's `tools` and
+`response_format`), parsed by pdd.http.schemas.parse_chat_request, and the
+chat answer is turned back: `output` items (a "message" holding an
+"output_text" part, a "function_call" per tool call, read by
+pdd.http.tools.ToolCallReader as chat reads them) in the response object, or
+the Responses stream events (`EventStream`). Errors of the chat parser name
+the Responses field (`_renamed`).
+
+`previous_response_id`: the conversation of each stored response (`store`,
+true by default) is kept in this router process's memory, the most recent
+RESPONSE_STORE_ENTRIES responses and RESPONSE_STORE_CHARS characters of
+conversation at most (`ResponseStore`, least recently used out first); a
+request naming one that is not there is refused (400). Its `instructions`
+are not carried over, as OpenAI's are not.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from pdd.http.responses import json_response
+from pdd.http.tools import ToolCallReader, ToolFormat
+from pdd.http.validate import APIError, Fields, bad, load_object, reject_nonempty, unsupported, wrong_type
+from pdd.router.requests import RequestError
+
+RESPONSE_STORE_ENTRIES = 1024
+RESPONSE_STORE_CHARS = 64 << 20
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+# Sampling fields of vLLM's Responses request passed on to chat as they are.
+PASSED = ("seed", "top_k")
+
+
+class ResponseStore:
+    """Recent responses' conversations (chat messages, up to and with the
+    response's output) by response id, bounded by count and by size."""
+
+    def __init__(self, max_entries: int = RESPONSE_STORE_ENTRIES, max_chars: int = RESPONSE_STORE_CHARS):
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self.chars = 0
+
+    def get(self, response_id: str) -> list[dict] | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0]
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        size = len(orjson.dumps(messages))
+        if size > self.max_chars:
+            return   # it would push out every other one and still not fit
+        self._entries[response_id] = (messages, size)
+        self.chars += size
+        while len(self._entries) > self.max_entries or self.chars > self.max_chars:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.chars -= dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class ResponsesRequest:
+    """What the Responses answer needs beyond the chat request."""
+    id: str
+    created_at: int
+    settings: dict                  # the request's settings the response object repeats
+    history: list[dict]             # the conversation before this turn's output (chat messages, no instructions)
+    store: bool
+    ignored_fields: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------- request: Responses -> chat
+
+def parse(body: bytes, store: ResponseStore, parse_chat: Callable[[bytes], object]):
+    """(the chat GenerateRequest, the ResponsesRequest) of a Responses body;
+    parse_chat: bytes of a chat request -> its GenerateRequest."""
+    f = Fields(load_object(body))
+    chat, rr = to_chat(f, store)
+    try:
+        req = parse_chat(orjson.dumps(chat))
+    except APIError as e:
+        raise _renamed(e) from None
+    rr.ignored_fields = f.unread()
+    return req, rr
+
+
+def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
+    for name in ("background", "include", "conversation", "prompt"):
+        reject_nonempty(f, name)
+    if f.string("truncation", "disabled") != "disabled":
+        raise unsupported("truncation", " except \"disabled\"")
+    if f.integer("top_logprobs"):
+        raise unsupported("top_logprobs")
+    previous_id = f.string("previous_response_id")
+    history = []
+    if previous_id is not None:
+        history = store.get(previous_id)
+        if history is None:
+            raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: this server "
+                                              f"keeps the last {store.max_entries} stored responses in memory "
+                                              "(of this router); send the conversation in 'input' instead")
+    history = history + _input(f)
+    instructions = f.string("instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions is not None else []) + history
+    if not messages:
+        raise bad("input", "'input' must hold at least one item")
+    chat = {"messages": messages, "stream": f.boolean("stream", False)}
+    for name in ("model", "temperature", "top_p", "parallel_tool_calls", *PASSED):
+        if f.obj.get(name) is not None:
+            chat[name] = f.obj.get(name)
+    max_output = f.integer("max_output_tokens", lo=1)
+    if max_output is not None:
+        chat["max_completion_tokens"] = max_output
+    tools = f.array("tools")
+    if tools:
+        chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+    choice = f.obj.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = _tool_choice(choice)
+    text = f.mapping("text") or {}
+    fmt = Fields(text, prefix="text.").mapping("format")
+    if fmt is not None:
+        chat["response_format"] = _response_format(Fields(fmt, prefix="text.format."))
+    metadata = f.mapping("metadata")
+    stored = f.boolean("store", True)
+    settings = {"model": f.obj.get("model"), "instructions": instructions, "max_output_tokens": max_output,
+                "temperature": f.obj.get("temperature"), "top_p": f.obj.get("top_p"),
+                "tools": tools or [], "tool_choice": choice if choice is not None else "auto",
+                "parallel_tool_calls": f.obj.get("parallel_tool_calls", True),
+                "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
+                "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
+    rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored)
+    return chat, rr
+
+
+def _input(f: Fields) -> list[dict]:
+    """The input as chat messages: a string is one user message; items in order,
+    function calls joined to the assistant message before them."""
+    value = f.obj.get("input")
+    if value is None:
+        raise bad("input", "'input' is required")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise wrong_type("input", "a string or an array of input items", value)
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise wrong_type(param, "an object", item)
+        itf = Fields(item, prefix=param + ".")
+        kind = itf.string("type", "message")
+        if kind == "message":
+            messages.append(_message(itf))
+        elif kind == "function_call":
+            call = {"id": _required(itf, "call_id"), "type": "function",
+                    "function": {"name": _required(itf, "name"), "arguments": _required(itf, "arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _required(itf, "call_id"),
+                             "content": _content(itf, "output")})
+        else:
+            raise bad(itf.param("type"), f"'{itf.param('type')}': input items of type {kind!r} are not supported; "
+                                         "only message, function_call and function_call_output")
+    return messages
+
+
+def _message(mf: Fields) -> dict:
+    role = _required(mf, "role")
+    if role not in INPUT_ROLES:
+        raise bad(mf.param("role"), f"'{mf.param('role')}' must be one of {', '.join(INPUT_ROLES)}; got {role!r}")
+    return {"role": role, "content": _content(mf, "content")}
+
+
+def _content(mf: Fields, name: str):
+    """A string, or the content parts as chat's text parts (chat checks and joins them)."""
+    param = mf.param(name)
+    value = mf.obj.get(name)
+    if value is None:
+        raise bad(param, f"'{param}' is required")
+    if not isinstance(value, list):
+        return value   # a string; anything else is chat's error
+    parts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS and kind != "refusal":
+            raise bad(f"{param}[{j}].type", f"'{param}[{j}].type': content parts of type {kind!r} are not "
+                                            "supported; only input_text (and output_text or refusal in an "
+                                            "assistant's)")
+        parts.append(part if kind == "refusal" else {"type": "text", "text": part.get("text")})
+    return parts
+
+
+def _required(f: Fields, name: str) -> str:
+    value = f.string(name)
+    if value is None:
+        raise bad(f.param(name), f"'{f.param(name)}' is required")
+    return value
+
+
+def _tool(t, param: str) -> dict:
+    """A Responses function tool (name and parameters at its top level) as chat's."""
+    if not isinstance(t, dict):
+        raise wrong_type(param, "an object", t)
+    tf = Fields(t, prefix=param + ".")
+    kind = tf.string("type")
+    if kind != "function":
+        raise bad(tf.param("type"), f"'{tf.param('type')}': only function tools are supported, got {kind!r}")
+    fn = {key: t[key] for key in ("name", "description", "parameters", "strict") if t.get(key) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice   # none, auto, required: chat's check
+    if not isinstance(choice, dict):
+        raise wrong_type("tool_choice", "a string or an object", choice)
+    cf = Fields(choice, prefix="tool_choice.")
+    if cf.string("type") != "function":
+        raise bad("tool_choice.type", "'tool_choice.type' must be \"function\" (hosted tools and allowed_tools "
+                                      "are not supported)")
+    return {"type": "function", "function": {"name": _required(cf, "name")}}
+
+
+def _response_format(ff: Fields) -> dict:
+    kind = ff.string("type")
+    if kind != "json_schema":
+        return {"type": kind}   # text, json_object; anything else: chat's error, renamed
+    spec = {"name": ff.string("name")}
+    for key in ("schema", "strict", "description"):
+        if ff.obj.get(key) is not None:
+            spec[key] = ff.obj.get(key)
+    return {"type": "json_schema", "json_schema": spec}
+
+
+# Chat's field names in its errors -> the Responses request's.
+_RENAMES = [(re.compile(r"response_format\.json_schema\."), "text.format."),
+            (re.compile(r"response_format"), "text.format"),
+            (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+            (re.compile(r"(tools\[\d+\])\.function\."), r"\1."),
+            (re.compile(r"tool_choice\.function\."), "tool_choice."),
+            (re.compile(r"\bmessages(\[\d+\])?"), "input")]
+
+
+def _renamed(e: APIError) -> APIError:
+    message, param = e.message, e.param
+    for pattern, to in _RENAMES:
+        message = pattern.sub(to, message)
+        param = pattern.sub(to, param) if param else param
+    return APIError(e.status, message, type=e.type, param=param, code=e.code)
+
+
+# ---------------------------------------------------------------- answer: chat -> Responses
+
+def usage(chat_usage: dict) -> dict:
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def response_object(rr: ResponsesRequest, model: str, status: str, output: list[dict],
+                    usage_: dict | None, error: dict | None = None) -> dict:
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {"id": rr.id, "object": "response", "created_at": rr.created_at, "status": status,
+            "error": error, "incomplete_details": incomplete, **rr.settings, "model": model,
+            "output": output, "usage": usage_}
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def message_item(text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [output_text(text)]}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def output_items(fmt: ToolFormat | None, text: str, finish_reason: str | None) -> list[dict]:
+    """A whole answer's output items: its content, then its calls (read as chat
+    reads them). Cut by max_output_tokens, the last is incomplete (as streamed)."""
+    content, calls = ToolCallReader.read(fmt, text) if fmt is not None else (text, [])
+    items = [message_item(content, "completed")] if content else []
+    items += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
+    if items:
+        items[-1]["status"] = status_of(finish_reason)
+    return items
+
+
+def conversation(rr: ResponsesRequest, output: list[dict]) -> list[dict]:
+    """The conversation with this answer, as chat messages (what the store keeps)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    answer = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        answer["tool_calls"] = calls
+    return rr.history + [answer]
+
+
+@dataclass
+class EventStream:
+    """The Responses stream events of one chat answer: feed it the text
+    pieces as they come (`emit`, the relay's and the handler's), then say the
+    end (`end`). Each item is done before the next is added."""
+    rr: ResponsesRequest
+    model: str
+    fmt: ToolFormat | None
+    output: list[dict] = field(default_factory=list)   # the items, as they stand
+    finish_reason: str | None = None
+    seq: int = 0
+    _open: dict | None = None      # the item being written
+    _calls: dict[int, dict] = field(default_factory=dict)   # the reader's call index -> its item
+
+    def __post_init__(self):
+        self.reader = ToolCallReader(self.fmt) if self.fmt is not None else None
+
+    def event(self, kind: str, **fields) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+    def start(self) -> bytes:
+        snapshot = response_object(self.rr, self.model, "in_progress", [], None)
+        return (self.event("response.created", response=snapshot)
+                + self.event("response.in_progress", response=snapshot))
+
+    def emit(self, _index: int, pieces: list[tuple]) -> bytes:
+        out = []
+        for delta, _frag, reason in pieces:
+            if self.reader is None:
+                deltas = [{"content": delta}] if delta else []
+            else:
+                deltas = self.reader.feed(delta) + (self.reader.finish() if reason else [])
+            for d in deltas:
+                out.append(self._delta(d))
+            if reason:
+                self.finish_reason = reason
+                out.append(self._close())
+        return b"".join(out)
+
+    def _delta(self, d: dict) -> bytes:
+        if "content" in d:
+            out = b""
+            if self._open is None or self._open["type"] != "message":
+                out = self._add(message_item("", "in_progress"))
+                out += self.event("response.content_part.added", item_id=self._open["id"],
+                                  output_index=len(self.output) - 1, content_index=0, part=output_text(""))
+            self._open["content"][0]["text"] += d["content"]
+            return out + self.event("response.output_text.delta", item_id=self._open["id"],
+                                    output_index=len(self.output) - 1, content_index=0, delta=d["content"],
+                                    logprobs=[])
+        out = []
+        for tc in d["tool_calls"]:
+            fn = tc["function"]
+            if "id" in tc:   # a new call
+                self._calls[tc["index"]] = item = call_item(tc["id"], fn["name"], "", "in_progress")
+                out.append(self._add(item))
+            item = self._calls[tc["index"]]
+            if fn["arguments"]:
+                item["arguments"] += fn["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self.output.index(item), delta=fn["arguments"]))
+        return b"".join(out)
+
+    def _add(self, item: dict) -> bytes:
+        out = self._close()
+        self.output.append(item)
+        self._open = item
+        return out + self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                item={**item, "content": []} if item["type"] == "message" else dict(item))
+
+    def _close(self) -> bytes:
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        index = self.output.index(item)
+        item["status"] = status_of(self.finish_reason) if self.finish_reason else "completed"
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part))
+        else:
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, name=item["name"], arguments=item["arguments"]))
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return b"".join(out)
+
+    def end(self, usage_: dict) -> tuple[bytes, dict]:
+        """The last event (response.completed, or .incomplete when cut by
+        max_output_tokens) and the response it carries."""
+        status = status_of(self.finish_reason)
+        final = response_object(self.rr, self.model, status, self.output, usage_)
+        return self.event(f"response.{status}", response=final), final
+
+    def failed(self, error: APIError) -> bytes:
+        """An error after the stream began: an error event, then response.failed."""
+        err = {"code": error.code or error.type, "message": error.message}
+        return (self.event("error", code=err["code"], message=error.message, param=error.param)
+                + self.event("response.failed", response=response_object(
+                    self.rr, self.model, "failed", self.output, None, err)))
+
+
+async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups) -> web.StreamResponse:
+    """The Responses answer of the chat request `req` (one choice), whole or
+    streamed; server: the OpenAIServer that submitted it (its chat reading)."""
+    (c,), = groups
+    if not req.stream:
+        await server._collect(req, groups)
+        output = output_items(req.tool_format, c.text.text, c.finish_reason)
+        body = response_object(rr, req.model, status_of(c.finish_reason), output, usage(server._usage(req, groups)))
+        if rr.store:
+            server.response_store.put(rr.id, conversation(rr, output))
+        return json_response(body)
+    events = EventStream(rr, req.model, req.tool_format)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(events.start())
+    try:
+        await server._stream_one(req, c, resp, events.emit)
+    except RequestError as e:   # headers are gone: the error travels as events
+        await resp.write(events.failed(APIError(e.status, str(e), type=e.error_type)))
+    else:
+        last, final = events.end(usage(server._usage(req, groups)))
+        if rr.store:
+            server.response_store.put(rr.id, conversation(rr, final["output"]))
+        await resp.write(last)
+    await resp.write_eof()   # no [DONE]: the last event says the end, as OpenAI's
+    return resp
