@@ -131,7 +131,10 @@ class OpenAIServer:
         self.note_ignored(request, rr.ignored_fields)
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
-        return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
+        try:
+            return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
+        except APIError as e:   # the prompt's length, the schema's compilation: in the Responses fields' names
+            raise responses_api.renamed(e) from None
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is

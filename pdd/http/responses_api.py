@@ -8,7 +8,7 @@ chat answer is turned back: `output` items (a "message" holding an
 "output_text" part, a "function_call" per tool call, read by
 pdd.http.tools.ToolCallReader as chat reads them) in the response object, or
 the Responses stream events (`EventStream`). Errors of the chat parser name
-the Responses field (`_renamed`).
+the Responses field (`renamed`).
 
 `previous_response_id`: the conversation of each stored response (`store`,
 true by default) is kept in this router process's memory, the most recent
@@ -93,7 +93,7 @@ def parse(body: bytes, store: ResponseStore, parse_chat: Callable[[bytes], objec
     try:
         req = parse_chat(orjson.dumps(chat))
     except APIError as e:
-        raise _renamed(e) from None
+        raise renamed(e) from None
     rr.ignored_fields = f.unread()
     return req, rr
 
@@ -138,13 +138,17 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
     metadata = f.mapping("metadata")
     stored = f.boolean("store", True)
     settings = {"model": f.obj.get("model"), "instructions": instructions, "max_output_tokens": max_output,
-                "temperature": f.obj.get("temperature"), "top_p": f.obj.get("top_p"),
+                "temperature": _or(f.obj.get("temperature"), 1.0), "top_p": _or(f.obj.get("top_p"), 1.0),
                 "tools": tools or [], "tool_choice": choice if choice is not None else "auto",
-                "parallel_tool_calls": f.obj.get("parallel_tool_calls", True),
+                "parallel_tool_calls": _or(f.obj.get("parallel_tool_calls"), True),
                 "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
                 "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
     rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored)
     return chat, rr
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _input(f: Fields) -> list[dict]:
@@ -260,7 +264,7 @@ _RENAMES = [(re.compile(r"response_format\.json_schema\."), "text.format."),
             (re.compile(r"\bmessages(\[\d+\])?"), "input")]
 
 
-def _renamed(e: APIError) -> APIError:
+def renamed(e: APIError) -> APIError:
     message, param = e.message, e.param
     for pattern, to in _RENAMES:
         message = pattern.sub(to, message)
@@ -272,7 +276,9 @@ def _renamed(e: APIError) -> APIError:
 
 def usage(chat_usage: dict) -> dict:
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    # cache_write_tokens: OpenAI's explicit (priced) cache writes; pdd's prefix cache has none.
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
@@ -426,7 +432,8 @@ class EventStream:
 
     def failed(self, error: APIError) -> bytes:
         """An error after the stream began: an error event, then response.failed."""
-        err = {"code": error.code or error.type, "message": error.message}
+        # The response's error codes are OpenAI's few: the request's own fault, or the server's.
+        err = {"code": "invalid_prompt" if error.status == 400 else "server_error", "message": error.message}
         return (self.event("error", code=err["code"], message=error.message, param=error.param)
                 + self.event("response.failed", response=response_object(
                     self.rr, self.model, "failed", self.output, None, err)))

@@ -10,12 +10,17 @@ import typing
 
 import aiohttp
 import openai
+import orjson
 import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from pdd import LLM
+from pdd.http.app import build_app, serve_http
 from pdd.http.responses_api import ResponseStore
-from tests.http.engine_server import post, run, serve
+from pdd.model.tokenizer import Tokenizer
+from pdd.router.requests import RequestState, TokenEvent
+from tests.http.engine_server import EngineRouter, post, run, serve
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
@@ -247,3 +252,70 @@ def test_store_is_bounded():
     store.put("big", [{"role": "user", "content": "x" * 600}])
     store.put("big2", [{"role": "user", "content": "y" * 600}])
     assert store.get("big") is None and store.get("big2") and store.chars <= 1000
+
+
+def test_bodies_hold_to_openai_types(llm):
+    """The response object and every stream event validate as the openai
+    package's types (pydantic, not the client's lenient construction)."""
+    call = {"input": "hi", "max_output_tokens": 100, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False}
+
+    async def body(client, url, s):
+        out = []
+        for fields in ({"input": "hi", "max_output_tokens": 5}, call):
+            async with s.post(url + "/v1/responses", json={"model": "tiny", **fields}) as r:
+                out.append(await r.json())
+            async with s.post(url + "/v1/responses", json={"model": "tiny", **fields, "stream": True}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                out += [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        return out
+
+    bodies = with_client(llm, body)
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+    kinds = set()
+    for b in bodies:
+        if b.get("object") == "response":
+            Response.model_validate(b)
+        else:
+            kinds.add(events.validate_python(b).type)
+    assert {"response.output_text.delta", "response.function_call_arguments.done"} <= kinds
+
+
+class FailingRouter(EngineRouter):
+    """Every request gets some tokens, then its worker is lost."""
+
+    async def submit_choices(self, prompt_token_ids, sampling, request_id, n, span=None):
+        states = [RequestState(f"{request_id}-{i}", list(prompt_token_ids), sampling, []) for i in range(n)]
+        for state in states:
+            state.deliver(TokenEvent([100, 200, 300], False, None, None, 0))
+            state.fail("the worker was lost and no other could take the request", 503)
+        return states
+
+
+def test_a_stream_that_fails_ends_with_response_failed(llm):
+    """After the text so far: an error event, then response.failed carrying
+    the error; nothing is stored."""
+    async def main():
+        app = build_app(FailingRouter(llm), Tokenizer(llm.engine.model_dir), ("tiny",))
+        server = await serve_http(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/responses", json={"input": "hi", "stream": True}) as r:
+                    events = [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+                async with s.post(url + "/v1/responses", json={
+                        "input": "again", "previous_response_id": events[0]["response"]["id"]}) as r:
+                    again = r.status
+        finally:
+            await server.cleanup()
+        return events, again
+
+    events, again = run(main())
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+    assert events[-2]["message"] == "the worker was lost and no other could take the request"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == events[-2]["message"]
+    Response.model_validate(failed)
+    pydantic.TypeAdapter(ResponseStreamEvent).validate_python(events[-2])
+    assert again == 400
