@@ -134,7 +134,7 @@ class OpenAIServer:
         try:
             return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
         except APIError as e:   # the prompt's length, the schema's compilation: in the Responses fields' names
-            raise responses_api.renamed(e) from None
+            raise responses_api.renamed(e, rr.sources) from None
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is

@@ -38,8 +38,8 @@ RESPONSE_STORE_ENTRIES = 1024
 RESPONSE_STORE_CHARS = 64 << 20
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-# Sampling fields of vLLM's Responses request passed on to chat as they are.
-PASSED = ("seed", "top_k")
+# Fields passed on to chat as they are: vLLM's sampling extras, and OpenAI's user (read, not used).
+PASSED = ("seed", "top_k", "user")
 
 
 class ResponseStore:
@@ -80,6 +80,7 @@ class ResponsesRequest:
     settings: dict                  # the request's settings the response object repeats
     history: list[dict]             # the conversation before this turn's output (chat messages, no instructions)
     store: bool
+    sources: list[str]              # per chat message, the field it came from ("input[3]"), for errors
     ignored_fields: tuple[str, ...] = ()
 
 
@@ -93,7 +94,7 @@ def parse(body: bytes, store: ResponseStore, parse_chat: Callable[[bytes], objec
     try:
         req = parse_chat(orjson.dumps(chat))
     except APIError as e:
-        raise renamed(e) from None
+        raise renamed(e, rr.sources) from None
     rr.ignored_fields = f.unread()
     return req, rr
 
@@ -113,9 +114,12 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
             raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: this server "
                                               f"keeps the last {store.max_entries} stored responses in memory "
                                               "(of this router); send the conversation in 'input' instead")
-    history = history + _input(f)
+    given, given_from = _input(f)
     instructions = f.string("instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions is not None else []) + history
+    first = [{"role": "system", "content": instructions}] if instructions is not None else []
+    history = history + given
+    messages = first + history
+    sources = ["instructions"] * len(first) + ["previous_response_id"] * (len(history) - len(given)) + given_from
     if not messages:
         raise bad("input", "'input' must hold at least one item")
     chat = {"messages": messages, "stream": f.boolean("stream", False)}
@@ -143,7 +147,7 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
                 "parallel_tool_calls": _or(f.obj.get("parallel_tool_calls"), True),
                 "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
                 "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
-    rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored)
+    rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored, sources)
     return chat, rr
 
 
@@ -151,17 +155,19 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _input(f: Fields) -> list[dict]:
-    """The input as chat messages: a string is one user message; items in order,
-    function calls joined to the assistant message before them."""
+def _input(f: Fields) -> tuple[list[dict], list[str]]:
+    """The input as chat messages, and the item each came from: a string is one
+    user message; items in order, function calls joined to the assistant
+    message before them."""
     value = f.obj.get("input")
     if value is None:
         raise bad("input", "'input' is required")
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], ["input"]
     if not isinstance(value, list):
         raise wrong_type("input", "a string or an array of input items", value)
     messages: list[dict] = []
+    sources: list[str] = []
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -170,6 +176,7 @@ def _input(f: Fields) -> list[dict]:
         kind = itf.string("type", "message")
         if kind == "message":
             messages.append(_message(itf))
+            sources.append(param)
         elif kind == "function_call":
             call = {"id": _required(itf, "call_id"), "type": "function",
                     "function": {"name": _required(itf, "name"), "arguments": _required(itf, "arguments")}}
@@ -178,13 +185,15 @@ def _input(f: Fields) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(param)
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _required(itf, "call_id"),
                              "content": _content(itf, "output")})
+            sources.append(param)
         else:
             raise bad(itf.param("type"), f"'{itf.param('type')}': input items of type {kind!r} are not supported; "
                                          "only message, function_call and function_call_output")
-    return messages
+    return messages, sources
 
 
 def _message(mf: Fields) -> dict:
@@ -260,13 +269,18 @@ _RENAMES = [(re.compile(r"response_format\.json_schema\."), "text.format."),
             (re.compile(r"response_format"), "text.format"),
             (re.compile(r"max_completion_tokens"), "max_output_tokens"),
             (re.compile(r"(tools\[\d+\])\.function\."), r"\1."),
-            (re.compile(r"tool_choice\.function\."), "tool_choice."),
-            (re.compile(r"\bmessages(\[\d+\])?"), "input")]
+            (re.compile(r"tool_choice\.function\."), "tool_choice.")]
+_MESSAGE = re.compile(r"\bmessages(?:\[(\d+)\])?")
 
 
-def renamed(e: APIError) -> APIError:
+def renamed(e: APIError, sources: list[str]) -> APIError:
+    """e with the Responses request's field names; sources: per chat message, its field."""
+    def message_source(m: re.Match) -> str:
+        k = m.group(1)
+        return sources[int(k)] if k is not None and int(k) < len(sources) else "input"
+
     message, param = e.message, e.param
-    for pattern, to in _RENAMES:
+    for pattern, to in [*_RENAMES, (_MESSAGE, message_source)]:
         message = pattern.sub(to, message)
         param = pattern.sub(to, param) if param else param
     return APIError(e.status, message, type=e.type, param=param, code=e.code)

@@ -140,9 +140,14 @@ def test_tool_round_trip(llm):
                               "function": {"name": call.name, "arguments": call.arguments}}]},
                          {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 21}'}]})
         assert status == 200, chat
-        return first, call, streamed, second, chat
+        # The same again from the store: the first response's conversation, then the tool's output.
+        chained = await client.responses.create(
+            model="tiny", tools=TOOLS, tool_choice="none", max_output_tokens=8, temperature=0,
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}])
+        return first, call, streamed, second, chat, chained
 
-    first, call, streamed, second, chat = with_client(llm, body)
+    first, call, streamed, second, chat, chained = with_client(llm, body)
     assert first.status == "completed", first
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     args = json.loads(call.arguments)
@@ -160,7 +165,8 @@ def test_tool_round_trip(llm):
     assert final_call.type == "function_call" and final_call.arguments == done.arguments
     # The round trip: the tool's output was in the prompt, as chat templates it.
     assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
-    assert second.output_text == chat["choices"][0]["message"]["content"]
+    assert second.output_text and second.output_text == chat["choices"][0]["message"]["content"]
+    assert chained.usage.input_tokens == second.usage.input_tokens and chained.output_text == second.output_text
 
 
 def test_structured_output_by_text_format(llm):
@@ -206,7 +212,7 @@ def test_previous_response_id_continues_the_conversation(llm):
     first, second, chat, errors = with_client(llm, body)
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
-    assert second.output_text == chat["choices"][0]["message"]["content"]
+    assert second.output_text and second.output_text == chat["choices"][0]["message"]["content"]
     for e in errors:
         assert e.body["param"] == "previous_response_id" and "not found" in e.body["message"]
 
@@ -221,6 +227,10 @@ def test_refused_and_ignored_fields(llm):
                  "input[0].content[0].type": {"input": [{"role": "user", "content": [
                      {"type": "input_image", "image_url": "http://x"}]}]},
                  "max_output_tokens": {"max_output_tokens": 0},
+                 # Chat's errors, in the Responses request's names (the instructions are message 0).
+                 "input[1].content[0].text": {"instructions": "Be brief.", "input": [
+                     {"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_text"}]}]},
+                 "tools[0].name": {"tools": [{"type": "function", "name": "no spaces"}]},
                  "text.format.type": {"text": {"format": {"type": "yaml"}}},
                  "text.format.name": {"text": {"format": {"type": "json_schema", "schema": WEATHER}}},
                  "input[0].type": {"input": [{"type": "reasoning", "summary": []}]}}
