@@ -23,7 +23,8 @@ them), and the usage sums the prompts. Body fields no parser read are
 accepted, logged once per name and listed in the X-Pdd-Ignored-Fields header
 (pdd.http.validate.say_ignored). vLLM's utility endpoints (tokenize,
 detokenize, tokenizer_info, version, reset_prefix_cache, the model list) are
-pdd.http.utility's.
+pdd.http.utility's. /v1/responses (OpenAI's Responses API) is served as the
+chat request it is (pdd.http.responses_api).
 """
 from __future__ import annotations
 
@@ -129,6 +130,8 @@ class OpenAIServer:
         req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
             chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format))
         self.note_ignored(request, rr.ignored_fields)
+        if not request[request_log.FROM_CLIENT]:   # the request's id is the response's (not a client's: it may repeat)
+            rr.id = "resp_" + request[request_log.REQUEST_ID].removeprefix("resp-")
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
         try:

@@ -240,6 +240,8 @@ def test_refused_and_ignored_fields(llm):
         async with s.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2,
                                                        "frobnicate": 1, "store": False}) as r:
             out["ignored"] = (r.status, r.headers.get("X-Pdd-Ignored-Fields"))
+            # The response's id is the request's.
+            assert (await r.json())["id"] == "resp_" + r.headers["X-Request-Id"].removeprefix("resp-")
         return out
 
     out = with_client(llm, body)
