@@ -5,6 +5,7 @@ the same greedy text as chat, a tool round trip, structured output by
 text.format, previous_response_id, and the fields it refuses."""
 from __future__ import annotations
 
+import asyncio
 import json
 import typing
 
@@ -331,3 +332,60 @@ def test_a_stream_that_fails_ends_with_response_failed(llm):
     Response.model_validate(failed)
     pydantic.TypeAdapter(ResponseStreamEvent).validate_python(events[-2])
     assert again == 400
+
+
+class TokenByTokenRouter(EngineRouter):
+    """The engine's tokens delivered one an event, each in a loop iteration of
+    its own, as a worker's arrive: the relay writes the stream's events."""
+
+    async def submit_choices(self, prompt_token_ids, sampling, request_id, n, span=None):
+        done = await super().submit_choices(prompt_token_ids, sampling, request_id, n, span)
+        states = [RequestState(s.request_id, list(prompt_token_ids), sampling, []) for s in done]
+
+        async def deliver(state, tokens, reason):
+            for k, tok in enumerate(tokens):
+                await asyncio.sleep(0)
+                last = k == len(tokens) - 1
+                state.deliver(TokenEvent([tok], last, reason if last else None, None, 0))
+
+        for state, d in zip(states, done):
+            self.tasks.add(asyncio.create_task(deliver(state, d.output_token_ids, d.finish_reason)))
+        return states
+
+
+def shown(output: list[dict]) -> list[tuple]:
+    """Output items less their ids."""
+    return [(i["type"], i.get("name"), i.get("arguments"), [p["text"] for p in i.get("content", [])])
+            for i in output]
+
+
+@pytest.mark.parametrize("fields", [{"input": "Say hello", "max_output_tokens": 12},
+                                    {"input": "Weather?", "tools": TOOLS, "tool_choice": "required",
+                                     "parallel_tool_calls": False, "max_output_tokens": 200}])
+def test_stream_through_the_relay_is_the_whole_answer(llm, fields):
+    """Token by token (the relay's path), the stream's final response has the
+    output of the whole answer: the same text, the same call."""
+    async def main():
+        router = TokenByTokenRouter(llm)
+        router.tasks = set()
+        app = build_app(router, Tokenizer(llm.engine.model_dir), ("tiny",),
+                        eos_token_ids=tuple(llm.engine.model_config.eos_token_ids))
+        server = await serve_http(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        body = {"model": "tiny", "temperature": 0, **fields}
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/responses", json=body) as r:
+                    whole = await r.json()
+                async with s.post(url + "/v1/responses", json={**body, "stream": True}) as r:
+                    events = [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        finally:
+            await server.cleanup()
+        return whole, events
+
+    whole, events = run(main())
+    final = events[-1]["response"]
+    assert events[-1]["type"] == f"response.{whole['status']}"
+    assert shown(final["output"]) == shown(whole["output"]) and whole["output"]
+    deltas = sum(1 for e in events if e["type"].endswith(".delta"))
+    assert deltas > 1   # it came in pieces
