@@ -194,7 +194,8 @@ def test_structured_output_by_text_format(llm):
 def test_previous_response_id_continues_the_conversation(llm):
     """The stored conversation (input and output) comes before the new input:
     the prompt is the one chat sees for the whole conversation. store false
-    keeps nothing; an unknown id is a 400 naming the field."""
+    keeps nothing; an unknown id is a 400 naming the field. The same
+    conversation given whole (the output items as input) is the same prompt."""
     async def body(client, url, s):
         first = await client.responses.create(model="tiny", input="Hi there", max_output_tokens=6, temperature=0)
         second = await client.responses.create(model="tiny", input="And then?", previous_response_id=first.id,
@@ -202,18 +203,24 @@ def test_previous_response_id_continues_the_conversation(llm):
         status, chat = await post(s, url, {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [
             {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": "And then?"}]})
+        # The conversation kept by the client: the output items given back as input, as they came.
+        replayed = await client.responses.create(
+            model="tiny", max_output_tokens=6, temperature=0,
+            input=[{"role": "user", "content": "Hi there"}, *[item.model_dump() for item in first.output],
+                   {"role": "user", "content": [{"type": "input_text", "text": "And then?"}]}])
         unstored = await client.responses.create(model="tiny", input="Hi", store=False, max_output_tokens=2)
         errors = []
         for rid in (unstored.id, "resp_nothing"):
             with pytest.raises(openai.BadRequestError) as info:
                 await client.responses.create(model="tiny", input="x", previous_response_id=rid)
             errors.append(info.value)
-        return first, second, chat, errors
+        return first, second, chat, replayed, errors
 
-    first, second, chat, errors = with_client(llm, body)
+    first, second, chat, replayed, errors = with_client(llm, body)
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
     assert second.output_text and second.output_text == chat["choices"][0]["message"]["content"]
+    assert replayed.usage.input_tokens == second.usage.input_tokens and replayed.output_text == second.output_text
     for e in errors:
         assert e.body["param"] == "previous_response_id" and "not found" in e.body["message"]
 
