@@ -23,7 +23,8 @@ them), and the usage sums the prompts. Body fields no parser read are
 accepted, logged once per name and listed in the X-Pdd-Ignored-Fields header
 (pdd.http.validate.say_ignored). vLLM's utility endpoints (tokenize,
 detokenize, tokenizer_info, version, reset_prefix_cache, the model list) are
-pdd.http.utility's.
+pdd.http.utility's. /v1/responses (OpenAI's Responses API) is served as the
+chat request it is (pdd.http.responses_api).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from contextlib import aclosing
+from functools import partial
 
 import orjson
 from aiohttp import web
@@ -40,7 +42,7 @@ from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import responses as r
 from pdd.http import schemas as s
-from pdd.http import structured
+from pdd.http import responses_api, structured
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
@@ -76,6 +78,7 @@ class OpenAIServer:
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
         self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
+        self.response_store = responses_api.ResponseStore()   # previous_response_id's
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -122,6 +125,21 @@ class OpenAIServer:
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
         return await self._generate(request, req, [ids])
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, served as the chat request it is (pdd.http.responses_api)."""
+        body = await self.read_body(request)
+        req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
+            chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format))
+        self.note_ignored(request, rr.ignored_fields)
+        if not request[request_log.FROM_CLIENT]:   # the request's id is the response's (not a client's: it may repeat)
+            rr.id = "resp_" + request[request_log.REQUEST_ID].removeprefix("resp-")
+        self._admit(req)
+        ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
+        try:
+            return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
+        except APIError as e:   # the prompt's length, the schema's compilation: in the Responses fields' names
+            raise responses_api.renamed(e, rr.sources) from None
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is
@@ -205,8 +223,11 @@ class OpenAIServer:
                             f"hold (router.max_logprob_entries); lower n, {req.max_tokens_param} or {top}, "
                             "or stream the answer", param=top)
 
-    async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]]):
-        """Every prompt's choices (token ids; completions may give several prompts)."""
+    async def _generate(self, request: web.Request, req: s.GenerateRequest, prompts: list[list[int]],
+                        answer=None):
+        """Every prompt's choices (token ids; completions may give several prompts).
+        answer: (request, req, groups) -> the response, in place of the
+        completions and chat answers (the Responses API's)."""
         if req.truncate_prompt_tokens is not None:
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         for i, ids in enumerate(prompts):   # every prompt checked before any is submitted
@@ -232,6 +253,8 @@ class OpenAIServer:
                     request[request_log.STATE], request[request_log.STREAMED] = states[0], req.stream
                 groups.append([self._choice(req, ids, given[p], p * req.n + i, state)
                                for i, state in enumerate(states)])
+            if answer is not None:
+                return await answer(request, req, groups)
             if req.stream:
                 return await self._stream(request, req, groups)
             return await self._complete(req, groups)
@@ -338,12 +361,16 @@ class OpenAIServer:
         return r.prompt_logprobs_json(self.tokenizer, state.prompt_token_ids, state.prompt_logprobs,
                                       req.prompt_logprobs)
 
-    async def _complete(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> web.Response:
+    async def _collect(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> None:
+        """Every choice's text, to its end (and its finish_reason)."""
         choices = _flat(groups)
         async with self._merged(req, groups) as pieces_of:
             async for i, pieces in pieces_of:
                 for _, _, reason in pieces:
                     choices[i].finish_reason = reason or choices[i].finish_reason
+
+    async def _complete(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> web.Response:
+        await self._collect(req, groups)
         usage = self._usage(req, groups)
         # Each choice's body is made in a slice of its own, the loop serving
         # others between two (their logprobs are JSON already: LogprobsBuilder).
@@ -556,6 +583,7 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app[KEYLESS_KEY] = KeylessChecks(not sec.api_keys, router.cfg.router.host, router.cfg.router.allowed_hosts)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/v1/responses", server.responses)
     app.router.add_get("/v1/models", utility.models)
     app.router.add_post("/tokenize", utility.tokenize)
     app.router.add_post("/detokenize", utility.detokenize)

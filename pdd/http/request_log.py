@@ -39,7 +39,7 @@ TRACEPARENT = "traceparent"
 SERVER_NAME = "pdd"   # the Server header: no version for a scanner to match
 MAX_ID_CHARS = 128
 _SANE_ID = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_ID_CHARS}}}")
-_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl", "/v1/responses": "resp"}
 _PROBES = ("/health", "/ready", "/metrics")
 
 # Keys on the aiohttp request (typed where aiohttp has them, 3.12 on; plain names before).
