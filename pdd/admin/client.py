@@ -125,8 +125,8 @@ def _connections(args) -> list[tuple[str, str, str, Curve | None]]:
     names = [f"router-{i}" for i in range(len(addrs))] if len(addrs) > 1 else ["router"]
     if keys_dir:
         try:
-            # --addr: the router at it proves itself with router.key (router 0's pair, or the one they share).
-            return [(name, addr, token, admin_client_security(keys_dir, i if not args.addr else 0))
+            # --addr: the router at it is number --router (router.key: router 0's pair, or the one they share).
+            return [(name, addr, token, admin_client_security(keys_dir, args.router if args.addr else i))
                     for i, (name, addr) in enumerate(zip(names, addrs))]
         except ConfigError as e:
             raise AdminError(str(e).replace("security.keys_dir", keys_from, 1), "local") from None

@@ -168,7 +168,11 @@ def add_admin_parser(sub) -> argparse.ArgumentParser:
                                    "0 done; 1 refused or failed (the message says why); 2 bad usage; "
                                    "3 no answer from the router; 4 drain --wait timed out.")
     p.json_switch = True   # `pdd admin ... --json ...`: usage errors as JSON too
-    p.add_argument("--addr", help=f"admin socket (default: --config's router.admin_addr, else {DEFAULT_ADDR})")
+    p.add_argument("--addr", help=f"one router's admin socket (default: every router --config lists, else "
+                                  f"{DEFAULT_ADDR})")
+    p.add_argument("--router", type=int, default=0, metavar="I",
+                   help="with --addr and keys: the router there is number I of several (it proves itself "
+                        "with router-I.key)")
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token-file", metavar="FILE",
                        help="file holding the admin token (default: $PDD_ADMIN_TOKEN, else --config's)")
