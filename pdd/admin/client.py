@@ -126,7 +126,8 @@ def _connections(args) -> list[tuple[str, str, str, Curve | None]]:
     if keys_dir:
         try:
             # --addr: the router at it is number --router (router.key: router 0's pair, or the one they share).
-            return [(name, addr, token, admin_client_security(keys_dir, getattr(args, "router", 0) if args.addr else i))
+            number = getattr(args, "router", 0)
+            return [(name, addr, token, admin_client_security(keys_dir, number if args.addr else i))
                     for i, (name, addr) in enumerate(zip(names, addrs))]
         except ConfigError as e:
             raise AdminError(str(e).replace("security.keys_dir", keys_from, 1), "local") from None
