@@ -1,0 +1,152 @@
+"""What the agent frameworks do against a running pdd (run by scripts/bench-agents
+with the frameworks' own virtualenv): each framework found is asked what its users
+ask first — text, a structured answer (its own way of getting one: a forced tool
+call, a JSON schema), a named tool call — through its own client code, and each
+check prints one line, ok or what failed. A model's words are not judged (pdd's
+tiny model has random weights): what is checked is what the framework makes of
+pdd's answers — a parsed object, a call with arguments, text without an error.
+
+    python agent_checks.py URL MODEL        (exit status: the checks that failed)
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from typing import Literal
+
+URL, MODEL = sys.argv[1].rstrip("/"), sys.argv[2]
+BASE = URL + "/v1"
+KEY = os.environ.get("PDD_API_KEY") or "none"   # the bearer key, when the API asks for one
+# Room for a whole forced call or structured answer (the tiny tokenizer spends ~30
+# tokens on a call's name): a cut one is the model's fault, not the framework's.
+CALL_TOKENS = 160
+
+
+def weather_model():
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        sky: Literal["sunny", "rainy"]
+    return Weather
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"]}}}
+
+
+def langchain_checks():
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    llm = ChatOpenAI(model=MODEL, base_url=BASE, api_key=KEY, temperature=0, max_tokens=CALL_TOKENS, max_retries=0)
+    yield "invoke: text", isinstance(llm.invoke("Say hi").content, str)
+    Weather = weather_model()
+    for method in ("function_calling", "json_schema"):
+        out = llm.with_structured_output(Weather, method=method).invoke("The weather in Paris?")
+        yield f"with_structured_output(method={method!r})", isinstance(out, Weather)
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:   # (a free string from random weights never ends)
+        """The weather in a city."""
+        return "sunny"
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+    yield "bind_tools, a named tool_choice", len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather"
+
+
+def litellm_checks():
+    import litellm
+    kw = {"model": f"hosted_vllm/{MODEL}", "api_base": BASE, "api_key": KEY, "max_tokens": CALL_TOKENS,
+          "temperature": 0}
+    out = litellm.completion(messages=[{"role": "user", "content": "Say hi"}], **kw)
+    yield "completion: text", isinstance(out.choices[0].message.content, str)
+    for stream in (False, True):
+        resp = litellm.completion(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                  stream=stream, **kw)
+        if stream:
+            args = "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
+                           for c in resp if c.choices and c.choices[0].delta.tool_calls)
+        else:
+            args = resp.choices[0].message.tool_calls[0].function.arguments
+        yield f"a named tool call{', streamed' if stream else ''}: its arguments parse", \
+            json.loads(args)["city"] in ("Paris", "Oslo")
+
+
+def instructor_checks():
+    import instructor
+    import openai
+    Weather = weather_model()
+    for mode in ("TOOLS", "JSON_SCHEMA"):   # (Mode.JSON asks for any object: random weights never close one)
+        client = instructor.from_openai(openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0),
+                                        mode=getattr(instructor.Mode, mode))
+        out = client.chat.completions.create(model=MODEL, response_model=Weather, max_tokens=CALL_TOKENS, max_retries=0,
+                                             messages=[{"role": "user", "content": "The weather in Paris?"}])
+        yield f"response_model, Mode.{mode}", isinstance(out, Weather)
+
+
+def pydantic_ai_checks():
+    from pydantic_ai import Agent
+    from pydantic_ai.providers.openai import OpenAIProvider
+    try:
+        from pydantic_ai.models.openai import OpenAIChatModel as ChatModel
+    except ImportError:   # an older pydantic-ai
+        from pydantic_ai.models.openai import OpenAIModel as ChatModel
+    model = ChatModel(MODEL, provider=OpenAIProvider(base_url=BASE, api_key=KEY))
+    settings = {"max_tokens": CALL_TOKENS, "temperature": 0}
+    text = Agent(model, model_settings=settings).run_sync("Say hi").output
+    yield "Agent: text", isinstance(text, str)
+    Weather = weather_model()
+    out = Agent(model, output_type=Weather, model_settings=settings).run_sync("The weather in Paris?").output
+    yield "Agent(output_type=...): a parsed output", isinstance(out, Weather)
+
+
+def openai_agents_checks():
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner
+    from agents import set_tracing_disabled
+    set_tracing_disabled(True)   # it would send traces to OpenAI
+    settings = ModelSettings(max_tokens=CALL_TOKENS, temperature=0)
+    Weather = weather_model()
+
+    async def run(kind):   # a client per event loop (asyncio.run makes a new one)
+        client = openai.AsyncOpenAI(base_url=BASE, api_key=KEY, max_retries=0)
+        model = kind(model=MODEL, openai_client=client)
+        # A structured output: free text from random weights never ends, and an agent takes a
+        # response cut by max_tokens for the model's fault.
+        agent = Agent(name="brief", instructions="Answer briefly.", model=model, model_settings=settings,
+                      output_type=Weather)
+        return (await Runner.run(agent, "The weather in Paris?")).final_output
+    for name, kind in (("Responses API", OpenAIResponsesModel), ("chat completions", OpenAIChatCompletionsModel)):
+        yield f"Runner.run over the {name}: a parsed output", isinstance(asyncio.run(run(kind)), Weather)
+
+
+FRAMEWORKS = {"langchain-openai": ("langchain_openai", langchain_checks), "litellm": ("litellm", litellm_checks),
+              "instructor": ("instructor", instructor_checks), "pydantic-ai": ("pydantic_ai", pydantic_ai_checks),
+              "openai-agents": ("agents", openai_agents_checks)}
+
+
+def main() -> int:
+    failed = 0
+    for name, (module, checks) in FRAMEWORKS.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"{name}: not installed")
+            continue
+        try:
+            for what, ok in checks():
+                print(f"{name}: {what}: {'ok' if ok else 'FAILED'}", flush=True)
+                failed += not ok
+        except Exception as e:   # noqa: BLE001 -- a framework's failure is this check's result
+            failed += 1
+            print(f"{name}: FAILED with {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=3, file=sys.stderr)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
