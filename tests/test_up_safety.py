@@ -260,3 +260,16 @@ def test_up_from_a_directory_holding_a_pdd_folder_serves(tmp_path, tiny_model):
         assert get(c.url + "/health").status == 200
         body = {"model": c.model_name, "prompt": "hello", "max_tokens": 2}
         assert post(c.url + "/v1/completions", body).status == 200
+
+
+def test_a_router_count_pdd_up_cannot_run_is_refused_in_one_line(tmp_path):
+    """--routers 0, or --routers N with a config that lists another number of routers:
+    one line saying so, exit 2 (bad usage), nothing made."""
+    r = pdd("up", "--routers", "0", "--port", str(free_port()), "--run-dir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "--routers: want at least one router, got 0" in one_line(r)
+    config = tmp_path / "one-router.toml"
+    config.write_text(f"[router]\nport = {free_port()}\n")
+    r = pdd("up", "--routers", "2", "--config", str(config), "--run-dir", str(tmp_path / "b"))
+    line = one_line(r)
+    assert r.returncode == 2 and "names 1 router(s)" in line and "router.control_addrs" in line
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
