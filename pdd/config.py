@@ -309,6 +309,12 @@ class RouterConfig:
     # busy loop; docs/benchmarks.md, "The front door").
     max_loop_busy: float = 0.0
     max_buffered_bytes: int = 256 * 2**20
+    # A stream is written at most once in this many milliseconds: the tokens of
+    # the steps between go out in one write, which costs the router about what
+    # one token's write costs (the send system call is most of a token's price).
+    # 0: each stream written in the loop turn its tokens arrive in; a router
+    # that fell behind then writes several steps' tokens at once by itself.
+    stream_interval_ms: float = 0.0
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
     allow_fault_injection: bool = False
@@ -416,6 +422,9 @@ class RouterConfig:
             raise ConfigError("router.http_send_timeout_s: must be > 0")
         if self.max_buffered_tokens < 1:
             raise ConfigError("router.max_buffered_tokens: must be >= 1")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ConfigError(f"router.stream_interval_ms: 0 to 1000 milliseconds (0 = each loop turn), "
+                              f"got {self.stream_interval_ms}")
         if not 0 <= self.max_loop_busy <= 1:
             raise ConfigError(f"router.max_loop_busy: a share of one core, 0 to 1 (0 = no limit), "
                               f"got {self.max_loop_busy}")

@@ -77,7 +77,8 @@ class OpenAIServer:
         self.off_loop = OffLoopTokenizer(tokenizer)
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
-        self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
+        # Writes single-choice streams' chunks, once per loop turn or per router.stream_interval_ms.
+        self.relay = Relay(router.cfg.router.stream_interval_ms / 1000)
         self.response_store = responses_api.ResponseStore()   # previous_response_id's
 
     async def read_body(self, request: web.Request) -> bytes:

@@ -6,7 +6,9 @@ generators) and an awaited aiohttp write. A stream on the Relay has its
 request's events (RequestState.listener) marked due instead; once per loop
 iteration, after the step's TokenBatch was delivered, the Relay runs each due
 stream's flush, which turns its events into chunks and writes them to its
-connection at once (DirectWriter). Its handler wakes only to end the stream,
+connection at once (DirectWriter). With router.stream_interval_ms the flushes
+run at most once in that interval, so each write carries the tokens of the
+steps between (fewer writes: the send is most of what a token costs). Its handler wakes only to end the stream,
 for an error, or when its client fell behind (then its awaited write drains).
 
 DirectWriter writes the chunked-encoding frame aiohttp's writer would write,
@@ -65,8 +67,14 @@ class _Stream:
 
 
 class Relay:
-    def __init__(self):
+    """Runs the due streams' flushes once per loop iteration, or with
+    `interval_s` at most once in that long (the tokens of the steps between
+    then go out in one write per stream)."""
+
+    def __init__(self, interval_s: float = 0.0):
         self._due: list[_Stream] = []
+        self.interval_s = interval_s
+        self._next_run = 0.0   # loop time before which an interval relay does not run again
 
     def listener(self, flush: Callable[[], None]) -> Callable:
         """A RequestState.listener that has `flush` run once in the loop iteration its events come in."""
@@ -74,10 +82,17 @@ class Relay:
 
     def _mark(self, stream: _Stream) -> None:
         if not self._due:
-            asyncio.get_running_loop().call_soon(self._run)
+            loop = asyncio.get_running_loop()
+            wait = self._next_run - loop.time() if self.interval_s else 0.0
+            if wait > 0:
+                loop.call_later(wait, self._run)
+            else:
+                loop.call_soon(self._run)
         self._due.append(stream)
 
     def _run(self) -> None:
+        if self.interval_s:
+            self._next_run = asyncio.get_running_loop().time() + self.interval_s
         due, self._due = self._due, []
         for stream in due:
             stream.due = False

@@ -61,3 +61,32 @@ def test_direct_writes_reach_the_client_between_awaited_ones_in_order():
             await runner.cleanup()
 
     assert asyncio.run(main()) == b"one two three four"
+
+
+def test_an_interval_relay_writes_the_tokens_of_several_turns_at_once():
+    """router.stream_interval_ms: events that come in several loop turns within
+    the interval are flushed together, once the interval since the last flush is over."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        relay = Relay(interval_s=1.0)
+        taken, flushed = [], asyncio.Queue()
+        pending = []
+
+        def flush():
+            taken.append(list(pending))
+            pending.clear()
+            flushed.put_nowait(loop.time())
+
+        post = relay.listener(flush)
+        pending.append(1)
+        post(None)
+        first = await flushed.get()
+        for token in (2, 3):   # two events, in two loop turns
+            pending.append(token)
+            post(None)
+            await asyncio.sleep(0)
+        second = await flushed.get()
+        assert taken == [[1], [2, 3]]
+        assert second >= first + relay.interval_s
+
+    asyncio.run(run())
