@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from pdd.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdd.model.tokenizer import GrowingText, IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
@@ -29,7 +29,7 @@ class TextStream:
         self.min_tokens = min_tokens
         self.include_stop_str = include_stop_str
         self.pending = ""
-        self.text = ""          # everything released so far
+        self.released = GrowingText()   # everything released so far
         self.num_tokens = 0     # tokens taken in, up to the one that stopped the text
         self.stopped_on: str | int | None = None    # the stop string, or the stop token's id
 
@@ -64,6 +64,11 @@ class TextStream:
         return self._release(final)
 
     @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return self.released.value()
+
+    @property
     def stopped(self) -> bool:
         return self.stopped_on is not None
 
@@ -71,12 +76,12 @@ class TextStream:
     def generated_chars(self) -> int:
         """Characters of text the tokens so far decode to, released or held back
         (a logprobs `text_offset`)."""
-        return len(self.detok.text)
+        return self.detok.released.chars
 
     def _release(self, final: bool) -> str:
         if not self.stop:   # the common case, once per token: nothing to look for or hold back
             out, self.pending = self.pending, ""
-            self.text += out
+            self.released.append(out)
             return out
         looking = self.num_tokens > self.min_tokens
         hit = min(((self.pending.find(s), s) for s in self.stop if s in self.pending),
@@ -92,5 +97,5 @@ class TextStream:
             if cut <= 0:
                 return ""
             out, self.pending = self.pending[:cut], self.pending[cut:]
-        self.text += out
+        self.released.append(out)
         return out
