@@ -69,7 +69,7 @@ from pdd.api import INT64_MAX, SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
 from pdd.logs import request_context
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import ADMIN, Breakers
 from pdd.router.estimator import Estimator
@@ -80,7 +80,7 @@ from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.timers import Timers
 from pdd.router.traces import TraceStore, is_choice_of, matches
-from pdd.tracing import requests as spans
+from pdd.router import spans
 from pdd.tracing.context import SpanContext
 
 log = logging.getLogger(__name__)

@@ -96,7 +96,7 @@ class RequestState:
     finish_reason: str | None = None
     num_migrations: int = 0
     trace: list[TraceEvent] = field(default_factory=list)
-    span: SpanContext | None = None     # its root span when traced (pdd.tracing.requests)
+    span: SpanContext | None = None     # its root span when traced (pdd.router.spans)
     # What the router produced and the client's handler has not taken yet
     # (TokenEvents, then at most one RequestError); see take_events. A handler
     # blocked on a client that does not read takes nothing: pdd.router.control

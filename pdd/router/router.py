@@ -22,7 +22,7 @@ import zmq.asyncio
 from pdd import build_info, faults
 from pdd.api import SamplingParams
 from pdd.config import ClusterConfig
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
 from pdd.router.breaker import PATH

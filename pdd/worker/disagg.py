@@ -40,7 +40,7 @@ from pdd.engine.engine import EngineOutput, LLMEngine
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve
-from pdd.tracing import placements as spans
+from pdd.worker import spans
 from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
 from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector

@@ -14,7 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdd import security
 from pdd.config import ClusterConfig
 from pdd.config_loader import load_cluster_config
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.router.saturation import Saturation
 from pdd.security import generate_keys
 
