@@ -14,7 +14,6 @@ SHARED = ("pdd.tracing", "pdd.kv", "pdd.ops", "pdd.protocol", "pdd.config", "pdd
 ROLES = ("pdd.router", "pdd.worker", "pdd.http", "pdd.admin")
 
 KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"pdd.ops", "pdd.ops.fp8_linear", "pdd.ops.triton_fp8", "pdd.ops.triton_gemv"}),
     frozenset({"pdd.admin.client", "pdd.admin.fanout"}),
     frozenset({"pdd.transfer.nixl_control", "pdd.transfer.nixl_landing", "pdd.transfer.receiver"}),
     frozenset({"pdd.http.app", "pdd.http.middleware", "pdd.http.utility"}),
