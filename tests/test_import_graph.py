@@ -16,7 +16,6 @@ ROLES = ("pdd.router", "pdd.worker", "pdd.http", "pdd.admin")
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"pdd.admin.client", "pdd.admin.fanout"}),
     frozenset({"pdd.transfer.nixl_control", "pdd.transfer.nixl_landing", "pdd.transfer.receiver"}),
-    frozenset({"pdd.http.app", "pdd.http.middleware", "pdd.http.utility"}),
 }
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
