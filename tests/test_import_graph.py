@@ -14,7 +14,6 @@ SHARED = ("pdd.tracing", "pdd.kv", "pdd.ops", "pdd.protocol", "pdd.config", "pdd
 ROLES = ("pdd.router", "pdd.worker", "pdd.http", "pdd.admin")
 
 KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"pdd.admin.client", "pdd.admin.fanout"}),
     frozenset({"pdd.transfer.nixl_control", "pdd.transfer.nixl_landing", "pdd.transfer.receiver"}),
 }
 KNOWN_UPWARD: set[tuple[str, str]] = set()
