@@ -99,7 +99,11 @@ class StubRouter:
     def worker_summaries(self) -> list[dict]:
         return [w.summary() for w in self.registry.workers.values()]
 
-    def set_draining(self, worker_id: str, draining: bool) -> dict:
+    @property
+    def operations(self):
+        return self
+
+    def set_draining(self, worker_id: str, draining: bool) -> dict:   # as Router.operations would
         raise KeyError(f"no worker {worker_id!r}")
 
 
