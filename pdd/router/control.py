@@ -202,10 +202,10 @@ class ControlPlane:
             seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
             follower = RequestState(rid, first.prompt_token_ids,
                                     dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
-                                    first.block_hashes, arrival=first.arrival, leader=first,
+                                    first.block_hashes, arrival=first.arrival,
                                     span=span.sibling() if span is not None else None)
             self._hold(follower)
-            first.followers.append(follower)
+            first.add_follower(follower)
         return [first, *first.followers]
 
     def _hold(self, state: RequestState) -> None:
@@ -228,9 +228,7 @@ class ControlPlane:
     def _release_followers(self, state: RequestState, beside: str = "") -> None:
         """The first choice's prompt is cached on `beside` (or the first choice
         ended): its waiting choices are placed."""
-        followers, state.followers = state.followers, []
-        for follower in followers:
-            follower.leader = None
+        for follower in state.take_followers():
             plan = self._first_plan(follower, beside)
             if plan is None:
                 self._fail(follower, "no worker is available")
@@ -259,8 +257,7 @@ class ControlPlane:
         if self.requests.get(state.request_id) is not state:
             return
         if reason == "abort":
-            followers, state.followers = state.followers, []
-            for follower in followers:
+            for follower in state.take_followers():
                 self.abort(follower)
         if not state.finished:
             state.finished, state.finish_reason = True, reason
@@ -625,8 +622,7 @@ class ControlPlane:
         """`status`: 400 when the request itself is at fault, else 500."""
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
-        followers, state.followers = state.followers, []
-        for follower in followers:     # the same request: it fails whole
+        for follower in state.take_followers():     # the same request: it fails whole
             self._fail(follower, error, status)
         self._abort_owners(state)
         state.fail(error, status)
@@ -635,9 +631,7 @@ class ControlPlane:
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
         self._mark(state, "end", state.finish_reason or "")
-        if state.leader is not None:      # a waiting choice that ends before it was placed
-            state.leader.followers = [f for f in state.leader.followers if f is not state]
-            state.leader = None
+        state.stop_following()
         self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1
