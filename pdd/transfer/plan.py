@@ -18,6 +18,7 @@ from pdd.config import WorkerConfig
 from pdd.kv.layout import KVLayout
 from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
 from pdd.transfer.base import KVReceiver
+from pdd.transfer.injected import FaultInjectingSender
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from pdd.transfer.nixl_landing import landing_size
@@ -64,9 +65,10 @@ def open_receiver(plan: ReceiverPlan, kv_cache: torch.Tensor, layout: KVLayout, 
 
 def open_sender(backends: list[str], wc: WorkerConfig, layout: KVLayout, device: torch.device,
                 security=None) -> MultiSender:
-    """A prefill worker's sender: one per backend it offers, each as wc sets it."""
+    """A prefill worker's sender: one per backend it offers, each as wc sets
+    it, with the transfer faults in it (pdd.transfer.injected)."""
     ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
-    return MultiSender({b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
+    return FaultInjectingSender({b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
                                        **(ipc if b == "cuda_ipc" else {}))
                         for b in backends})
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pdd import faults
 from pdd.api import InvalidRequest
 from pdd.config import WorkerConfig
 from pdd.engine.engine import EngineOutput, LLMEngine
@@ -336,8 +335,7 @@ class PrefillSide:
             p.state = SHIPPING
             h = p.handoff = Handoff(o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             spans.end(p, "prefill", **{"pdd.cached_tokens": h.num_cached_tokens})
-            # An injected failure (pdd.faults) withholds the start, as a lost last message would.
-            self.connector.finish(p.engine_id, None if faults.fail_transfer(p.engine_id) else h)
+            self.connector.finish(p.engine_id, h)
             replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, h.first_token, h.logprobs,
                                         h.num_cached_tokens))
         return replies
@@ -348,7 +346,7 @@ class PrefillSide:
         the decode worker prefill the request itself)."""
         replies = []
         wid = self.worker_id
-        for r in faults.transfer_results(self.sender.poll()):   # injected failures/delays, if set
+        for r in self.sender.poll():
             p = self.placements.get(r.request_id)
             if p is None or p.state not in (COMPUTING, SHIPPING):
                 continue   # aborted meanwhile
