@@ -17,7 +17,7 @@ must not pass for the new one's. Before a request is placed again its old
 owners are sent an Abort, ahead of anything of the new epoch on the same
 socket, so a stale copy never outlives its placement.
 
-Disaggregated (DESIGN.md, "Request lifecycle"):
+Disaggregated (docs/design.md, "Request lifecycle"):
 
     reserving   decode <- Reserve and prefill <- Prefill, at once (the prompt
                 computes while the decode worker reserves); timer reserve_timeout_s
