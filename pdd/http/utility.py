@@ -103,20 +103,17 @@ def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+@dataclass(frozen=True)
 class UtilityEndpoints:
     """read_body and note_ignored: the generation endpoints' own (pdd.http.app), so
     that a body is read and its unread fields reported the same way everywhere."""
-    def __init__(self, router: Router, tokenizer: Tokenizer, off_loop: OffLoopTokenizer,
-                 served_models: tuple[str, ...], model_root: str,
-                 read_body: Callable[[web.Request], Awaitable[bytes]],
-                 note_ignored: Callable[[web.Request, tuple[str, ...]], None]):
-        self.router = router
-        self.tokenizer = tokenizer
-        self.off_loop = off_loop
-        self.served_models = served_models
-        self.model_root = model_root
-        self.read_body = read_body
-        self.note_ignored = note_ignored
+    router: Router
+    tokenizer: Tokenizer
+    off_loop: OffLoopTokenizer
+    served_models: tuple[str, ...]
+    model_root: str
+    read_body: Callable[[web.Request], Awaitable[bytes]]
+    note_ignored: Callable[[web.Request, tuple[str, ...]], None]
 
     async def models(self, request: web.Request) -> web.Response:
         created, max_len = int(self.router.started_at), self.router.max_model_len()

@@ -39,12 +39,12 @@ from pdd.engine.engine import EngineOutput, LLMEngine
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve
-from pdd.worker import spans
 from pdd.transfer import offered_backends
 from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.plan import ReceiverPlan, open_receiver, open_sender, receiver_counts, receiver_plan
+from pdd.worker import spans
 from pdd.worker.records import PlacementState, PlacementTable, WorkerPlacement
 
 log = logging.getLogger(__name__)

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pdd.api import InvalidRequest
+from pdd.transfer.base import Handoff, TransferTarget
 from pdd.worker import spans
 from pdd.worker.spans import PlacementTrace
-from pdd.transfer.base import Handoff, TransferTarget
 
 if TYPE_CHECKING:
     from pdd.engine.engine import LLMEngine
