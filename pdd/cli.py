@@ -106,7 +106,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_admin(args) -> int:
-    from pdd.admin.client import main as admin
+    from pdd.admin.cli import main as admin
 
     return admin(args)
 

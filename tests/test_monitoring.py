@@ -3,7 +3,7 @@ query only series the router exposes (a real cluster's scrape:
 tests/e2e/test_metrics.py)."""
 from __future__ import annotations
 
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from tests import monitoring
 from tests.router.sim import SimCluster

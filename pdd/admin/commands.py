@@ -3,7 +3,8 @@
 A command is one `Command`: its name (the admin socket's command,
 pdd.admin.server), its help, a function adding its own arguments to its
 sub-parser, and one turning them into the arguments the socket takes. Output
-is pdd.admin.tables' (or --json); errors and exit codes are pdd.admin.client's.
+is pdd.admin.tables' (or --json); errors and exit codes are pdd.admin.client's,
+the command line pdd.admin.cli's.
 A new command is one entry in COMMANDS (and, for a better view than the
 generic table, a formatter in pdd.admin.tables).
 """

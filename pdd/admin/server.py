@@ -69,18 +69,18 @@ class AdminServer:
             # log-level: the router's; log-level LEVEL [WORKER | all]: set it on the router, one worker, or all
             "log-level": self._log_level,
             # drain/undrain WORKER: no new work for it (kept across a router restart), or again
-            "drain": lambda *worker: router.set_draining(_one_worker("drain", worker), True),
-            "undrain": lambda *worker: router.set_draining(_one_worker("undrain", worker), False),
+            "drain": lambda *worker: router.operations.set_draining(_one_worker("drain", worker), True),
+            "undrain": lambda *worker: router.operations.set_draining(_one_worker("undrain", worker), False),
             # abort REQUEST_ID: end a request in flight with an error that says so
-            "abort": lambda *rid: router.abort_request(_one_request(rid)),
+            "abort": lambda *rid: router.operations.abort_request(_one_request(rid)),
             "version": lambda: router.versions(),
             "config": self._config,
             "security": security_report,
             # breaker: every pair; breaker open|close|auto [PREFILL DECODE | all]: force until auto
-            "breaker": lambda *args: router.set_breaker(*args) if args else router.breakers(),
+            "breaker": lambda *args: router.operations.set_breaker(*args) if args else router.breakers(),
             # faults: what is set where; faults set NAME=VALUE[,...] [WORKER] | clear [WORKER]:
             # only with router.allow_fault_injection
-            "faults": lambda *args: router.faults(*args),
+            "faults": lambda *args: router.operations.faults(*args),
             # cache flush [WORKER]: what POST /reset_prefix_cache does, on every worker or one
             "cache": self._cache,
         }

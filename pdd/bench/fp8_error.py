@@ -44,7 +44,8 @@ import torch
 
 from pdd.api import SamplingParams
 from pdd.bench import weight_dist
-from pdd.kv.scales import FP8_E4M3_MAX, KVScales
+from pdd.fp8_format import FP8_MAX
+from pdd.kv.scales import KVScales
 from pdd.model import fp8
 from pdd.model.loader import use_fp8_linears
 from pdd.model.make_fp8 import FP8_FORMATS, fp8_quantization_config, quantize_fp8
@@ -285,8 +286,8 @@ def measure_reference(args, num_blocks: int) -> Reference:
         },
         "variants": {},
     }
-    kv_scales = KVScales.from_values((k_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist(),
-                                     (v_amax / FP8_E4M3_MAX).clamp_min(1e-6).tolist())
+    kv_scales = KVScales.from_values((k_amax / FP8_MAX).clamp_min(1e-6).tolist(),
+                                     (v_amax / FP8_MAX).clamp_min(1e-6).tolist())
     return Reference(prompts, logits, _greedy(llm, prompts, args.greedy_tokens), scale, kv_scales, report)
 
 

@@ -1,4 +1,4 @@
-"""Engine step times on a GPU against the roofline (DESIGN.md, "Performance model").
+"""Engine step times on a GPU against the roofline (docs/design.md, "Performance model").
 
 decode: B requests with a context of --context tokens each, all decoding; a
 step's floor is (weight bytes + KV bytes read) / HBM bandwidth, counting only the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (DESIGN.md)
+HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (docs/design.md)
 MATMUL_FLOP_S = 796e12     # measured bf16 matmul on the lent H200
 FP8_MATMUL_FLOP_S = 1465e12  # torch._scaled_mm (e4m3, tensorwise), 8192^3, on the lent H200; each run prints its own
 

@@ -9,9 +9,19 @@ null block) and replays. Mixed prefill/decode steps run eagerly.
 The captured metadata fixes the host-side ints the kernels launch with
 (`max_seq_len` = the engine's max_model_len), so a replay never depends on the
 batch's actual context lengths beyond the device tensors.
+
+No garbage collection runs during a capture: a collection there can destroy
+an unreachable older engine's graphs (a test's, or a worker's that restarted
+its engine), and destroying a graph while a stream captures invalidates the
+capture ("operation not permitted when stream is capturing", then
+cudaErrorStreamCaptureInvalidated in whichever kernel comes next). torch's
+own capture stopped collecting first (torch.compiler.config.force_cudagraph_gc),
+so the capture collects once before it and holds the collector off until done.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import torch
@@ -53,6 +63,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        with _no_collection():
+            self._capture()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture(self) -> None:
         pool = None
         for bs in reversed(self.sizes):  # largest first: the others reuse its memory pool
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
@@ -64,7 +79,6 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         n = input_ids.shape[0]
@@ -89,3 +103,17 @@ class DecodeGraphs:
             self.block_tables[n:bs].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Unreachable graphs destroyed now, and no collection until the block ends
+    (the module's docstring says why)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -243,8 +243,7 @@ class LLMEngine:
         rng = random.Random(0)
         vocab = self.model_config.vocab_size
         pool, sched = self.kv.pool, self.scheduler
-        free_order, freed_at = list(pool.free_queue), list(pool.freed_at)
-        launched, preemptions = pool.steps_launched, sched.num_preemptions
+        before, preemptions = pool.snapshot(), sched.num_preemptions
         prefix_caching, self.kv.enable_prefix_caching = self.kv.enable_prefix_caching, False
         num = 0
         try:
@@ -267,13 +266,11 @@ class LLMEngine:
         ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
         ops.warm_up_gemv(self.runner.model.gemv_sites(), self.dtype, self.device)
         self.wait_in_flight()
-        steps = pool.steps_launched - launched
-        assert pool.num_free_blocks == len(free_order) and not sched.requests, "warm-up left state behind"
+        steps = pool.steps_launched - before.steps_launched
+        assert not sched.requests, "warm-up left requests behind"
         # Nothing runs any more (wait_in_flight): the counters can go back.
-        pool.free_queue.clear()
-        pool.free_queue.update(dict.fromkeys(free_order))
-        pool.freed_at[:] = freed_at
-        pool.steps_launched = self.steps_done = launched
+        pool.restore(before)
+        self.steps_done = before.steps_launched
         sched.num_preemptions = preemptions
         self.last_step = StepSample()
         log.info("engine warm-up: %d requests, %d steps in %.2f s", num, steps, time.perf_counter() - t0)

@@ -48,15 +48,16 @@ from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
 from pdd.http.guard import GuardedServer, Guards, serve_guarded
 from pdd.http.relay import DirectWriter, Relay
-from pdd.http.middleware import (API_KEYS_KEY, CORS_KEY, GUARDS_KEY, KEYLESS_KEY, ROUTER_KEY, access_middleware,
-                                 cors_headers, cors_middleware, error_middleware, ignored_fields_header)
+from pdd.http.keys import API_KEYS_KEY, CORS_KEY, GUARDS_KEY, IGNORED_FIELDS_KEY, KEYLESS_KEY, ROUTER_KEY
+from pdd.http.middleware import (access_middleware, cors_headers, cors_middleware, error_middleware,
+                                 ignored_fields_header)
 from pdd.http import request_log
 from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.reasoning import ReasoningSplit, reasoning_format
 from pdd.http.tools import ToolCallReader, tool_format
-from pdd.http.utility import IGNORED_FIELDS_KEY, UtilityEndpoints
+from pdd.http.utility import UtilityEndpoints
 from pdd.http.validate import say_ignored
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestError
@@ -575,7 +576,8 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app.on_response_prepare.append(request_log.add_headers)
     app.on_response_prepare.append(ignored_fields_header)
     server = OpenAIServer(router, tokenizer, served_models, eos_token_ids)
-    utility = UtilityEndpoints(server, model_root or server.served_models[0])
+    utility = UtilityEndpoints(router, tokenizer, server.off_loop, server.served_models,
+                               model_root or server.served_models[0], server.read_body, server.note_ignored)
     app[ROUTER_KEY] = router
     app[GUARDS_KEY] = Guards(sec.http_max_connections, sec.http_header_timeout_s, sec.http_idle_timeout_s,
                              router.cfg.router.http_send_timeout_s)

@@ -1,4 +1,4 @@
-"""The router's HTTP middlewares, and the application keys they read.
+"""The router's HTTP middlewares (the application keys they read: pdd.http.keys).
 
 In order (pdd.http.app.build_app): request ids and the access line
 (pdd.http.request_log), a browser's CORS preflight, access (API keys; key-less,
@@ -15,22 +15,14 @@ from aiohttp import web
 
 from pdd import security
 from pdd.http import request_log
-from pdd.http.access import ApiKeys, KeylessChecks
-from pdd.http.guard import Guards
+from pdd.http.keys import (API_KEYS_KEY, CORS_KEY, GUARDS_KEY, IGNORED_FIELDS_HEADER, IGNORED_FIELDS_KEY, KEYLESS_KEY,
+                           ROUTER_KEY)
 from pdd.http.responses import error_response, json_response
-from pdd.http.utility import IGNORED_FIELDS_HEADER, IGNORED_FIELDS_KEY
 from pdd.http.validate import APIError
 from pdd.router.requests import RequestError
-from pdd.router.router import Overloaded, Router, Unavailable
+from pdd.router.router import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
-
-ROUTER_KEY = web.AppKey("router", Router)
-GUARDS_KEY = web.AppKey("guards", Guards)
-API_KEYS_KEY = web.AppKey("api_keys", ApiKeys)
-KEYLESS_KEY = web.AppKey("keyless_checks", KeylessChecks)
-CORS_KEY = web.AppKey("cors_origins", frozenset)
-
 
 def _cors_origin(request: web.Request) -> str | None:
     """The request's Origin when `security.cors_origins` lets that page call us."""

@@ -20,7 +20,7 @@ transformers.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,18 +29,14 @@ from aiohttp import web
 import pdd
 from pdd.http import structured
 from pdd.http.responses import json_response
-from pdd.http.tokenize import template_error, tokenize
+from pdd.http.tokenize import OffLoopTokenizer, template_error, tokenize
 from pdd.http.schemas import chat_template_args, parse_messages, served_model
 from pdd.http.validate import APIError, Fields, bad, load_object, token_ids
 from pdd.router.control import Overloaded
 
 if TYPE_CHECKING:
-    from pdd.http.app import OpenAIServer
     from pdd.model.tokenizer import Tokenizer
-
-# Where a handler leaves the body fields it ignored, for the response's header.
-IGNORED_FIELDS_KEY = web.RequestKey("ignored_fields", str)
-IGNORED_FIELDS_HEADER = "X-Pdd-Ignored-Fields"
+    from pdd.router.router import Router
 
 
 @dataclass(frozen=True)
@@ -107,18 +103,23 @@ def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+@dataclass(frozen=True)
 class UtilityEndpoints:
-    def __init__(self, server: OpenAIServer, model_root: str):
-        self.server = server
-        self.router = server.router
-        self.tokenizer = server.tokenizer
-        self.model_root = model_root
+    """read_body and note_ignored: the generation endpoints' own (pdd.http.app), so
+    that a body is read and its unread fields reported the same way everywhere."""
+    router: Router
+    tokenizer: Tokenizer
+    off_loop: OffLoopTokenizer
+    served_models: tuple[str, ...]
+    model_root: str
+    read_body: Callable[[web.Request], Awaitable[bytes]]
+    note_ignored: Callable[[web.Request, tuple[str, ...]], None]
 
     async def models(self, request: web.Request) -> web.Response:
         created, max_len = int(self.router.started_at), self.router.max_model_len()
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pdd", "root": self.model_root,
-             "parent": None, "max_model_len": max_len} for name in self.server.served_models]})
+             "parent": None, "max_model_len": max_len} for name in self.served_models]})
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         return json_response(tokenizer_info(self.tokenizer))
@@ -127,11 +128,11 @@ class UtilityEndpoints:
         return json_response({"version": pdd.__version__})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self.server.read_body(request)
-        req, ignored = parse_tokenize(body, self.server.served_models)
-        self.server.note_ignored(request, ignored)
+        body = await self.read_body(request)
+        req, ignored = parse_tokenize(body, self.served_models)
+        self.note_ignored(request, ignored)
         try:
-            ids, strs = await self.server.off_loop.utility(len(body), tokenize, req.text, req.messages,
+            ids, strs = await self.off_loop.utility(len(body), tokenize, req.text, req.messages,
                                                            req.template_args, req.add_special_tokens,
                                                            req.return_token_strs)
         except (APIError, Overloaded):
@@ -144,11 +145,11 @@ class UtilityEndpoints:
                               "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self.server.read_body(request)
-        ids, ignored = parse_detokenize(body, self.server.served_models, self.tokenizer.vocab_size)
-        self.server.note_ignored(request, ignored)
+        body = await self.read_body(request)
+        ids, ignored = parse_detokenize(body, self.served_models, self.tokenizer.vocab_size)
+        self.note_ignored(request, ignored)
         # Special tokens stay: /tokenize then /detokenize gives the text back as it was.
-        text = await self.server.off_loop.utility(len(body), _decode, ids)
+        text = await self.off_loop.utility(len(body), _decode, ids)
         return json_response({"prompt": text})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:

@@ -14,8 +14,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 NULL_BLOCK = 0
+
+
+class PoolSnapshot(NamedTuple):
+    """What BlockPool.restore puts back: the free queue's order and the step counts."""
+    free_order: tuple[int, ...]
+    freed_at: tuple[int, ...]
+    steps_launched: int
 
 
 class BlockPool:
@@ -106,3 +114,18 @@ class BlockPool:
                 self._forget_hash(b)
                 dropped += 1
         return dropped
+
+    def snapshot(self) -> PoolSnapshot:
+        return PoolSnapshot(tuple(self.free_queue), tuple(self.freed_at), self.steps_launched)
+
+    def restore(self, snap: PoolSnapshot) -> None:
+        """Back to `snap`, for work that leaves no trace (LLMEngine.warm_up): only
+        with every block that was free then free again, and no step that may
+        still write a block (its count goes back too)."""
+        if set(self.free_queue) != set(snap.free_order):
+            raise RuntimeError(f"pool restore: {len(snap.free_order)} blocks were free, "
+                               f"{self.num_free_blocks} are now, not the same ones")
+        self.free_queue.clear()
+        self.free_queue.update(dict.fromkeys(snap.free_order))
+        self.freed_at[:] = snap.freed_at
+        self.steps_launched = snap.steps_launched

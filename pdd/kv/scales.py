@@ -33,9 +33,10 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdd.fp8_format import FP8_DTYPE_NAME
+
 # engine.kv_cache_dtype -> the cache's torch dtype name (None: the model's dtype)
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn"}
-FP8_E4M3_MAX = 448.0
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8_DTYPE_NAME}
 
 
 def _f32(x: float) -> float:

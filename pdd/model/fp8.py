@@ -21,7 +21,7 @@ from torch import nn
 
 from pdd.model.quant_config import Fp8Scheme
 from pdd.ops import fp8_linear
-from pdd.ops.fp8_linear import FP8_DTYPE, FP8_MAX
+from pdd.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +46,17 @@ def quantize_weight(w: torch.Tensor, weight: str, block: tuple[int, int] | None 
     (scale []), channel ([N, 1]) or block ([ceil(N/bn), ceil(K/bk)]); amax scaling."""
     wf = w.to(torch.float32)
     if weight == "tensor":
-        s = wf.abs().amax().clamp_min(1e-12) / FP8_MAX
+        s = wf.abs().amax().clamp_min(FP8_MIN_AMAX) / FP8_MAX
         return (wf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
     if weight == "channel":
-        s = wf.abs().amax(1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+        s = wf.abs().amax(1, keepdim=True).clamp_min(FP8_MIN_AMAX) / FP8_MAX
         return (wf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
     bn, bk = block
     n, k = wf.shape
     nb, kb = -(-n // bn), -(-k // bk)
     padded = torch.zeros(nb * bn, kb * bk, device=wf.device)
     padded[:n, :k] = wf
-    s = padded.view(nb, bn, kb, bk).abs().amax((1, 3)).clamp_min(1e-12) / FP8_MAX
+    s = padded.view(nb, bn, kb, bk).abs().amax((1, 3)).clamp_min(FP8_MIN_AMAX) / FP8_MAX
     q = padded.view(nb, bn, kb, bk) / s[:, None, :, None]
     return q.clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:n, :k].to(FP8_DTYPE), s
 

@@ -18,7 +18,7 @@ from pdd.model.config import CheckpointError, ModelConfig
 from pdd.model.kv_scale_tensors import is_kv_scale, read_kv_scales
 from pdd.model.llama import PACKED_MODULES, CausalLM
 from pdd.model.quant_config import Fp8Scheme
-from pdd.ops.fp8_linear import FP8_DTYPE
+from pdd.fp8_format import FP8_DTYPE
 
 log = logging.getLogger(__name__)
 

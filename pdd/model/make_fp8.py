@@ -89,6 +89,7 @@ def quantize_fp8(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     it: (float8_e4m3fn weight, its scale)."""
     import torch
 
+    from pdd.fp8_format import FP8_DTYPE, FP8_MAX
     from pdd.model.fp8 import quantize_weight
 
     if fmt == "block":
@@ -96,5 +97,5 @@ def quantize_fp8(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     if fmt == "compressed":  # llm-compressor stores scales in the model's dtype
         _, scale = quantize_weight(w, "channel")
         scale = scale.to(torch.bfloat16)
-        return (w.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+        return (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     return quantize_weight(w, fmt)

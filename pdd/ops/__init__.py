@@ -19,9 +19,8 @@ from types import ModuleType
 import torch
 
 from pdd.ops import reference
+from pdd.ops.limits import GEMV_MAX_M
 from pdd.ops.metadata import AttentionMetadata
-
-GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEMV
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",

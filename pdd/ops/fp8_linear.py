@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0          # largest finite e4m3 value
-_MIN_AMAX = 1e-12        # an all-zero row still gets a finite scale
+from pdd.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
+
 BLOCK_ROWS_MULTIPLE = 4  # cuBLASLt's block-scaled GEMM wants M % 4 == 0 (TMA-aligned scales)
 
 
@@ -36,7 +35,7 @@ def quantize_reference(x: torch.Tensor, group: int, static_scale: torch.Tensor |
     xf[:m, :k] = x.float()
     xg = xf.view(rows, groups, group)
     if static_scale is None:
-        scale = xg.abs().amax(-1).clamp_min(_MIN_AMAX) / FP8_MAX
+        scale = xg.abs().amax(-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
     else:
         scale = static_scale.float().reshape(1, 1).expand(rows, groups)
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :k].to(FP8_DTYPE)

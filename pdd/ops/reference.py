@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pdd.kv.scales import FP8_E4M3_MAX
+from pdd.fp8_format import FP8_MAX
 from pdd.ops.metadata import AttentionMetadata
 
 UNIT_SCALE = (1.0, 1.0)
@@ -26,7 +26,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tens
     beyond it saturates instead of becoming NaN), rounded to nearest even."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:

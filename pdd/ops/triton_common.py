@@ -13,13 +13,13 @@ try:
 except ImportError:   # a Triton without grid dependency control: pdl_launch() is False
     gdc_launch_dependents = gdc_wait = None
 
-from pdd.kv.scales import FP8_E4M3_MAX
+from pdd.fp8_format import FP8_MAX
 
 _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # What a KV cache may hold: the float dtypes, or FP8 with per-layer scales (pdd.kv.scales).
 _KV_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
-_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.fp8_linear import _MIN_AMAX, FP8_DTYPE, FP8_MAX
+from pdd.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
 
 
 # The row count changes with every batch: one compiled variant for all of them.
@@ -47,6 +47,6 @@ def quantize(x: torch.Tensor, group: int, static_scale: torch.Tensor | None = No
         _quantize_kernel[(rows, groups)](
             x, q, scale, static_scale if static_scale is not None else scale, m, k, x.stride(0), q.stride(0),
             scale.stride(0), scale.stride(1), GROUP=group, BLOCK=triton.next_power_of_2(group),
-            STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
+            STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_AMAX=FP8_MIN_AMAX,
             num_warps=4 if group <= 4096 else 8)
     return q, scale

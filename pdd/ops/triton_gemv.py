@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops import GEMV_MAX_M
-from pdd.ops.fp8_linear import FP8_DTYPE
+from pdd.fp8_format import FP8_DTYPE
+from pdd.ops.limits import GEMV_MAX_M
 from pdd.ops.triton_common import _num_sms, _pdl_wait, pdl_options
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -17,7 +17,7 @@ must not pass for the new one's. Before a request is placed again its old
 owners are sent an Abort, ahead of anything of the new epoch on the same
 socket, so a stale copy never outlives its placement.
 
-Disaggregated (DESIGN.md, "Request lifecycle"):
+Disaggregated (docs/design.md, "Request lifecycle"):
 
     reserving   decode <- Reserve and prefill <- Prefill, at once (the prompt
                 computes while the decode worker reserves); timer reserve_timeout_s
@@ -69,7 +69,7 @@ from pdd.api import INT64_MAX, SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
 from pdd.logs import request_context
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import ADMIN, Breakers
 from pdd.router.estimator import Estimator
@@ -80,7 +80,7 @@ from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.timers import Timers
 from pdd.router.traces import TraceStore, is_choice_of, matches
-from pdd.tracing import requests as spans
+from pdd.router import spans
 from pdd.tracing.context import SpanContext
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,10 @@ class ControlPlane:
             seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
             follower = RequestState(rid, first.prompt_token_ids,
                                     dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
-                                    first.block_hashes, arrival=first.arrival, leader=first,
+                                    first.block_hashes, arrival=first.arrival,
                                     span=span.sibling() if span is not None else None)
             self._hold(follower)
-            first.followers.append(follower)
+            first.add_follower(follower)
         return [first, *first.followers]
 
     def _hold(self, state: RequestState) -> None:
@@ -228,9 +228,7 @@ class ControlPlane:
     def _release_followers(self, state: RequestState, beside: str = "") -> None:
         """The first choice's prompt is cached on `beside` (or the first choice
         ended): its waiting choices are placed."""
-        followers, state.followers = state.followers, []
-        for follower in followers:
-            follower.leader = None
+        for follower in state.take_followers():
             plan = self._first_plan(follower, beside)
             if plan is None:
                 self._fail(follower, "no worker is available")
@@ -259,8 +257,7 @@ class ControlPlane:
         if self.requests.get(state.request_id) is not state:
             return
         if reason == "abort":
-            followers, state.followers = state.followers, []
-            for follower in followers:
+            for follower in state.take_followers():
                 self.abort(follower)
         if not state.finished:
             state.finished, state.finish_reason = True, reason
@@ -625,8 +622,7 @@ class ControlPlane:
         """`status`: 400 when the request itself is at fault, else 500."""
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
-        followers, state.followers = state.followers, []
-        for follower in followers:     # the same request: it fails whole
+        for follower in state.take_followers():     # the same request: it fails whole
             self._fail(follower, error, status)
         self._abort_owners(state)
         state.fail(error, status)
@@ -635,9 +631,7 @@ class ControlPlane:
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
         self._mark(state, "end", state.finish_reason or "")
-        if state.leader is not None:      # a waiting choice that ends before it was placed
-            state.leader.followers = [f for f in state.leader.followers if f is not state]
-            state.leader = None
+        state.stop_following()
         self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1

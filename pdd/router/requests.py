@@ -96,7 +96,7 @@ class RequestState:
     finish_reason: str | None = None
     num_migrations: int = 0
     trace: list[TraceEvent] = field(default_factory=list)
-    span: SpanContext | None = None     # its root span when traced (pdd.tracing.requests)
+    span: SpanContext | None = None     # its root span when traced (pdd.router.spans)
     # What the router produced and the client's handler has not taken yet
     # (TokenEvents, then at most one RequestError); see take_events. A handler
     # blocked on a client that does not read takes nothing: pdd.router.control
@@ -119,6 +119,25 @@ class RequestState:
     @property
     def owners(self) -> tuple[str, ...]:
         return tuple(w for w in (self.decode_worker, self.prefill_worker) if w is not None)
+
+    # n > 1: `followers` and `leader` change only in these three.
+    def add_follower(self, choice: RequestState) -> None:
+        """`choice` waits on this first choice."""
+        choice.leader = self
+        self.followers.append(choice)
+
+    def take_followers(self) -> list[RequestState]:
+        """The choices waiting on this one, waiting no more (to be placed, aborted or failed)."""
+        followers, self.followers = self.followers, []
+        for choice in followers:
+            choice.leader = None
+        return followers
+
+    def stop_following(self) -> None:
+        """A waiting choice that ends before it was placed: its first choice forgets it."""
+        if self.leader is not None:
+            self.leader.followers = [f for f in self.leader.followers if f is not self]
+            self.leader = None
 
     def mark(self, what: str, note: str = "", at: float | None = None) -> None:
         """One event of its timeline, with the current epoch and owners."""

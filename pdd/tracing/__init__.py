@@ -7,11 +7,11 @@ With `tracing.otlp_endpoint` set, every process of a cluster exports spans:
   its timeline (pdd.router.traces: `queued`, `reserving`, `prefilling`,
   `decoding`, per placement) plus a `fallback` span per re-placement; the
   timeline's other events (placed, first_token, kv_landed, transfer, error)
-  are events of the root span (pdd.tracing.requests);
+  are events of the root span (pdd.router.spans);
 - each worker, spans of its own part, children of the router's phase span
   in which the command came: `prefill` (the prompt computing), `kv_send` (a
   prefill worker's transfer to its decode worker), `kv_wait` (a decode
-  worker's reservation until the KV lands) and `decode` (pdd.tracing.placements).
+  worker's reservation until the KV lands) and `decode` (pdd.worker.spans).
 
 The trace context travels in the control messages that start work on a worker
 (`traceparent` of Reserve, Prefill, KVTarget, Admit, PrefillLocally); a

@@ -2,7 +2,8 @@
 backend name (the interface is pdd.transfer.base).
 
     base.py          the interface: TransferTarget, KVSender, KVReceiver, Handoff, Landed
-    wire.py          frames on the data socket: pages, done, acks, one-sided control; nixl's notifications
+    wire.py          frames on the data socket: pages, done, acks, one-sided control; nixl's notifications;
+                     whether an endpoint is reachable from this host only
     leases.py        which blocks a sender may write, until when; what landed
     receiver.py      the decode worker's data socket (tcp pages, one-sided control), PageWriter
     staging.py       a layer's pages on their way out: destination blocks checked, gathered into sender memory
@@ -19,6 +20,7 @@ backend name (the interface is pdd.transfer.base).
     nixl_landing.py  the nixl decode side's landing region: contiguous ranges, copied into the blocks
     local.py         both engines in one process (tests only)
     connector.py     which pages of which request go out after each layer (prefill engine)
+    plan.py          a worker's data plane at its start: backends, the receiver and what it sets aside, the sender
 """
 from __future__ import annotations
 
@@ -87,8 +89,12 @@ def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases
     pdd.transfer.nixl_landing)."""
     if backend in ("tcp", "cuda_ipc", "nixl", "auto"):
         from pdd.transfer.receiver import DataSocket
+        controls = []
+        if backend == "nixl":
+            from pdd.transfer.nixl_control import NixlControl
+            controls.append(lambda *pool: NixlControl(*pool, landing_bytes=nixl_landing_bytes))
         return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
-                          nixl=backend == "nixl", nixl_landing_bytes=nixl_landing_bytes if backend == "nixl" else 0)
+                          controls=controls)
     if backend == "local":
         from pdd.transfer.local import LocalReceiver
         return LocalReceiver(kv_cache, layout, leases, addr or "local://")

@@ -34,7 +34,7 @@ import torch
 from pdd import ops
 from pdd.config import WorkerConfig
 from pdd.transfer.nixl_agent import PoolRegion, device_id, mem_type
-from pdd.transfer.receiver import loopback_only
+from pdd.transfer.wire import loopback_only
 
 _ALIGN = 256   # range starts: the copy kernel moves 16 bytes per access; a cache line is ample
 # worker.nixl_landing_bytes's default is one longest request, at most this

@@ -8,7 +8,7 @@ way into a decode worker's KV pool from another process:
     [done]             a request's last message (tcp) -> PageWriter.complete, ack
     [control]          one-sided writers' bookkeeping (pdd.transfer.writers): cuda_ipc
                        (pdd.transfer.ipc.IpcControl), nixl (pdd.transfer.nixl_control,
-                       when served), answered by a reply
+                       when make_receiver hands it one), answered by a reply
 
 `PageWriter` (shared with the local backend) checks a pages message in this
 order: the header decodes, the sender's KV layout equals ours, the pages'
@@ -24,10 +24,10 @@ sends can stop the thread.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -205,24 +205,28 @@ def _nbytes(payload) -> int:
     return memoryview(payload).nbytes
 
 
+# A one-sided family's decode side, made for this socket's pool, leases and stats.
+ControlFactory = Callable[[torch.Tensor, KVLayout, LeaseTable, ReceiverStats], OneSidedControl]
+
+
 class DataSocket(KVReceiver):
     """The data socket: a ROUTER bound at `addr` (port 0 picks a free port;
     `address` is the one to give senders). Serves tcp and cuda_ipc senders,
-    and nixl senders when `nixl` (its pool registered with a NIXL agent here,
-    and a landing region of `nixl_landing_bytes` beside it: pdd.transfer.nixl_control)."""
+    and the senders of each family in `controls` (pdd.transfer.make_receiver
+    hands it nixl's, pdd.transfer.nixl_control, where that is served)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
-                 addr: str = "tcp://127.0.0.1:0", security=None, nixl: bool = False, nixl_landing_bytes: int = 0):
+                 addr: str = "tcp://127.0.0.1:0", security=None, controls: Sequence[ControlFactory] = ()):
         self._bind_addr = addr
         self.security = security
         self._writer = PageWriter(kv_cache, layout, leases)
         self.stats = self._writer.stats
         self.ipc = IpcControl(kv_cache, layout, leases, self.stats)
-        self.nixl = None
-        if nixl:
-            from pdd.transfer.nixl_control import NixlControl
-            self.nixl = NixlControl(kv_cache, layout, leases, self.stats, nixl_landing_bytes)
-        self._controls: dict[str, OneSidedControl] = {c.family: c for c in (self.ipc, self.nixl) if c is not None}
+        self._controls: dict[str, OneSidedControl] = {"ipc": self.ipc}
+        for make in controls:
+            control = make(kv_cache, layout, leases, self.stats)
+            self._controls[control.family] = control
+        self.nixl = self._controls.get("nixl")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_error: BaseException | None = None
@@ -240,8 +244,8 @@ class DataSocket(KVReceiver):
 
     def warm_up(self) -> None:
         self._writer.warm_up()
-        if self.nixl is not None:
-            self.nixl.warm_up()
+        for control in self._controls.values():
+            control.warm_up()
 
     def close(self) -> None:
         self._stop.set()
@@ -336,22 +340,6 @@ def _public_endpoint(endpoint: str) -> str:
         if f"//{wildcard}:" in endpoint:
             return endpoint.replace(wildcard, _host_address(), 1)
     return endpoint
-
-
-def loopback_only(endpoint: str) -> bool:
-    """A socket bound at `endpoint` is reachable from this host only: ipc or
-    inproc, or tcp on a loopback address (127.0.0.0/8, ::1, localhost, the lo
-    interface). A wildcard, an interface or a host name count as reachable."""
-    transport, _, rest = endpoint.partition("://")
-    if transport in ("ipc", "inproc"):
-        return True
-    host = rest.rpartition(":")[0].strip("[]")
-    if host in ("localhost", "lo"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_address() -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import hashlib
+import ipaddress
 
 import msgpack
 import torch
@@ -296,3 +297,19 @@ def bytes_to_tensor(buf: bytes | memoryview, dtype: torch.dtype, shape: list[int
     if memoryview(buf).nbytes == 0:  # frombuffer refuses empty buffers
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def loopback_only(endpoint: str) -> bool:
+    """A socket bound at `endpoint` is reachable from this host only: ipc or
+    inproc, or tcp on a loopback address (127.0.0.0/8, ::1, localhost, the lo
+    interface). A wildcard, an interface or a host name count as reachable."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

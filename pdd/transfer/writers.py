@@ -68,6 +68,9 @@ class OneSidedControl(abc.ABC):
         """How soon due() may have something (None: only after a message)."""
         return None
 
+    def warm_up(self) -> None:
+        """Compile what landing a write costs here, before the first (nothing by default)."""
+
     def close(self) -> None:
         """Let go of what the backend holds (after the data socket stopped)."""
 

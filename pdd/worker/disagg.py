@@ -33,18 +33,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pdd import faults
 from pdd.api import InvalidRequest
 from pdd.config import WorkerConfig
 from pdd.engine.engine import EngineOutput, LLMEngine
 from pdd.kv.layout import KVLayout
 from pdd.protocol import messages as m
 from pdd.security import Curve
-from pdd.tracing import placements as spans
-from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
+from pdd.transfer import offered_backends
 from pdd.transfer.base import Handoff, Landed, TransferTarget
 from pdd.transfer.connector import PrefillConnector
 from pdd.transfer.leases import LeaseTable
+from pdd.transfer.plan import ReceiverPlan, open_receiver, open_sender, receiver_counts, receiver_plan
+from pdd.worker import spans
 from pdd.worker.records import PlacementState, PlacementTable, WorkerPlacement
 
 log = logging.getLogger(__name__)
@@ -101,11 +101,10 @@ def step_messages(worker_id: str, placements: PlacementTable, prefill_side: Pref
 class DecodeSide:
     def __init__(self, engine: LLMEngine, worker_id: str, wc: WorkerConfig, layout: KVLayout,
                  placements: PlacementTable, wakeup: Callable[[], None], security: Curve | None = None,
-                 backends: list[str] | None = None, landing_bytes: int = 0):
+                 plan: ReceiverPlan | None = None):
         """wakeup: called from the receiver's thread when a request's KV landed.
         security: the data socket's (pdd.security.data_security; None: plaintext).
-        backends: those the worker offers (pdd.transfer.offered_backends; None: of wc).
-        landing_bytes: nixl's landing region, where nixl is offered (worker.nixl_landing_bytes)."""
+        plan: the receiver's (pdd.transfer.plan.receiver_plan; None: of wc, nothing set aside)."""
         self.engine = engine
         self.worker_id = worker_id
         self.placements = placements
@@ -114,14 +113,8 @@ class DecodeSide:
         # write until when, and blocks a one-sided writer may still store into
         # after their placement ended. A reserved placement holds its lease id.
         self.leases = LeaseTable(on_landed=wakeup)
-        # One socket at data_addr takes tcp pages and the one-sided writers'
-        # control messages (cuda_ipc; nixl, its pool registered, where offered).
-        if backends is None:
-            backends = offered_backends(wc.transfer_backend, engine.device)
-        self.receiver = make_receiver("nixl" if "nixl" in backends else wc.transfer_backend, engine.runner.kv_cache,
-                                      layout, self.leases, wc.data_addr, security=security,
-                                      nixl_landing_bytes=landing_bytes)
-        self.receiver.start()
+        self.receiver = open_receiver(plan or receiver_plan(wc, engine.device), engine.runner.kv_cache, layout,
+                                      self.leases, wc.data_addr, security=security)
 
     @property
     def data_addr(self) -> str:
@@ -259,15 +252,7 @@ class DecodeSide:
         return self.placements.any_in(RESERVED)
 
     def stats(self) -> dict:
-        st, nixl = self.receiver.stats, self.receiver.nixl
-        return {"received_messages": st.messages, "received_bytes": st.bytes, "rejected": st.rejected,
-                "last_rejection": st.last_error, "leases": len(self.leases), "held_leases": self.leases.num_held,
-                "ipc_writers": self.receiver.ipc.num_writers,
-                "nixl_writers": nixl.num_writers if nixl is not None else 0,
-                # nixl's landing region (bytes; 0: none), requests copied in from it, and its ranges out now.
-                "nixl_landing_bytes": nixl.landing.nbytes if nixl is not None and nixl.landing is not None else 0,
-                "nixl_landed": nixl.landed_requests if nixl is not None else 0,
-                "nixl_landing_ranges": nixl.ranges_held if nixl is not None else 0}
+        return receiver_counts(self.receiver, self.leases)
 
     def warm_up(self) -> None:
         """The kernels that write arriving pages, compiled now (KVReceiver.warm_up)."""
@@ -288,12 +273,9 @@ class PrefillSide:
         self.worker_id = worker_id
         self.placements = placements
         placements.add_holder(self)
-        device = engine.device
-        ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
-        self.sender = MultiSender({
-            b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
-                           **(ipc if b == "cuda_ipc" else {}))
-            for b in (backends if backends is not None else offered_backends(wc.transfer_backend, device))})
+        self.sender = open_sender(backends if backends is not None else offered_backends(wc.transfer_backend,
+                                                                                         engine.device),
+                                  wc, layout, engine.device, security)
         self.sender.set_wakeup(wakeup)
         self.connector = PrefillConnector(self.sender, engine.runner.kv_cache, engine.cfg.block_size, engine.kv)
         engine.attach_connector(self.connector)
@@ -353,8 +335,7 @@ class PrefillSide:
             p.state = SHIPPING
             h = p.handoff = Handoff(o.new_token_ids[0], o.logprobs or None, o.num_cached_tokens)
             spans.end(p, "prefill", **{"pdd.cached_tokens": h.num_cached_tokens})
-            # An injected failure (pdd.faults) withholds the start, as a lost last message would.
-            self.connector.finish(p.engine_id, None if faults.fail_transfer(p.engine_id) else h)
+            self.connector.finish(p.engine_id, h)
             replies.append(m.FirstToken(self.worker_id, p.request_id, p.epoch, h.first_token, h.logprobs,
                                         h.num_cached_tokens))
         return replies
@@ -365,7 +346,7 @@ class PrefillSide:
         the decode worker prefill the request itself)."""
         replies = []
         wid = self.worker_id
-        for r in faults.transfer_results(self.sender.poll()):   # injected failures/delays, if set
+        for r in self.sender.poll():
             p = self.placements.get(r.request_id)
             if p is None or p.state not in (COMPUTING, SHIPPING):
                 continue   # aborted meanwhile

@@ -44,9 +44,7 @@ from pdd.logs import request_context
 from pdd.model.loader import weights_fingerprint
 from pdd.protocol import messages as m
 from pdd.security import data_security
-from pdd.transfer import offered_backends
-from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
-from pdd.transfer.nixl_landing import landing_size
+from pdd.transfer.plan import receiver_plan, set_aside
 from pdd.worker.disagg import DecodeSide, PrefillSide, admit, step_messages
 from pdd.worker.records import PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
@@ -189,7 +187,7 @@ class EngineThread(threading.Thread):
             # A prefill worker never runs a decode-only step: capturing decode graphs
             # would only cost start-up time and memory.
             engine_cfg = dataclasses.replace(engine_cfg, cuda_graphs=False)
-        e = self.engine = LLMEngine(engine_cfg, beside_kv=self._landing_bytes)
+        e = self.engine = LLMEngine(engine_cfg, beside_kv=self._set_aside)
         if e.grammar_compiler is not None:   # a request whose grammar compiled is scheduled at once
             e.grammar_compiler.on_ready = self.wake
         self.placements = PlacementTable(e)
@@ -210,13 +208,13 @@ class EngineThread(threading.Thread):
         wc = self.cfg.worker
         try:
             security = data_security(self.cfg)
-            backends = offered_backends(wc.transfer_backend, e.device)
+            plan = receiver_plan(wc, e.device, e.runner.beside_kv_bytes)
             if self.role != "prefill":
                 self.decode_side = DecodeSide(e, self.worker_id, wc, layout, self.placements, self.wake,
-                                              security, backends, landing_bytes=e.runner.beside_kv_bytes)
+                                              security, plan)
             if self.role == "prefill" or wc.prefill_for_others:
                 self.prefill_side = PrefillSide(e, self.worker_id, wc, layout, self.placements, self.wake, security,
-                                                backends)
+                                                plan.backends)
         # e.g. no keys, data_addr taken, cuda_ipc without a GPU, nixl without its extra (NixlUnavailable)
         except (ValueError, RuntimeError) as err:
             raise _DataPlaneUnavailable(str(err)) from err
@@ -229,17 +227,16 @@ class EngineThread(threading.Thread):
         return EngineInfo(
             device=str(e.device), layout=layout, num_blocks=e.kv.pool.num_usable_blocks,
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
-            data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=backends,
+            data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=plan.backends,
             prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg))
 
-    def _landing_bytes(self, spec: KVCacheSpec, max_tokens: int) -> int:
-        """nixl's landing region beside the pool (pdd.transfer.nixl_landing.landing_size),
-        said in one line where a worker that may be sent KV offers nixl."""
-        landing = landing_size(self.cfg.worker, nixl_unavailable() is None, spec.bytes_per_token, max_tokens)
-        if landing.why:
-            size = f"of {landing.nbytes / 2**20:.1f} MiB" if landing.nbytes else "none"
-            log.info("worker %s: nixl landing region %s (%s)", self.worker_id, size, landing.why)
-        return landing.nbytes
+    def _set_aside(self, spec: KVCacheSpec, max_tokens: int) -> int:
+        """What the data plane's receiver keeps beside the pool (pdd.transfer.plan.set_aside),
+        said in one line where there is something to say."""
+        aside = set_aside(self.cfg.worker, spec.bytes_per_token, max_tokens)
+        if aside.note:
+            log.info("worker %s: %s", self.worker_id, aside.note)
+        return aside.nbytes
 
     def _serve(self) -> None:
         """The loop; returns when stopped, or drained; raises EngineFailed."""

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pdd.api import InvalidRequest
-from pdd.tracing import placements as spans
-from pdd.tracing.placements import PlacementTrace
 from pdd.transfer.base import Handoff, TransferTarget
+from pdd.worker import spans
+from pdd.worker.spans import PlacementTrace
 
 if TYPE_CHECKING:
     from pdd.engine.engine import LLMEngine
@@ -72,7 +72,7 @@ class WorkerPlacement:
     num_prompt_tokens: int = 0
     target: TransferTarget | None = None
     handoff: Handoff | None = None
-    trace: PlacementTrace | None = None   # its open spans, when traced (pdd.tracing.placements)
+    trace: PlacementTrace | None = None   # its open spans, when traced (pdd.worker.spans)
 
 
 class Holder(Protocol):

@@ -27,6 +27,26 @@ def test_allocate_in_order_and_free_to_tail():
     assert_pool_empty(pool)
 
 
+def test_restore_puts_the_free_order_and_step_counts_back():
+    pool = BlockPool(6)
+    pool.free(pool.allocate(2))
+    snap = pool.snapshot()
+    pool.steps_launched = 7
+    blocks = pool.allocate(4)
+    pool.free(blocks[::-1])
+    assert list(pool.free_queue) != list(snap.free_order) and pool.freed_at != list(snap.freed_at)
+    pool.restore(snap)
+    assert pool.snapshot() == snap and list(pool.free_queue) == [3, 4, 5, 1, 2]
+
+
+def test_restore_refuses_while_a_block_free_then_is_held():
+    pool = BlockPool(4)
+    snap = pool.snapshot()
+    pool.allocate(1)
+    with pytest.raises(RuntimeError, match="pool restore: 3 blocks were free, 2 are now"):
+        pool.restore(snap)
+
+
 def test_null_block_is_never_handed_out_or_freed():
     pool = BlockPool(3)
     assert NULL_BLOCK not in pool.allocate(2)

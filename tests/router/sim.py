@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pdd.api import SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.layout import KVLayout
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.control import ControlPlane
 from pdd.router.registry import WorkerRegistry

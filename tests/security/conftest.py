@@ -14,7 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdd import security
 from pdd.config import ClusterConfig
 from pdd.config_loader import load_cluster_config
-from pdd.metrics import RouterMetrics
+from pdd.router.metrics import RouterMetrics
 from pdd.router.saturation import Saturation
 from pdd.security import generate_keys
 
@@ -99,7 +99,11 @@ class StubRouter:
     def worker_summaries(self) -> list[dict]:
         return [w.summary() for w in self.registry.workers.values()]
 
-    def set_draining(self, worker_id: str, draining: bool) -> dict:
+    @property
+    def operations(self):
+        return self
+
+    def set_draining(self, worker_id: str, draining: bool) -> dict:   # as Router.operations would
         raise KeyError(f"no worker {worker_id!r}")
 
 

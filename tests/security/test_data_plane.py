@@ -11,11 +11,10 @@ import pytest
 import torch
 import zmq
 
-from pdd.transfer import make_sender
+from pdd.transfer import make_receiver, make_sender
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
-from pdd.transfer.receiver import DataSocket
 from pdd.transfer.tcp import TcpSender
 from pdd.transfer.wire import encode_control, encode_pages_header, tensor_bytes
 from pdd.security import data_security
@@ -29,7 +28,8 @@ def decode(secure_cfg):
     layout = make_layout()
     leases = LeaseTable()
     pool = make_pool(layout, seed=2)
-    receiver = DataSocket(pool, layout, leases, security=data_security(secure_cfg), nixl=nixl_unavailable() is None)
+    receiver = make_receiver("nixl" if nixl_unavailable() is None else "tcp", pool, layout, leases,
+                             security=data_security(secure_cfg))
     receiver.start()
     yield receiver, pool, leases
     receiver.close()

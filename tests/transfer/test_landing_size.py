@@ -7,7 +7,7 @@ import pytest
 
 from pdd.config import WorkerConfig
 from pdd.transfer.nixl_landing import landing_size
-from pdd.transfer.receiver import loopback_only
+from pdd.transfer.wire import loopback_only
 
 PER_TOKEN, MAX_TOKENS = 2048, 4096      # one request: 8 MiB
 ONE_REQUEST = PER_TOKEN * MAX_TOKENS

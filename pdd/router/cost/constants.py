@@ -32,7 +32,7 @@ class CostModelConstants:
     shared_evidence: float = 0.1      # below this share of a same-device peer's prefill evidence, use its b and e
     smooth: float = 0.3               # heartbeat-to-heartbeat smoothing of prompt tokens per step and their depth
     # KV transfer rates (bytes/s) until transfers are measured:
-    prior_cuda_ipc_bytes_s: float = 3e11   # DESIGN.md's measured cross-process IPC copy, rounded down
+    prior_cuda_ipc_bytes_s: float = 3e11   # docs/design.md's measured cross-process IPC copy, rounded down
     prior_tcp_bytes_s: float = 1e9         # a conservative loopback figure
     prior_local_bytes_s: float = 1e10      # two engines of one process (tests)
     # What a worker that reports no step limits is taken to have (m.StepLimits zeros):

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdd import tracing
 from pdd.tracing.context import SpanContext, new_span_id, parse_traceparent
 from pdd.tracing.otlp import Span, Value
-
-if TYPE_CHECKING:
-    from pdd.worker.records import WorkerPlacement
 
 
 @dataclass
@@ -41,7 +38,15 @@ class PlacementTrace:
     open: dict[str, _Open] = field(default_factory=dict)
 
 
-def begin(p: WorkerPlacement, name: str, traceparent: str = "", ends: str = "", **attrs: Value) -> None:
+class Traced(Protocol):
+    """What a span needs of a placement (pdd.worker.records.WorkerPlacement), named
+    here so that the record imports its spans and not the other way round."""
+    request_id: str
+    epoch: int
+    trace: PlacementTrace | None
+
+
+def begin(p: Traced, name: str, traceparent: str = "", ends: str = "", **attrs: Value) -> None:
     """Start span `name` of placement `p`, a child of the router's span
     `traceparent` (""): the one its latest command came under). `ends`: the
     span this one follows, ended now."""
@@ -58,7 +63,7 @@ def begin(p: WorkerPlacement, name: str, traceparent: str = "", ends: str = "", 
         "pdd.request_id": p.request_id, "pdd.epoch": p.epoch, **tracing.process_attributes(), **attrs})
 
 
-def end(p: WorkerPlacement, name: str, error: str | None = None, **attrs: Value) -> None:
+def end(p: Traced, name: str, error: str | None = None, **attrs: Value) -> None:
     """End span `name` of `p`, if open; `error`: it failed, so."""
     o = p.trace.open.pop(name, None) if p.trace is not None else None
     if o is not None:
@@ -66,7 +71,7 @@ def end(p: WorkerPlacement, name: str, error: str | None = None, **attrs: Value)
         tracing.emit(Span(name, o.context, o.start_ns, time.time_ns(), attributes=o.attributes, error=error))
 
 
-def tokens(p: WorkerPlacement, num_new: int, finish_reason: str | None) -> None:
+def tokens(p: Traced, num_new: int, finish_reason: str | None) -> None:
     """A step's tokens for `p`: the first ends its prompt's span (prefill -> decode)."""
     if p.trace is None:
         return
@@ -80,7 +85,7 @@ def tokens(p: WorkerPlacement, num_new: int, finish_reason: str | None) -> None:
             a["pdd.finish_reason"] = finish_reason
 
 
-def ended(p: WorkerPlacement) -> None:
+def ended(p: Traced) -> None:
     """`p` ended here: its open spans end with it."""
     if p.trace is not None:
         for name in list(p.trace.open):
