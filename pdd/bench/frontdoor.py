@@ -18,6 +18,8 @@ connection errors (resets) and streams that ended in an error event.
 With --prefixes K the prompts share K prefixes (of --prompt-words words,
 each followed by a few words of its own), and the workers' prefix-cache hit
 rate over the window says whether affinity holds with N routers as with one.
+With --py-spy DIR each router is recorded over each window and the functions
+on its stacks most often are printed (pdd.bench.profile).
 
     pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
     pdd bench frontdoor --routers 1,2 --workers 2 --prefixes 8 --prompt-words 400 --concurrency 64
@@ -37,7 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdd.bench.router_cost import cpu_seconds
+from pdd.bench.profile import cpu_seconds, print_top, py_spy_exe, start_recording, stop_recording
 from pdd.lifetime import children, serving
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -133,9 +135,10 @@ def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
 
 def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
               warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0,
-              router_urls: tuple[str, ...] = ()) -> dict:
+              router_urls: tuple[str, ...] = (), spy_prefix: Path | None = None, spy_top: int = 15) -> dict:
     """One point: `concurrency` streams against `url`; the steps and prefix-cache
-    lookups as `metrics_url` (one router: every worker reports to each) counts them."""
+    lookups as `metrics_url` (one router: every worker reports to each) counts them;
+    with `spy_prefix`, py-spy records `cpu_pids` over the window."""
     bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                           "stream": True, "temperature": 0}).encode() for p in prompts(concurrency, prompt_words,
                                                                                         prefixes)]
@@ -156,9 +159,12 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     # rates over whatever interval those answers span.
     steps_before, prefix_before = _scrape(metrics_url)
     time.sleep(max(0.0, window[0] - time.time()))
+    spies = start_recording(cpu_pids, spy_prefix) if spy_prefix else []
     cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
     time.sleep(max(0.0, window[1] - time.time()))
     cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
+    if spies:
+        print_top(stop_recording(spies), f"router profile, {concurrency} streams", spy_top)
     steps_after, prefix_after = _scrape(metrics_url)
     steps = _histogram_delta(steps_before, steps_after)
     hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
@@ -318,6 +324,8 @@ def _router_pids(parent: int) -> list[int]:
 def main(args) -> int:
     routers = [int(x) for x in args.routers.split(",")]
     points = [int(x) for x in args.concurrency.split(",")]
+    if args.py_spy:
+        py_spy_exe()   # refused before any cluster starts
     results = []
     for n in routers:
         run_dir = Path(args.run_dir) / f"routers-{n}"
@@ -326,7 +334,8 @@ def main(args) -> int:
             for c in points:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
                               args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
-                              cluster.router_urls)
+                              cluster.router_urls, Path(args.py_spy) / f"routers-{n}-streams-{c}" if args.py_spy
+                              else None, args.top)
                 r["routers"], r["server"] = n, args.server_path or "this pdd"
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "

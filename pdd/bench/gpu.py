@@ -107,7 +107,7 @@ def _engine(args, max_batched: int, num_blocks: int):
                                   async_scheduling=not args.no_async_scheduling))
 
 
-def _timed_steps(engine, n: int) -> list[float]:
+def timed_steps(engine, n: int) -> list[float]:
     """Time between consecutive step() returns, steps back to back: a call
     returns when the device has finished a step (its tokens are out), so this is
     the rate at which a request gets tokens. With async scheduling a step's host
@@ -136,7 +136,7 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or engine.scheduler.waiting:
         engine.step()  # prefill everything first
     tokens_before = sum(r.num_tokens for r in reqs)
-    times = _timed_steps(engine, args.steps)
+    times = timed_steps(engine, args.steps)
     tokens_after = sum(r.num_tokens for r in reqs)
     assert all(not r.status.finished for r in reqs), "a request finished inside the measured steps"
     forward_ms = _graph_replay_ms(engine, batch)
@@ -250,7 +250,7 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
                                    .tolist(), sp) for i in range(batch)]
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or sched.waiting:
             engine.step()
-        decode_ms = 1e3 * statistics.median(_timed_steps(engine, args.steps))
+        decode_ms = 1e3 * statistics.median(timed_steps(engine, args.steps))
         long = engine.add_request(f"m{batch}-{chunk}-prompt", torch.randint(0, vocab, (prompt,), generator=g).tolist(),
                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         engine.step()   # the pipeline holds one step: time from the next return on

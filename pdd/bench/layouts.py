@@ -1,4 +1,6 @@
-"""Cluster layouts a sweep compares, and `pdd up` run for one of them.
+"""Cluster layouts a sweep compares, `pdd up` run for one of them, and a
+cluster started in this process (start_cluster) for the benchmarks and tests
+that want its handles.
 
     colocated:N      pdd up --mode colocated --workers N
     disagg:PpDd      pdd up --mode disagg --prefill P --decode D
@@ -166,3 +168,27 @@ def interrupt(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGINT
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]], model: str | None = None,
+                  mode: str = "auto", engine: dict | None = None, worker: dict | None = None):
+    """A cluster on fresh loopback ports, ready; the caller stops it."""
+    from pdd.config_loader import load_cluster_config
+    from pdd.launcher import Cluster, free_port
+    from pdd.model.make_model import resolve_model_dir
+
+    over = {"router": {"mode": mode, "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
+                       "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {}),
+            "worker": dict(worker or {})}
+    if model:
+        over["engine"]["model"] = model
+    cfg = load_cluster_config(overrides=over)
+    cluster = Cluster(cfg, workers, Path(run_dir))
+    cluster.start()
+    try:
+        cluster.wait_ready(300)
+    except Exception:
+        cluster.stop()
+        raise
+    cluster.model_name = cfg.served_model_names(resolve_model_dir(model))[0]
+    return cluster

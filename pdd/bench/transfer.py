@@ -83,7 +83,7 @@ def _shape(name: str) -> tuple[int, int, int, str]:
     raise ValueError(f"--shape {name!r}: want 8b or tiny")
 
 
-def _layout(args) -> KVLayout:
+def kv_layout(args) -> KVLayout:
     """The KV layout of --shape, each of --layers/--kv-heads/--head-dim/--dtype given overriding it."""
     layers, heads, dim, dtype = _shape(getattr(args, "shape", None) or "8b")
 
@@ -313,7 +313,7 @@ def main(args) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats: want at least 1")
     backends = backends_for(args.backends, device)
-    layout = _layout(args)
+    layout = kv_layout(args)
     sizes = _request_blocks(args, layout)
     if args.ucx_tls:   # before any NIXL agent starts, here or in the decode process (which inherits it)
         os.environ["UCX_TLS"] = args.ucx_tls

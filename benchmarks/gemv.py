@@ -14,8 +14,8 @@ Each variant is timed as one CUDA graph of many calls (no launch gaps, as in a
 captured decode step), cycling over enough weight copies that they do not fit
 in L2: every call reads its weights from HBM, as a decode step's layers do.
 
-    pdd bench gemv --m 1,4,16 [--json FILE]     # on the device
-    pdd bench gemv --sweep [--sweep-rows 1|16] [--json FILE]   # a kernel's tile configs
+    python -m benchmarks.gemv --m 1,4,16 [--json FILE]     # on the device
+    python -m benchmarks.gemv --sweep [--sweep-rows 1|16] [--json FILE]   # a kernel's tile configs
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg
 from pdd.bench.gpu import HBM_BYTES_S
 
 SHAPES_8B = {   # name: (N, K, SiLU-and-mul of [gate; up] follows)
@@ -132,6 +134,16 @@ def _block_gemm() -> bool:
     return fp8_linear.block_gemm_supported()
 
 
+def add_args(p) -> None:
+    p.add_argument("--m", default="1,4,16", help="comma list of token counts (rows of x)")
+    p.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
+    p.add_argument("--sweep", action="store_true",
+                   help="time one kernel's tile configs for each layer and weight kind instead")
+    p.add_argument("--sweep-rows", type=int, default=1, choices=[1, 16],
+                   help="--sweep: 1: the one-row kernel; 16: the 2..16-row kernel (timed at 4 and 16 rows)")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     if args.sweep:
         return sweep(args)
@@ -232,7 +244,6 @@ def sweep(args) -> int:
     import multiprocessing as mp
 
     from pdd.ops import triton_gemv
-    from pdd.ops.triton_common import _num_sms
 
     bucket = args.sweep_rows
     ms = (1,) if bucket == 1 else (4, 16)
@@ -244,7 +255,7 @@ def sweep(args) -> int:
     print(f"compiled {len(cases)} variants in {time.monotonic() - t0:.0f} s on {procs} processes "
           f"({failed} did not build); timed at M = {', '.join(map(str, ms))}, us summed over those", flush=True)
     rows = []
-    sms = _num_sms(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for kind in _SWEEP_KINDS:
         for name, (n, k, silu) in SHAPES_8B.items():
             w_bytes = n * k * _elem_bytes(kind)
@@ -277,3 +288,7 @@ def sweep(args) -> int:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                                                "rows_bucket": bucket, "rows": rows}, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

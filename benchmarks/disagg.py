@@ -11,7 +11,7 @@ On GPUs each worker gets its own (prefill cuda:0, decode cuda:1; colocated
 cuda:0). A config-only checkpoint (--load-format dummy) is served with a word
 tokenizer (pdd.model.tokenizer.servable_copy).
 
-    pdd bench disagg [--model DIR] [--num-requests 64] [--sequential]
+    python -m benchmarks.disagg [--model DIR] [--num-requests 64] [--sequential]
                      [--load-format dummy --kv-cache-bytes N --transfer-backend auto] [--json FILE]
 """
 from __future__ import annotations
@@ -21,7 +21,11 @@ import random
 import time
 from pathlib import Path
 
-from pdd.bench.load import burst, one_at_a_time, start_cluster
+from benchmarks.cli import run_as_main
+from benchmarks.load import burst, one_at_a_time
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg
+from pdd.bench.layouts import start_cluster
+from pdd.engine.args import add_kv_cache_dtype_arg
 from pdd.model.tokenizer import servable_copy
 
 
@@ -67,6 +71,27 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
+def add_args(p) -> None:
+    add_tiny_model_arg(p)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per layout")
+    p.add_argument("--min-prompt", type=int, default=64, help="shortest prompt, tokens")
+    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt, tokens")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated run)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated run)")
+    p.add_argument("--run-dir", default="/tmp/pdd-bench-disagg", help="where each cluster's logs and config go")
+    p.add_argument("--sequential", action="store_true", help="one request at a time (TTFT without queueing)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add_kv_cache_dtype_arg(p)
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="each worker's KV cache budget (default: engine.kv_cache_bytes / gpu_memory_utilization)")
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc", "nixl"],
+                   help="the KV data plane between the workers")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
@@ -96,3 +121,7 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

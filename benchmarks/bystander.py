@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdd.bench.load import start_cluster
+from pdd.bench.layouts import start_cluster
 
 
 @contextmanager
