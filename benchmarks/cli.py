@@ -16,6 +16,14 @@ def parser(module: ModuleType) -> argparse.ArgumentParser:
     return p
 
 
+def add_batch_args(p: argparse.ArgumentParser, prompt: tuple[int, int], max_tokens: int, of: str) -> None:
+    """How many prompts, of which lengths (uniform, tokens), asking for how many tokens."""
+    p.add_argument("--num-requests", type=int, default=64, help=f"prompts {of}")
+    p.add_argument("--min-prompt", type=int, default=prompt[0], help="shortest prompt, tokens")
+    p.add_argument("--max-prompt", type=int, default=prompt[1], help="longest prompt, tokens")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens generated per request")
+
+
 def run(module: ModuleType, argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the command line's) with `module`'s flags and run
     it; a ValueError (bad input) is its message and exit status 2, as with `pdd`."""

@@ -16,15 +16,13 @@ tokenizer (pdd.model.tokenizer.servable_copy).
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 
-from benchmarks.cli import run_as_main
-from benchmarks.load import burst, one_at_a_time
-from pdd.bench.commands import add_json_arg, add_tiny_model_arg
-from pdd.bench.layouts import start_cluster
+from benchmarks.cli import add_batch_args, run_as_main
+from benchmarks.load import burst, one_at_a_time, start_cluster
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 from pdd.engine.args import add_kv_cache_dtype_arg
 from pdd.model.tokenizer import servable_copy
 
@@ -73,10 +71,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 def add_args(p) -> None:
     add_tiny_model_arg(p)
-    p.add_argument("--num-requests", type=int, default=64, help="requests per layout")
-    p.add_argument("--min-prompt", type=int, default=64, help="shortest prompt, tokens")
-    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt, tokens")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    add_batch_args(p, (64, 512), 32, "per layout")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated run)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated run)")
     p.add_argument("--run-dir", default="/tmp/pdd-bench-disagg", help="where each cluster's logs and config go")
@@ -118,8 +113,7 @@ def main(args) -> int:
               for p in ("reserve", "first_token", "prefill")}
     print("disagg phases at the router (means incl. warm-up): "
           + ", ".join(f"{p} {1e3 * v:.1f} ms" for p, v in phases.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import gc
 import importlib.resources
-import json
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from benchmarks import weight_dist
 from benchmarks.cli import run_as_main
 from pdd.api import SamplingParams
-from pdd.bench.commands import add_json_arg
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.kv.scales import FP8_E4M3_MAX, KVScales
 from pdd.model import fp8
 from pdd.model.loader import use_fp8_linears
@@ -370,8 +368,7 @@ def add_args(p) -> None:
 def main(args) -> int:
     report = run(args)
     print(markdown(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
 
 

@@ -20,15 +20,13 @@ in L2: every call reads its weights from HBM, as a decode step's layers do.
 from __future__ import annotations
 
 import functools
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.bench.gpu import HBM_BYTES_S
 
 SHAPES_8B = {   # name: (N, K, SiLU-and-mul of [gate; up] follows)
@@ -160,8 +158,7 @@ def main(args) -> int:
                 label = f"{name}{'+silu' if silu else ''}"
                 print(f"{label:<13} {f'{n}x{k}':>12} {m:>3}  {r['path']:<24} {r['us']:>8.1f} {r['gb_s']:>7.0f} "
                       f"{100 * r['fraction_of_hbm']:>6.0f}%", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 
@@ -284,9 +281,8 @@ def sweep(args) -> int:
             print(f"{kind:<12} {name:<13} table {table_us:6.1f} us | best: {best}", flush=True)
             del weights
             torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-                                               "rows_bucket": bucket, "rows": rows}, indent=2))
+    write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                           "rows_bucket": bucket, "rows": rows})
     return 0
 
 

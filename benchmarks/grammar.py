@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg
+from pdd.bench.commands import add_json_arg, write_json
 
 ITEM = {"type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12},
@@ -328,8 +328,7 @@ def main(args) -> int:
                                    "mask_host_ms": guided["mask_host_ms"], "overhead": overhead}
             print(f"engine batch {b:3d}: step {free['step_ms']:.2f} ms free, {guided['step_ms']:.2f} ms guided "
                   f"({100 * overhead:+.1f}%), mask on the host {guided['mask_host_ms']:.2f} ms/step")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

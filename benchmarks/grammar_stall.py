@@ -19,16 +19,14 @@ any worker turn suspect, lost or hung meanwhile.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 
 from benchmarks.bystander import Bystander, colocated_cluster
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg, add_tiny_model_arg
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 from pdd.bench.metrics_calc import latency_stats
 
 # Router counters that move when a worker stops answering in time: liveness
@@ -154,8 +152,7 @@ def main(args) -> int:
         result = asyncio.run(_measure(cluster, args.grammars, args.alone_s))
     result["date"] = time.strftime("%Y-%m-%d")
     print(_summary(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

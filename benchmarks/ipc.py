@@ -26,15 +26,13 @@ the time until the decode worker acknowledged the last page.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg
+from pdd.bench.commands import add_json_arg, add_kv_shape_args, write_json
 from pdd.bench.decode_side import RemoteDecode, make_pool
 from pdd.bench.transfer import kv_layout
 from pdd.transfer.base import TransferTarget
@@ -45,11 +43,7 @@ IPC_CEILING_GB_S = 391.0
 
 def add_args(p) -> None:
     p.add_argument("--tokens", type=int, default=16384, help="tokens of the request whose KV moves")
-    p.add_argument("--layers", type=int, default=32, help="layers of the KV layout")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    p.add_argument("--dtype", default="bfloat16", help="KV dtype")
+    add_kv_shape_args(p)
     p.add_argument("--device", default="cuda:0", help="the prefill side (sender)")
     p.add_argument("--peer-device", default=None, help="the decode pool (default: cuda:1 if present)")
     p.add_argument("--repeats", type=int, default=10, help="timed transfers")
@@ -143,8 +137,7 @@ def main(args) -> int:
           f"{out['transfer_fraction_of_ceiling']:.0%} (first send_layer -> commit acknowledged)")
     if args.overlap_model:
         out["overlap"] = prefill_overlap(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 

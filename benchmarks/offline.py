@@ -14,15 +14,14 @@ threshold given), and how many requests' outputs differ between the two.
 """
 from __future__ import annotations
 
-import json
 import platform
 import random
 import time
 
 import numpy as np
 import torch
-from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg
+from benchmarks.cli import add_batch_args, run_as_main
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.engine.args import add_engine_args
 
 
@@ -267,10 +266,7 @@ def _print_ttft_table(result: dict) -> None:
 
 def add_args(p) -> None:
     add_engine_args(p)
-    p.add_argument("--num-requests", type=int, default=64, help="prompts in the batch")
-    p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt, tokens")
-    p.add_argument("--max-prompt", type=int, default=256, help="longest prompt, tokens")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    add_batch_args(p, (16, 256), 64, "in the batch")
     p.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
     p.add_argument("--hf-batched", action="store_true", help="also time HF generate on all prompts at once")
     p.add_argument("--hf-cb", action="store_true",
@@ -294,9 +290,7 @@ def main(args) -> int:
         result = run(args)
         for k, v in result.items():
             print(f"{k:>24}: {v:.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -11,14 +11,11 @@ per token; tokens/s is the relay rate.
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 from benchmarks.cli import run_as_main
-from benchmarks.load import burst
-from pdd.bench.commands import add_json_arg, add_tiny_model_arg
-from pdd.bench.layouts import start_cluster
+from benchmarks.load import burst, start_cluster
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 from pdd.bench.metrics_calc import latency_stats
 
 
@@ -89,8 +86,7 @@ def main(args) -> int:
         r["added_latency_ms"] = h["itl_mean_ms"] - ip["itl_mean_ms"]
         print(f"{c:>8} {ip['tok_s']:>14.0f} {h['tok_s']:>11.0f} {ip['itl_mean_ms']:>15.2f} "
               f"{h['itl_mean_ms']:>12.2f} {r['added_latency_ms']:>15.2f} {h['itl_p99_ms']:>12.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

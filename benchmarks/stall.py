@@ -11,16 +11,14 @@ the share a concurrent stream may fairly lose when tokenization is off the loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import aiohttp
 
 from benchmarks.bystander import Bystander, colocated_cluster
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg, add_tiny_model_arg
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 
 
 async def _probe_health(session, url: str, until: asyncio.Event, times: list[float]) -> None:
@@ -88,8 +86,7 @@ def main(args) -> int:
     print(f"live stream: chunk gap p50 before {result['gap_p50_before_ms']:.1f} ms, worst during "
           f"{result['max_gap_during_ms']:.1f} ms ({result['chunks_in_window']} chunks in the window); "
           f"worst /health during: {result['max_health_ms_during']:.1f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+from pathlib import Path
 
 from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
 from pdd.engine.args import add_kv_cache_dtype_arg
@@ -28,8 +30,26 @@ def add_json_arg(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
+def write_json(path: str | None, figures) -> None:
+    """--json FILE: the figures written there (nothing without it)."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
 def add_tiny_model_arg(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+
+
+def add_kv_shape_args(b: argparse.ArgumentParser) -> None:
+    """The KV layout pages move in (pdd.bench.transfer.kv_layout): a named shape, any dimension overridden."""
+    b.add_argument("--shape", default="8b", choices=["8b", "tiny"],
+                   help="KV shape: 8b = Llama-3.1-8B (32 layers x 8 KV heads x 128, bf16); tiny = the built-in "
+                        "model (4 x 2 x 32, float32 as on a CPU worker)")
+    b.add_argument("--layers", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
+    b.add_argument("--dtype", default=None, help="instead of the shape's")
+    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
 def add_bench_parsers(sub, add_engine_args) -> None:
@@ -89,14 +109,7 @@ def add_bench_parsers(sub, add_engine_args) -> None:
                         "on a GPU the copy ceiling); auto: every one that runs here")
     b.add_argument("--tokens", default="16384", help="comma list: tokens of the request")
     b.add_argument("--sizes", default=None, help="comma list: MiB of pages per request, instead of --tokens")
-    b.add_argument("--shape", default="8b", choices=["8b", "tiny"],
-                   help="KV shape: 8b = Llama-3.1-8B (32 layers x 8 KV heads x 128, bf16); tiny = the built-in "
-                        "model (4 x 2 x 32, float32 as on a CPU worker)")
-    b.add_argument("--layers", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--dtype", default=None, help="instead of the shape's")
-    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    add_kv_shape_args(b)
     b.add_argument("--device", default="cpu", help="where the source pool lives: cpu, cuda, cuda:N")
     b.add_argument("--peer-device", default=None, help="where the decode pool lives (default: --device)")
     b.add_argument("--ucx-tls", default=None,

@@ -31,15 +31,15 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from pdd.bench.commands import write_json
+from pdd.bench.layouts import UpProcess, parse_layouts
 from pdd.bench.profile import cpu_seconds, print_top, py_spy_exe, start_recording, stop_recording
+from pdd.bench.scrape import metric_lines, series
 from pdd.lifetime import children, serving
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -221,13 +221,8 @@ def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:
     """From a router's /metrics: its engine-step histogram (upper bound ->
     cumulative count, over every worker), and the workers' prefix-cache
     (hit, looked-up) prompt tokens so far."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}, (0.0, 0.0)
     steps, hits, queries = {}, 0.0, 0.0
-    for line in text.splitlines():
+    for line in metric_lines(url):
         if line.startswith("pdd_scheduler_iteration_latency_seconds_bucket{"):
             le = float(line.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf"))
             steps[le] = steps.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -242,15 +237,8 @@ def _guards(urls) -> dict[str, float]:
     """GUARD_COUNTERS of every router, summed by series (name and labels)."""
     out: dict[str, float] = {}
     for url in urls:
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(GUARD_COUNTERS):
-                series, value = line.rsplit(" ", 1)
-                out[series] = out.get(series, 0.0) + float(value)
+        for key, value in series(metric_lines(url), GUARD_COUNTERS).items():
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -276,43 +264,26 @@ def _histogram_q(hist: dict[float, float], q: float) -> float | None:
 
 # ---------------------------------------------------------------- the cluster
 
-class Cluster:
-    """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
+class Cluster(UpProcess):
+    """`pdd up --routers N` on --port, ready; its routers' URLs and processes (stop() as Ctrl-C)."""
 
     def __init__(self, args, routers: int, run_dir: Path):
-        # -P: not the working directory first on sys.path, so that --server-path decides which pdd serves.
-        cmd = [sys.executable, "-P", "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
-               "--run-dir", str(run_dir), *(["--routers", str(routers)] if routers > 1 else [])]
-        cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
-            ["--prefill", str(args.prefill), "--decode", str(args.decode)]
-        if args.model:
-            cmd += ["--model", args.model]
-        env = dict(os.environ)
-        if args.server_path:   # the cluster runs another pdd (before/after in one sitting)
-            env["PYTHONPATH"] = os.pathsep.join([args.server_path, *filter(None, [env.get("PYTHONPATH")])])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, env=env)
-        for line in self.proc.stdout:
-            if "ready at" in line:
-                break
-        else:
-            raise RuntimeError(f"pdd up --routers {routers} did not start; logs in {run_dir}")
-        self.url = f"http://127.0.0.1:{args.port}"
-        from pdd.config_loader import load_cluster_config
-        cfg = load_cluster_config(run_dir / "cluster.toml")
-        # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
-        self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
-        self.own_url = self.router_urls[0]
-        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
-            self.model = json.loads(r.read())["data"][0]["id"]
-        self.router_pids = _router_pids(self.proc.pid)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
+        workers = f"colocated:{args.workers}" if args.mode == "colocated" else f"disagg:{args.prefill}p{args.decode}"
+        (layout,) = parse_layouts(workers, [f"{workers}=--routers {routers}"] if routers > 1 else [])
+        super().__init__(layout, run_dir, args.model, port=args.port, server_path=args.server_path)
+        self.__enter__()
         try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            from pdd.config_loader import load_cluster_config
+            cfg = load_cluster_config(self.run_dir / "cluster.toml")
+            # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
+            self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
+            self.own_url = self.router_urls[0]
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
+                self.model = json.loads(r.read())["data"][0]["id"]
+            self.router_pids = _router_pids(self.proc.pid)
+        except BaseException:
+            self.stop()
+            raise
 
 
 def _router_pids(parent: int) -> list[int]:
@@ -356,6 +327,5 @@ def main(args) -> int:
         print(f"routers {n}: peak {peak['tokens_s']:,.0f} tok/s at {peak['concurrency']} streams; at the most "
               f"streams {mine[-1]['tokens_s']:,.0f} ({100 * mine[-1]['tokens_s'] / max(peak['tokens_s'], 1):.0f}% "
               "of peak)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    write_json(args.json, summary)
     return 0

@@ -22,12 +22,12 @@ torch._scaled_mm with each scale kind) on 8192^3, reported beside them.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from pdd.bench.commands import write_json
 
 HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (DESIGN.md)
 MATMUL_FLOP_S = 796e12     # measured bf16 matmul on the lent H200
@@ -337,6 +337,5 @@ def main(args) -> int:
                            for g in r["by_depth"])
         print(f"mixed   batch {args.mixed_batch} ctx {args.context}, chunk {c} of a {args.mixed_prompt}-token prompt: "
               f"decode step {r['decode_step_ms']:.1f} ms; with the chunk at depth {depths}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0

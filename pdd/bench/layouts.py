@@ -1,6 +1,4 @@
-"""Cluster layouts a sweep compares, `pdd up` run for one of them, and a
-cluster started in this process (start_cluster) for the benchmarks and tests
-that want its handles.
+"""Cluster layouts a sweep compares, and `pdd up` run for one of them.
 
     colocated:N      pdd up --mode colocated --workers N
     disagg:PpDd      pdd up --mode disagg --prefill P --decode D
@@ -100,21 +98,26 @@ def _static(name: str, spec: str) -> tuple[str, ...]:
 
 
 class UpProcess:
-    """`pdd up` for one layout on a fresh loopback port; ready once it prints its URL."""
+    """`pdd up` for one layout on a loopback port (a free one unless given); ready once it prints its URL."""
 
     def __init__(self, layout: Layout, work_dir: Path, model: str | None = None, api_key: str | None = None,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, port: int | None = None, server_path: str | None = None):
+        """port: the router's (default: a free one); server_path: run the pdd package under
+        that directory instead of this one (a before/after in one sitting)."""
         from pdd.launcher import free_port
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work_dir / "up.log"
         self.run_dir = work_dir / "run"
-        self.cmd = [sys.executable, "-m", "pdd.cli", "up", "--port", str(self.port), "--run-dir",
-                    str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
+        # -P: not the working directory first on sys.path, so that server_path decides which pdd serves.
+        self.cmd = [sys.executable, *(["-P"] if server_path else []), "-m", "pdd.cli", "up", "--port", str(self.port),
+                    "--run-dir", str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
         if model:
             self.cmd += ["--model", model]
         self.env = {**os.environ, **layout.env}
+        if server_path:
+            self.env["PYTHONPATH"] = os.pathsep.join([server_path, *filter(None, [self.env.get("PYTHONPATH")])])
         if api_key:   # not on the command line, where any user of the host reads it
             self.env["PDD_SECURITY__API_KEYS"] = api_key
         self.ready_timeout_s = ready_timeout_s
@@ -168,27 +171,3 @@ def interrupt(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGINT
             proc.kill()
             proc.wait()
     return proc.returncode
-
-
-def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]], model: str | None = None,
-                  mode: str = "auto", engine: dict | None = None, worker: dict | None = None):
-    """A cluster on fresh loopback ports, ready; the caller stops it."""
-    from pdd.config_loader import load_cluster_config
-    from pdd.launcher import Cluster, free_port
-    from pdd.model.make_model import resolve_model_dir
-
-    over = {"router": {"mode": mode, "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
-                       "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {}),
-            "worker": dict(worker or {})}
-    if model:
-        over["engine"]["model"] = model
-    cfg = load_cluster_config(overrides=over)
-    cluster = Cluster(cfg, workers, Path(run_dir))
-    cluster.start()
-    try:
-        cluster.wait_ready(300)
-    except Exception:
-        cluster.stop()
-        raise
-    cluster.model_name = cfg.served_model_names(resolve_model_dir(model))[0]
-    return cluster

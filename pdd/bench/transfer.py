@@ -53,16 +53,15 @@ pattern: one huge message makes the receiver allocate and page-fault the whole b
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 import zmq
 
+from pdd.bench.commands import write_json
 from pdd.bench.decode_side import LocalDecode, RemoteDecode, make_pool
 from pdd.kv.layout import KVLayout
 from pdd.transfer import make_sender
@@ -337,8 +336,7 @@ def main(args) -> int:
         finally:
             rig.close()
     print(_report(results, layout))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 
