@@ -36,7 +36,7 @@ from pdd.bench.layouts import UpProcess, parse_layouts
 from pdd.bench.metrics_calc import latency_stats
 from pdd.bench.runner import LoadConfig, run_load
 from pdd.bench.scrape import metric_lines, series
-from pdd.bench.serve_client import RequestRecord, Target, build_body, send, served_model
+from pdd.bench.serve_client import RequestRecord, Target, build_body, first_model, send
 from pdd.bench.workloads import WorkloadConfig, build_workload
 from pdd.model.tokenizer import servable_copy
 
@@ -157,7 +157,7 @@ def run_scenario(name: str, args, work_dir: Path) -> ScenarioResult:
                       duration_s=args.duration, request_timeout_s=600.0, seed=args.seed)
     fault_at, clear_at = args.fault_at * args.duration, args.clear_at * args.duration
     with UpProcess(layout, work_dir / name, args.model, ready_timeout_s=args.ready_timeout) as url:
-        target = Target(url, model=asyncio.run(_served_model(url)))
+        target = Target(url, model=first_model(Target(url)))
         chaos = Chaos(work_dir / name / "run", target, items)
         expected_workers = len(chaos.workers())
 
@@ -177,11 +177,6 @@ def run_scenario(name: str, args, work_dir: Path) -> ScenarioResult:
         leaked = _drained_leaks(chaos, expected_workers)
         counters = _counters(url)
     return _result(name, sc.layout, outcome.records, fault_at, fault_end, leaked, chaos.burst, counters)
-
-
-async def _served_model(url: str) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        return await served_model(session, Target(url))
 
 
 async def _at(when: float, action: Action, chaos: Chaos) -> None:

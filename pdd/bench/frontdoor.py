@@ -33,13 +33,13 @@ import os
 import random
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 from pdd.bench.commands import write_json
 from pdd.bench.layouts import UpProcess, parse_layouts
 from pdd.bench.profile import cpu_seconds, print_top, py_spy_exe, start_recording, stop_recording
 from pdd.bench.scrape import metric_lines, series
+from pdd.bench.serve_client import Target, first_model
 from pdd.lifetime import children, serving
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -278,8 +278,7 @@ class Cluster(UpProcess):
             # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
             self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
             self.own_url = self.router_urls[0]
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
-                self.model = json.loads(r.read())["data"][0]["id"]
+            self.model = first_model(Target(self.url))
             self.router_pids = _router_pids(self.proc.pid)
         except BaseException:
             self.stop()
