@@ -56,3 +56,24 @@ def test_every_install_pins_the_one_torch_of_scripts_lib_venv_sh():
     assert '--constraint "$copy.constraints"' in install
     pips = [line for line in install.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
     assert pips and all("--constraint" in line for line in pips), pips
+
+
+def test_device_check_runs_only_tools_that_exist():
+    """scripts/device-check runs on the GPU machines only: a benchmark it names
+    that moved or went would fail there, in scarce device time. Each
+    `python3 -m benchmarks.NAME` is a benchmarks/ tool, each `pdd.cli bench NAME`
+    a `pdd bench` subcommand."""
+    import importlib
+    import re
+
+    from pdd.cli import build_parser
+
+    text = (SCRIPTS / "device-check").read_text()
+    tools = set(re.findall(r"python3 -m benchmarks\.(\w+)", text))
+    subcommands = set(re.findall(r"python3 -m pdd\.cli bench ([\w-]+)", text))
+    assert tools and subcommands
+    for name in tools:
+        assert callable(importlib.import_module(f"benchmarks.{name}").main), name
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    choices = next(a for a in bench._actions if a.dest == "bench").choices
+    assert subcommands <= set(choices), subcommands - set(choices)

@@ -20,7 +20,6 @@ counted. Reported per scenario:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import random
@@ -32,10 +31,12 @@ from pathlib import Path
 
 import aiohttp
 
+from pdd.bench.commands import write_json
 from pdd.bench.layouts import UpProcess, parse_layouts
 from pdd.bench.metrics_calc import latency_stats
 from pdd.bench.runner import LoadConfig, run_load
-from pdd.bench.serve_client import RequestRecord, Target, build_body, send, served_model
+from pdd.bench.scrape import metric_lines, series
+from pdd.bench.serve_client import RequestRecord, Target, build_body, first_model, send
 from pdd.bench.workloads import WorkloadConfig, build_workload
 from pdd.model.tokenizer import servable_copy
 
@@ -156,7 +157,7 @@ def run_scenario(name: str, args, work_dir: Path) -> ScenarioResult:
                       duration_s=args.duration, request_timeout_s=600.0, seed=args.seed)
     fault_at, clear_at = args.fault_at * args.duration, args.clear_at * args.duration
     with UpProcess(layout, work_dir / name, args.model, ready_timeout_s=args.ready_timeout) as url:
-        target = Target(url, model=asyncio.run(_served_model(url)))
+        target = Target(url, model=first_model(Target(url)))
         chaos = Chaos(work_dir / name / "run", target, items)
         expected_workers = len(chaos.workers())
 
@@ -176,11 +177,6 @@ def run_scenario(name: str, args, work_dir: Path) -> ScenarioResult:
         leaked = _drained_leaks(chaos, expected_workers)
         counters = _counters(url)
     return _result(name, sc.layout, outcome.records, fault_at, fault_end, leaked, chaos.burst, counters)
-
-
-async def _served_model(url: str) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        return await served_model(session, Target(url))
 
 
 async def _at(when: float, action: Action, chaos: Chaos) -> None:
@@ -204,16 +200,7 @@ def _drained_leaks(c: Chaos, expected_workers: int) -> dict[str, int]:
 
 
 def _counters(url: str) -> dict[str, float]:
-    import urllib.request
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(COUNTERS):
-            key, _, value = line.rpartition(" ")
-            if float(value):
-                out[key] = float(value)
-    return out
+    return {k: v for k, v in series(metric_lines(url, 30.0), COUNTERS).items() if v}
 
 
 def _result(name: str, layout: str, records: list[RequestRecord], fault_at: float, fault_end: float,
@@ -288,7 +275,7 @@ def main(args) -> int:
         print(f"bench chaos: {name} ...", flush=True)
         results.append(run_scenario(name, args, Path(args.run_dir)))
     print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {
-            k: v for k, v in vars(args).items() if k != "func"}, "results": [asdict(r) for r in results]}, indent=1))
+    write_json(args.json, {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "args": {k: v for k, v in vars(args).items() if k != "func"},
+                           "results": [asdict(r) for r in results]})
     return 0

@@ -18,6 +18,8 @@ connection errors (resets) and streams that ended in an error event.
 With --prefixes K the prompts share K prefixes (of --prompt-words words,
 each followed by a few words of its own), and the workers' prefix-cache hit
 rate over the window says whether affinity holds with N routers as with one.
+With --py-spy DIR each router is recorded over each window and the functions
+on its stacks most often are printed (pdd.bench.profile).
 
     pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
     pdd bench frontdoor --routers 1,2 --workers 2 --prefixes 8 --prompt-words 400 --concurrency 64
@@ -29,15 +31,15 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from pdd.bench.router_cost import cpu_seconds
+from pdd.bench.commands import write_json
+from pdd.bench.layouts import UpProcess, parse_layouts
+from pdd.bench.profile import cpu_seconds, print_top, py_spy_exe, start_recording, stop_recording
+from pdd.bench.scrape import metric_lines, series
+from pdd.bench.serve_client import Target, first_model
 from pdd.lifetime import children, serving
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -133,9 +135,10 @@ def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
 
 def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
               warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0,
-              router_urls: tuple[str, ...] = ()) -> dict:
+              router_urls: tuple[str, ...] = (), spy_prefix: Path | None = None, spy_top: int = 15) -> dict:
     """One point: `concurrency` streams against `url`; the steps and prefix-cache
-    lookups as `metrics_url` (one router: every worker reports to each) counts them."""
+    lookups as `metrics_url` (one router: every worker reports to each) counts them;
+    with `spy_prefix`, py-spy records `cpu_pids` over the window."""
     bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                           "stream": True, "temperature": 0}).encode() for p in prompts(concurrency, prompt_words,
                                                                                         prefixes)]
@@ -156,9 +159,12 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     # rates over whatever interval those answers span.
     steps_before, prefix_before = _scrape(metrics_url)
     time.sleep(max(0.0, window[0] - time.time()))
+    spies = start_recording(cpu_pids, spy_prefix) if spy_prefix else []
     cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
     time.sleep(max(0.0, window[1] - time.time()))
     cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
+    if spies:
+        print_top(stop_recording(spies), f"router profile, {concurrency} streams", spy_top)
     steps_after, prefix_after = _scrape(metrics_url)
     steps = _histogram_delta(steps_before, steps_after)
     hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
@@ -215,13 +221,8 @@ def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:
     """From a router's /metrics: its engine-step histogram (upper bound ->
     cumulative count, over every worker), and the workers' prefix-cache
     (hit, looked-up) prompt tokens so far."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}, (0.0, 0.0)
     steps, hits, queries = {}, 0.0, 0.0
-    for line in text.splitlines():
+    for line in metric_lines(url):
         if line.startswith("pdd_scheduler_iteration_latency_seconds_bucket{"):
             le = float(line.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf"))
             steps[le] = steps.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -236,15 +237,8 @@ def _guards(urls) -> dict[str, float]:
     """GUARD_COUNTERS of every router, summed by series (name and labels)."""
     out: dict[str, float] = {}
     for url in urls:
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(GUARD_COUNTERS):
-                series, value = line.rsplit(" ", 1)
-                out[series] = out.get(series, 0.0) + float(value)
+        for key, value in series(metric_lines(url), GUARD_COUNTERS).items():
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -270,43 +264,25 @@ def _histogram_q(hist: dict[float, float], q: float) -> float | None:
 
 # ---------------------------------------------------------------- the cluster
 
-class Cluster:
-    """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
+class Cluster(UpProcess):
+    """`pdd up --routers N` on --port, ready; its routers' URLs and processes (stop() as Ctrl-C)."""
 
     def __init__(self, args, routers: int, run_dir: Path):
-        # -P: not the working directory first on sys.path, so that --server-path decides which pdd serves.
-        cmd = [sys.executable, "-P", "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
-               "--run-dir", str(run_dir), *(["--routers", str(routers)] if routers > 1 else [])]
-        cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
-            ["--prefill", str(args.prefill), "--decode", str(args.decode)]
-        if args.model:
-            cmd += ["--model", args.model]
-        env = dict(os.environ)
-        if args.server_path:   # the cluster runs another pdd (before/after in one sitting)
-            env["PYTHONPATH"] = os.pathsep.join([args.server_path, *filter(None, [env.get("PYTHONPATH")])])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, env=env)
-        for line in self.proc.stdout:
-            if "ready at" in line:
-                break
-        else:
-            raise RuntimeError(f"pdd up --routers {routers} did not start; logs in {run_dir}")
-        self.url = f"http://127.0.0.1:{args.port}"
-        from pdd.config_loader import load_cluster_config
-        cfg = load_cluster_config(run_dir / "cluster.toml")
-        # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
-        self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
-        self.own_url = self.router_urls[0]
-        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
-            self.model = json.loads(r.read())["data"][0]["id"]
-        self.router_pids = _router_pids(self.proc.pid)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
+        workers = f"colocated:{args.workers}" if args.mode == "colocated" else f"disagg:{args.prefill}p{args.decode}"
+        (layout,) = parse_layouts(workers, [f"{workers}=--routers {routers}"] if routers > 1 else [])
+        super().__init__(layout, run_dir, args.model, port=args.port, server_path=args.server_path)
+        self.__enter__()
         try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            from pdd.config_loader import load_cluster_config
+            cfg = load_cluster_config(self.run_dir / "cluster.toml")
+            # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
+            self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
+            self.own_url = self.router_urls[0]
+            self.model = first_model(Target(self.url))
+            self.router_pids = _router_pids(self.proc.pid)
+        except BaseException:
+            self.stop()
+            raise
 
 
 def _router_pids(parent: int) -> list[int]:
@@ -318,6 +294,8 @@ def _router_pids(parent: int) -> list[int]:
 def main(args) -> int:
     routers = [int(x) for x in args.routers.split(",")]
     points = [int(x) for x in args.concurrency.split(",")]
+    if args.py_spy:
+        py_spy_exe()   # refused before any cluster starts
     results = []
     for n in routers:
         run_dir = Path(args.run_dir) / f"routers-{n}"
@@ -326,7 +304,8 @@ def main(args) -> int:
             for c in points:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
                               args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
-                              cluster.router_urls)
+                              cluster.router_urls, Path(args.py_spy) / f"routers-{n}-streams-{c}" if args.py_spy
+                              else None, args.top)
                 r["routers"], r["server"] = n, args.server_path or "this pdd"
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
@@ -347,6 +326,5 @@ def main(args) -> int:
         print(f"routers {n}: peak {peak['tokens_s']:,.0f} tok/s at {peak['concurrency']} streams; at the most "
               f"streams {mine[-1]['tokens_s']:,.0f} ({100 * mine[-1]['tokens_s'] / max(peak['tokens_s'], 1):.0f}% "
               "of peak)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    write_json(args.json, summary)
     return 0

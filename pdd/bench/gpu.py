@@ -22,12 +22,12 @@ torch._scaled_mm with each scale kind) on 8192^3, reported beside them.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from pdd.bench.commands import write_json
 
 HBM_BYTES_S = 4.26e12      # measured device-to-device copy on the lent H200 (docs/design.md)
 MATMUL_FLOP_S = 796e12     # measured bf16 matmul on the lent H200
@@ -107,7 +107,7 @@ def _engine(args, max_batched: int, num_blocks: int):
                                   async_scheduling=not args.no_async_scheduling))
 
 
-def _timed_steps(engine, n: int) -> list[float]:
+def timed_steps(engine, n: int) -> list[float]:
     """Time between consecutive step() returns, steps back to back: a call
     returns when the device has finished a step (its tokens are out), so this is
     the rate at which a request gets tokens. With async scheduling a step's host
@@ -136,7 +136,7 @@ def bench_decode(args, engine, batch: int, context: int) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or engine.scheduler.waiting:
         engine.step()  # prefill everything first
     tokens_before = sum(r.num_tokens for r in reqs)
-    times = _timed_steps(engine, args.steps)
+    times = timed_steps(engine, args.steps)
     tokens_after = sum(r.num_tokens for r in reqs)
     assert all(not r.status.finished for r in reqs), "a request finished inside the measured steps"
     forward_ms = _graph_replay_ms(engine, batch)
@@ -250,7 +250,7 @@ def bench_mixed(args, engine, batch: int, chunk: int, prompt: int) -> dict:
                                    .tolist(), sp) for i in range(batch)]
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs) or sched.waiting:
             engine.step()
-        decode_ms = 1e3 * statistics.median(_timed_steps(engine, args.steps))
+        decode_ms = 1e3 * statistics.median(timed_steps(engine, args.steps))
         long = engine.add_request(f"m{batch}-{chunk}-prompt", torch.randint(0, vocab, (prompt,), generator=g).tolist(),
                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         engine.step()   # the pipeline holds one step: time from the next return on
@@ -337,6 +337,5 @@ def main(args) -> int:
                            for g in r["by_depth"])
         print(f"mixed   batch {args.mixed_batch} ctx {args.context}, chunk {c} of a {args.mixed_prompt}-token prompt: "
               f"decode step {r['decode_step_ms']:.1f} ms; with the chunk at depth {depths}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0

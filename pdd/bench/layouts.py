@@ -98,21 +98,26 @@ def _static(name: str, spec: str) -> tuple[str, ...]:
 
 
 class UpProcess:
-    """`pdd up` for one layout on a fresh loopback port; ready once it prints its URL."""
+    """`pdd up` for one layout on a loopback port (a free one unless given); ready once it prints its URL."""
 
     def __init__(self, layout: Layout, work_dir: Path, model: str | None = None, api_key: str | None = None,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, port: int | None = None, server_path: str | None = None):
+        """port: the router's (default: a free one); server_path: run the pdd package under
+        that directory instead of this one (a before/after in one sitting)."""
         from pdd.launcher import free_port
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work_dir / "up.log"
         self.run_dir = work_dir / "run"
-        self.cmd = [sys.executable, "-m", "pdd.cli", "up", "--port", str(self.port), "--run-dir",
-                    str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
+        # -P: not the working directory first on sys.path, so that server_path decides which pdd serves.
+        self.cmd = [sys.executable, *(["-P"] if server_path else []), "-m", "pdd.cli", "up", "--port", str(self.port),
+                    "--run-dir", str(self.run_dir), "--ready-timeout", str(ready_timeout_s), *layout.up_args]
         if model:
             self.cmd += ["--model", model]
         self.env = {**os.environ, **layout.env}
+        if server_path:
+            self.env["PYTHONPATH"] = os.pathsep.join([server_path, *filter(None, [self.env.get("PYTHONPATH")])])
         if api_key:   # not on the command line, where any user of the host reads it
             self.env["PDD_SECURITY__API_KEYS"] = api_key
         self.ready_timeout_s = ready_timeout_s

@@ -19,11 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from pdd.bench.metrics_calc import METRICS, Metrics, compute
 from pdd.bench.runner import LoadConfig, RunOutcome, run_load
-from pdd.bench.serve_client import Target, served_model
+from pdd.bench.serve_client import Target, first_model
 from pdd.bench.workloads import WorkloadConfig, build_workload, warmup_config
 
 
@@ -88,7 +86,7 @@ def run(cfg: ServeConfig) -> ServeResult:
     """Warm up, then one measured run of cfg's workload."""
     items = build_workload(cfg.workload)
     if not cfg.target.model:
-        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, model=asyncio.run(_model(cfg.target))))
+        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, model=first_model(cfg.target)))
     if cfg.num_warmups:
         warm = build_workload(warmup_config(cfg.workload, cfg.num_warmups))
         outcome = asyncio.run(run_load(cfg.target, warm, dataclasses.replace(cfg.load, request_rate=math.inf,
@@ -102,14 +100,6 @@ def run(cfg: ServeConfig) -> ServeResult:
         outcome = asyncio.run(run_load(cfg.target, items, cfg.load, on_done=lambda r: bar.update(1)))
     return ServeResult(cfg, total, outcome, compute(outcome.records, outcome.duration_s, cfg.slos_ms,
                                                     list(cfg.percentiles)))
-
-
-async def _model(target: Target) -> str:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            return await served_model(session, target)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise ValueError(f"{target.url}/v1/models: {type(e).__name__}: {e}") from None
 
 
 def summary(result: ServeResult, metrics: tuple[str, ...] = METRICS) -> str:

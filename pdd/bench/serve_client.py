@@ -165,3 +165,15 @@ async def served_model(session: aiohttp.ClientSession, target: Target) -> str:
     if not data:
         raise ValueError(f"{target.url}/v1/models lists no model; pass --model")
     return data[0]["id"]
+
+
+def first_model(target: Target) -> str:
+    """served_model from outside an event loop; a server that does not answer is
+    a ValueError naming its URL."""
+    async def ask() -> str:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            return await served_model(session, target)
+    try:
+        return asyncio.run(ask())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ValueError(f"{target.url}/v1/models: {type(e).__name__}: {e}") from None

@@ -19,13 +19,13 @@ import dataclasses
 import json
 import re
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from pdd.bench.gaps import anatomy
 from pdd.bench.layouts import Layout, UpProcess, parse_layouts
+from pdd.bench.scrape import metric_lines
 from pdd.bench.serve import ServeConfig, ServeResult, command_line, config_from_args, run, save, summary
 from pdd.model.tokenizer import servable_copy
 
@@ -110,18 +110,13 @@ def markdown(points: list[SweepPoint], slos_ms: dict[str, float]) -> str:
     return "\n".join(rows) + "\n"
 
 
-_PLACEMENT = re.compile(r'^pdd_placement_total\{kind="([^"]*)",reason="([^"]*)"\} ([0-9.e+]+)$', re.M)
+_PLACEMENT = re.compile(r'^pdd_placement_total\{kind="([^"]*)",reason="([^"]*)"\} ([0-9.e+]+)$')
 
 
 def placement_counts(url: str) -> dict[str, int]:
     """The router's placement decisions so far, "kind/reason" -> count (its /metrics);
     empty when the server is not pdd or does not answer."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return {}
-    return {f"{kind}/{reason}": int(float(n)) for kind, reason, n in _PLACEMENT.findall(text)}
+    return {f"{m[1]}/{m[2]}": int(float(m[3])) for m in map(_PLACEMENT.match, metric_lines(url)) if m}
 
 
 def _since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

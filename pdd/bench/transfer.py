@@ -53,16 +53,15 @@ pattern: one huge message makes the receiver allocate and page-fault the whole b
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 import zmq
 
+from pdd.bench.commands import write_json
 from pdd.bench.decode_side import LocalDecode, RemoteDecode, make_pool
 from pdd.kv.layout import KVLayout
 from pdd.transfer import make_sender
@@ -83,7 +82,7 @@ def _shape(name: str) -> tuple[int, int, int, str]:
     raise ValueError(f"--shape {name!r}: want 8b or tiny")
 
 
-def _layout(args) -> KVLayout:
+def kv_layout(args) -> KVLayout:
     """The KV layout of --shape, each of --layers/--kv-heads/--head-dim/--dtype given overriding it."""
     layers, heads, dim, dtype = _shape(getattr(args, "shape", None) or "8b")
 
@@ -313,7 +312,7 @@ def main(args) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats: want at least 1")
     backends = backends_for(args.backends, device)
-    layout = _layout(args)
+    layout = kv_layout(args)
     sizes = _request_blocks(args, layout)
     if args.ucx_tls:   # before any NIXL agent starts, here or in the decode process (which inherits it)
         os.environ["UCX_TLS"] = args.ucx_tls
@@ -337,8 +336,7 @@ def main(args) -> int:
         finally:
             rig.close()
     print(_report(results, layout))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

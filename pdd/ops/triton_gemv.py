@@ -210,7 +210,7 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# The row kernel's tiles, measured (`pdd bench gemv --sweep` on an H200, 132 SMs;
+# The row kernel's tiles, measured (`python -m benchmarks.gemv --sweep` on an H200, 132 SMs;
 # docs/benchmarks.md, "The decode GEMV"). Its loop is not software-pipelined, so
 # what keeps HBM busy is many programs an SM, each with one W tile in flight:
 # 4 rows a program (twice the programs of 8) beat wider tiles everywhere but
@@ -347,7 +347,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype; with silu,
     weight is [gate; up] (2I rows) and the result silu(gate) * up [M, I].
-    `config` overrides the tile table (`pdd bench gemv --sweep`)."""
+    `config` overrides the tile table (`python -m benchmarks.gemv --sweep`)."""
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D"
     m, k = x.shape
     n, wk = weight.shape

@@ -175,6 +175,11 @@ class CudaIpcSender(ControlSender):
 
     # -- engine side ---------------------------------------------------------
 
+    @property
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The side stream the page copies run on: what a timing of the copies records on."""
+        return self._side
+
     def prepare(self, target: TransferTarget) -> None:
         """Start opening the pool and registering as a writer as soon as the
         request is known, so the first layer's copy does not wait for it."""

@@ -217,7 +217,7 @@ def test_the_router_killed_and_restarted(tmp_path, tiny_model, offline):
     workers, told to register again, drop what they held and serve the new
     router. No `pdd up` here: it stops the cluster when its router dies."""
     from pdd.admin.client import call_with_config
-    from pdd.bench.load import start_cluster
+    from benchmarks.load import start_cluster
     cluster = start_cluster(tmp_path / "run", [("colocated", "colocated-0", None)], str(tiny_model), "colocated")
     try:
         router = next(c for c in cluster.children if c.name == "router")

@@ -13,7 +13,7 @@ import torch
 
 from pdd import SamplingParams
 from pdd.admin.client import call_with_config
-from pdd.bench.load import start_cluster
+from benchmarks.load import start_cluster
 from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.test_disagg_faults import assert_all_free
 from tests.engine.helpers import random_prompts

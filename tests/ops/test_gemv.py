@@ -102,7 +102,7 @@ def test_fused_silu_and_mul(kind, m, xdtype):
 @pytest.mark.parametrize("kind", ["plain", "block"])
 @pytest.mark.parametrize("m", [1, 5])
 def test_the_tile_configs_a_sweep_tries(kind, silu, m):
-    # `pdd bench gemv --sweep` passes its own configs (row kernel at 1 row, dot kernel
+    # `python -m benchmarks.gemv --sweep` passes its own configs (row kernel at 1 row, dot kernel
     # at 2..16); K not a multiple of BLOCK_K where block scales allow it.
     n, k = 192, 320
     w, s, block, w_deq = weights(kind, n, k, seed=8, dtype=torch.bfloat16)

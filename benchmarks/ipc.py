@@ -14,7 +14,7 @@ lent H200s):
   transfer  as the prefill worker sees it with nothing else running: first
             send_layer() -> commit acknowledged by the decode worker.
 
-    pdd bench ipc [--tokens 16384] [--layers 32 --kv-heads 8 --head-dim 128]
+    python -m benchmarks.ipc [--tokens 16384] [--layers 32 --kv-heads 8 --head-dim 128]
                   [--device cuda:0 --peer-device cuda:1] [--repeats 10] [--json FILE]
 
 --overlap-model DIR (a config-only checkpoint, dummy weights) adds the other
@@ -26,23 +26,40 @@ the time until the decode worker acknowledged the last page.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg, add_kv_shape_args, write_json
 from pdd.bench.decode_side import RemoteDecode, make_pool
-from pdd.bench.transfer import _layout
+from pdd.bench.transfer import kv_layout
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.cuda_ipc import CudaIpcSender
 
 IPC_CEILING_GB_S = 391.0
 
 
+def add_args(p) -> None:
+    p.add_argument("--tokens", type=int, default=16384, help="tokens of the request whose KV moves")
+    add_kv_shape_args(p)
+    p.add_argument("--device", default="cuda:0", help="the prefill side (sender)")
+    p.add_argument("--peer-device", default=None, help="the decode pool (default: cuda:1 if present)")
+    p.add_argument("--repeats", type=int, default=10, help="timed transfers")
+    p.add_argument("--layer-group", type=int, default=0, help="layers per copy launch during the forward (0: all, after the step)")
+    p.add_argument("--copy-ctas", default="0", help="comma list of programs per copy launch (0: one per page chunk)")
+    p.add_argument("--overlap-ctas", type=int, default=0, help="programs per copy launch in the overlap run")
+    p.add_argument("--overlap-model", default=None, help="config-only checkpoint: also measure prefill overlap")
+    p.add_argument("--overlap-tokens", type=int, default=8192, help="prompt tokens of the overlap run")
+    p.add_argument("--overlap-chunk", type=int, default=512, help="prefill chunk of the overlap run")
+    p.add_argument("--overlap-repeats", type=int, default=5, help="timed prefills of the overlap run")
+    p.add_argument("--overlap-kv-bytes", type=int, default=8 << 30, help="KV cache bytes of the overlap run's engine")
+    add_json_arg(p)
+
+
 def main(args) -> int:
-    layout = _layout(args)
+    layout = kv_layout(args)
     blocks = -(-args.tokens // layout.block_size)
     total = 2 * blocks + 1
     peer = args.peer_device or ("cuda:1" if torch.cuda.device_count() > 1 else args.device)
@@ -74,7 +91,7 @@ def main(args) -> int:
         sender.step_done()
         t_enqueue = time.perf_counter() - t0
         if timed_on_gpu:
-            with torch.cuda.stream(sender._side):
+            with torch.cuda.stream(sender.copy_stream):
                 end.record()
         sender.finish(rid)
         res = []
@@ -120,8 +137,7 @@ def main(args) -> int:
           f"{out['transfer_fraction_of_ceiling']:.0%} (first send_layer -> commit acknowledged)")
     if args.overlap_model:
         out["overlap"] = prefill_overlap(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 
@@ -193,3 +209,7 @@ def prefill_overlap(args) -> dict:
           f"while sending its KV {1e3 * p:.1f} ms ({p / a - 1:+.1%}), "
           f"last page acknowledged at {1e3 * d:.1f} ms ({d / a - 1:+.1%})")
     return out
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

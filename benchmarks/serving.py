@@ -7,15 +7,15 @@ latency is the engine's step time; through the stack it is the gap between
 SSE chunks the client sees. The difference is what the serving stack adds
 per token; tokens/s is the relay rate.
 
-    pdd bench serving [--model DIR] [--concurrency 1,64,512] [--max-tokens 64]
+    python -m benchmarks.serving [--model DIR] [--concurrency 1,64,512] [--max-tokens 64]
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
-from pdd.bench.load import burst, start_cluster
+from benchmarks.cli import run_as_main
+from benchmarks.load import burst, start_cluster
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 from pdd.bench.metrics_calc import latency_stats
 
 
@@ -39,6 +39,15 @@ def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     itl = latency_stats(gaps)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "itl_mean_ms": itl.mean,
             "itl_p50_ms": itl.median, "itl_p99_ms": itl.p99}
+
+
+def add_args(p) -> None:
+    add_tiny_model_arg(p)
+    p.add_argument("--concurrency", default="1,64,512", help="comma list of requests in flight at once, one run each")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--run-dir", default="/tmp/pdd-bench-serving", help="where the cluster's logs and config go")
+    add_json_arg(p)
 
 
 def main(args) -> int:
@@ -77,6 +86,9 @@ def main(args) -> int:
         r["added_latency_ms"] = h["itl_mean_ms"] - ip["itl_mean_ms"]
         print(f"{c:>8} {ip['tok_s']:>14.0f} {h['tok_s']:>11.0f} {ip['itl_mean_ms']:>15.2f} "
               f"{h['itl_mean_ms']:>12.2f} {r['added_latency_ms']:>15.2f} {h['itl_p99_ms']:>12.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

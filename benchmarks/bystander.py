@@ -1,7 +1,7 @@
 """A bystander stream on a throw-away colocated cluster: one long completion
 whose chunk gaps show whether something sent beside it (huge prompts, slow
-grammars) stalls the streams already flowing. Shared by `bench stall` and
-`bench grammar-stall`, which differ only in what they send beside it."""
+grammars) stalls the streams already flowing. Shared by benchmarks.stall and
+benchmarks.grammar_stall, which differ only in what they send beside it."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdd.bench.load import start_cluster
+from benchmarks.load import start_cluster
 
 
 @contextmanager

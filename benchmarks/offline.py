@@ -2,7 +2,7 @@
 batching) vs the same requests one at a time, and optionally vs HF
 transformers `generate` one at a time on the same model and device.
 
-    pdd bench offline [--model DIR] [--num-requests 64] [--hf]
+    python -m benchmarks.offline [--model DIR] [--num-requests 64] [--hf]
 
 With --ttft-by-length, instead: the prompts arrive together, --long-share of
 them long, and each class's time to first token is reported in engine steps
@@ -10,17 +10,19 @@ them long, and each class's time to first token is reported in engine steps
 served (engine.long_prefill_token_threshold 0) vs short ones first (the
 threshold given), and how many requests' outputs differ between the two.
 
-    pdd bench offline --ttft-by-length --max-tokens 1 --long-prefill-token-threshold 4096
+    python -m benchmarks.offline --ttft-by-length --max-tokens 1 --long-prefill-token-threshold 4096
 """
 from __future__ import annotations
 
-import json
 import platform
 import random
 import time
 
 import numpy as np
 import torch
+from benchmarks.cli import add_batch_args, run_as_main
+from pdd.bench.commands import add_json_arg, write_json
+from pdd.engine.args import add_engine_args
 
 
 def _requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -262,6 +264,24 @@ def _print_ttft_table(result: dict) -> None:
     print(f"requests whose output differs between the two: {result['outputs_differ']}")
 
 
+def add_args(p) -> None:
+    add_engine_args(p)
+    add_batch_args(p, (16, 256), 64, "in the batch")
+    p.add_argument("--hf", action="store_true", help="also time HF transformers generate, one at a time")
+    p.add_argument("--hf-batched", action="store_true", help="also time HF generate on all prompts at once")
+    p.add_argument("--hf-cb", action="store_true",
+                   help="also time HF generate_batch (its continuous batching) on all prompts")
+    p.add_argument("--no-solo", action="store_true", help="skip pdd one-request-at-a-time")
+    p.add_argument("--passes", type=int, default=2, help="batched passes; the last one is reported")
+    p.add_argument("--ttft-by-length", action="store_true",
+                   help="instead: time to first token of short and long prompts arriving together, in steps "
+                        "and seconds, first come first served vs short prompts first (--long-prefill-token-threshold)")
+    p.add_argument("--long-share", type=float, default=0.1, help="--ttft-by-length: the share of long prompts")
+    p.add_argument("--min-long-prompt", type=int, default=8192, help="--ttft-by-length: shortest long prompt, tokens")
+    p.add_argument("--max-long-prompt", type=int, default=16384, help="--ttft-by-length: longest long prompt, tokens")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     if args.ttft_by_length:
         result = run_ttft_by_length(args)
@@ -270,7 +290,9 @@ def main(args) -> int:
         result = run(args)
         for k, v in result.items():
             print(f"{k:>24}: {v:.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

@@ -18,8 +18,8 @@ Python standard library's sources, about 123k tokens, padded to --vocab as a
 checkpoint pads its embedding: checkpoints' tokenizers cannot be downloaded
 here, and pdd's tiny models have 1k tokens, where a mask costs nothing.
 
-    pdd bench grammar                       # CPU: mask, apply, handover
-    pdd bench grammar --engine --model conf/models/llama-3.1-8b --load-format dummy
+    python -m benchmarks.grammar                       # CPU: mask, apply, handover
+    python -m benchmarks.grammar --engine --model conf/models/llama-3.1-8b --load-format dummy
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg, write_json
 
 ITEM = {"type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12},
@@ -108,7 +110,7 @@ def _llguidance(compiler, so, seqs) -> dict:
     from pdd.grammar import fill_masks
 
     t0 = time.perf_counter()
-    compiler._compiled.clear()
+    compiler.flush()   # a cold compile: nothing cached
     compiler.matcher(so)
     compile_s = time.perf_counter() - t0
     matchers = [compiler.matcher(so) for _ in seqs]
@@ -220,7 +222,7 @@ def _engine_steps(args, engine, batch: int, so) -> dict:
 
     import pdd.grammar
     from pdd.api import SamplingParams
-    from pdd.bench.gpu import _timed_steps
+    from pdd.bench.gpu import timed_steps
 
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -244,7 +246,7 @@ def _engine_steps(args, engine, batch: int, so) -> dict:
             mask_s.append(time.perf_counter() - t0)
     pdd.grammar.fill_masks = timed
     try:
-        times = _timed_steps(engine, args.steps)
+        times = timed_steps(engine, args.steps)
     finally:
         pdd.grammar.fill_masks = original
     assert not any(r.status.finished for r in engine.scheduler.requests.values()), "a request ended early"
@@ -255,6 +257,24 @@ def _engine_steps(args, engine, batch: int, so) -> dict:
     engine.wait_in_flight()
     return {"step_ms": 1e3 * statistics.median(times),
             "mask_host_ms": 1e3 * statistics.median(mask_s) if mask_s else 0.0}
+
+
+def add_args(p) -> None:
+    p.add_argument("--vocab", type=int, default=128256, help="logits width (the bench tokenizer is padded to it)")
+    p.add_argument("--batches", default="1,64", help="comma list of batch sizes")
+    p.add_argument("--tokens", type=int, default=200, help="tokens per request in the mask measurement")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the 128k one the "
+                   "bench trains (and caches) on the standard library")
+    p.add_argument("--apply-device", default="cpu", help="where the masks are applied to logits (cpu, cuda)")
+    p.add_argument("--engine", action="store_true", help="also time engine decode steps with and without the grammar")
+    p.add_argument("--model", default="conf/models/llama-3.1-8b", help="config-only checkpoint for --engine")
+    p.add_argument("--load-format", default="dummy", help="--engine: dummy: random weights")
+    p.add_argument("--device", default="cuda", help="--engine: the engine's device")
+    p.add_argument("--num-blocks", type=int, default=8192, help="--engine: KV cache blocks")
+    p.add_argument("--context", type=int, default=1024, help="--engine: context tokens of each decoding request")
+    p.add_argument("--steps", type=int, default=60, help="--engine: decode steps timed")
+    p.add_argument("--workdir", default=None, help="where --engine writes its checkpoint (config + bench tokenizer)")
+    add_json_arg(p)
 
 
 def main(args) -> int:
@@ -308,6 +328,9 @@ def main(args) -> int:
                                    "mask_host_ms": guided["mask_host_ms"], "overhead": overhead}
             print(f"engine batch {b:3d}: step {free['step_ms']:.2f} ms free, {guided['step_ms']:.2f} ms guided "
                   f"({100 * overhead:+.1f}%), mask on the host {guided['mask_host_ms']:.2f} ms/step")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

@@ -1,6 +1,8 @@
-"""Bursts and throw-away clusters for the older benchmarks (`bench serving`,
-`bench disagg`): all prompts at once or one at a time, measured with the
-`bench serve` client and metric definitions (serve_client, metrics_calc)."""
+"""Throw-away clusters started in this process (start_cluster: the launcher's
+handles, for these benchmarks and the tests), and bursts for the older
+benchmarks (benchmarks.serving, benchmarks.disagg): all prompts at once or one
+at a time, measured with the `pdd bench serve` client and metric definitions
+(serve_client, metrics_calc)."""
 from __future__ import annotations
 
 import asyncio

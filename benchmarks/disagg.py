@@ -11,17 +11,19 @@ On GPUs each worker gets its own (prefill cuda:0, decode cuda:1; colocated
 cuda:0). A config-only checkpoint (--load-format dummy) is served with a word
 tokenizer (pdd.model.tokenizer.servable_copy).
 
-    pdd bench disagg [--model DIR] [--num-requests 64] [--sequential]
+    python -m benchmarks.disagg [--model DIR] [--num-requests 64] [--sequential]
                      [--load-format dummy --kv-cache-bytes N --transfer-backend auto] [--json FILE]
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 
-from pdd.bench.load import burst, one_at_a_time, start_cluster
+from benchmarks.cli import add_batch_args, run_as_main
+from benchmarks.load import burst, one_at_a_time, start_cluster
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
+from pdd.engine.args import add_kv_cache_dtype_arg
 from pdd.model.tokenizer import servable_copy
 
 
@@ -67,6 +69,24 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
+def add_args(p) -> None:
+    add_tiny_model_arg(p)
+    add_batch_args(p, (64, 512), 32, "per layout")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated run)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated run)")
+    p.add_argument("--run-dir", default="/tmp/pdd-bench-disagg", help="where each cluster's logs and config go")
+    p.add_argument("--sequential", action="store_true", help="one request at a time (TTFT without queueing)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add_kv_cache_dtype_arg(p)
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="each worker's KV cache budget (default: engine.kv_cache_bytes / gpu_memory_utilization)")
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "tcp", "cuda_ipc", "nixl"],
+                   help="the KV data plane between the workers")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
@@ -93,6 +113,9 @@ def main(args) -> int:
               for p in ("reserve", "first_token", "prefill")}
     print("disagg phases at the router (means incl. warm-up): "
           + ", ".join(f"{p} {1e3 * v:.1f} ms" for p, v in phases.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

@@ -1,4 +1,4 @@
-"""`pdd bench fp8-error`: the FP8 variants carry the FP8 checkpoints' quantization,
+"""`python -m benchmarks.fp8_error`: the FP8 variants carry the FP8 checkpoints' quantization,
 and the report compares each with the unquantized model in sane ranges."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from pdd import LLM
-from pdd.bench.fp8_error import parse_variant, quantize_linears
-from pdd.cli import main
+from benchmarks import fp8_error
+from benchmarks.cli import run
+from benchmarks.fp8_error import parse_variant, quantize_linears
 from pdd.model import fp8
 from pdd.model.llama import PACKED_MODULES
 from pdd.model.loader import shard_slice
@@ -56,9 +57,9 @@ def test_variant_weights_are_those_the_fp8_checkpoint_loads(tmp_path, fmt):
 
 def test_report_compares_each_variant_with_the_reference(tmp_path):
     out = tmp_path / "report.json"
-    assert main(["bench", "fp8-error", "--device", "cpu", "--num-prompts", "3", "--prompt-len", "40",
-                 "--greedy-tokens", "6", "--variants", "reference,w-channel,w-block,kv,kv-calibrated,w-tensor+kv",
-                 "--json", str(out)]) == 0
+    assert run(fp8_error, ["--device", "cpu", "--num-prompts", "3", "--prompt-len", "40", "--greedy-tokens", "6",
+                           "--variants", "reference,w-channel,w-block,kv,kv-calibrated,w-tensor+kv",
+                           "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["positions"] == 3 * 40 and report["weights"] == "llm-like"
     assert abs(report["reference"]["entropy_mean"] - 2.0) < 1e-3   # the logits were scaled to the target

@@ -6,19 +6,19 @@ the stream's chunk gaps before and during that window, the worst /health
 answer time during it, and what tokenizing one such prompt costs on its own —
 the share a concurrent stream may fairly lose when tokenization is off the loop.
 
-    pdd bench stall [--model DIR] [--big-prompts 4] [--body-bytes 4000000]
+    python -m benchmarks.stall [--model DIR] [--big-prompts 4] [--body-bytes 4000000]
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import aiohttp
 
-from pdd.bench.bystander import Bystander, colocated_cluster
+from benchmarks.bystander import Bystander, colocated_cluster
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 
 
 async def _probe_health(session, url: str, until: asyncio.Event, times: list[float]) -> None:
@@ -67,6 +67,14 @@ def _tokenize_once(model: str | None, body_bytes: int) -> float:
     return time.perf_counter() - t0
 
 
+def add_args(p) -> None:
+    add_tiny_model_arg(p)
+    p.add_argument("--big-prompts", type=int, default=4, help="huge prompts sent while the stream runs")
+    p.add_argument("--body-bytes", type=int, default=4_000_000, help="each big prompt's JSON body, about")
+    p.add_argument("--run-dir", default="/tmp/pdd-bench-stall", help="where the cluster's logs and config go")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     with colocated_cluster(args.run_dir, args.model) as cluster:
         result = asyncio.run(_measure(cluster.url, cluster.model_name, cluster.headers, args.big_prompts,
@@ -78,6 +86,9 @@ def main(args) -> int:
     print(f"live stream: chunk gap p50 before {result['gap_p50_before_ms']:.1f} ms, worst during "
           f"{result['max_gap_during_ms']:.1f} ms ({result['chunks_in_window']} chunks in the window); "
           f"worst /health during: {result['max_health_ms_during']:.1f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

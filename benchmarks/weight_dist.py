@@ -1,5 +1,5 @@
 """Random weights shaped like a trained LLM's, for measuring what quantization does
-without a trained checkpoint (pdd.bench.fp8_error).
+without a trained checkpoint (benchmarks.fp8_error).
 
 I.i.d. Gaussian weights are the easy case for any quantizer: every row and column
 has the same range, nothing sticks out. Trained Llama-family weights do not look

@@ -14,19 +14,19 @@ Each variant is timed as one CUDA graph of many calls (no launch gaps, as in a
 captured decode step), cycling over enough weight copies that they do not fit
 in L2: every call reads its weights from HBM, as a decode step's layers do.
 
-    pdd bench gemv --m 1,4,16 [--json FILE]     # on the device
-    pdd bench gemv --sweep [--sweep-rows 1|16] [--json FILE]   # a kernel's tile configs
+    python -m benchmarks.gemv --m 1,4,16 [--json FILE]     # on the device
+    python -m benchmarks.gemv --sweep [--sweep-rows 1|16] [--json FILE]   # a kernel's tile configs
 """
 from __future__ import annotations
 
 import functools
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.bench.gpu import HBM_BYTES_S
 
 SHAPES_8B = {   # name: (N, K, SiLU-and-mul of [gate; up] follows)
@@ -132,6 +132,16 @@ def _block_gemm() -> bool:
     return fp8_linear.block_gemm_supported()
 
 
+def add_args(p) -> None:
+    p.add_argument("--m", default="1,4,16", help="comma list of token counts (rows of x)")
+    p.add_argument("--reps", type=int, default=64, help="calls captured in each timed CUDA graph")
+    p.add_argument("--sweep", action="store_true",
+                   help="time one kernel's tile configs for each layer and weight kind instead")
+    p.add_argument("--sweep-rows", type=int, default=1, choices=[1, 16],
+                   help="--sweep: 1: the one-row kernel; 16: the 2..16-row kernel (timed at 4 and 16 rows)")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     if args.sweep:
         return sweep(args)
@@ -148,8 +158,7 @@ def main(args) -> int:
                 label = f"{name}{'+silu' if silu else ''}"
                 print(f"{label:<13} {f'{n}x{k}':>12} {m:>3}  {r['path']:<24} {r['us']:>8.1f} {r['gb_s']:>7.0f} "
                       f"{100 * r['fraction_of_hbm']:>6.0f}%", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 
@@ -232,7 +241,6 @@ def sweep(args) -> int:
     import multiprocessing as mp
 
     from pdd.ops import triton_gemv
-    from pdd.ops.triton_common import _num_sms
 
     bucket = args.sweep_rows
     ms = (1,) if bucket == 1 else (4, 16)
@@ -244,7 +252,7 @@ def sweep(args) -> int:
     print(f"compiled {len(cases)} variants in {time.monotonic() - t0:.0f} s on {procs} processes "
           f"({failed} did not build); timed at M = {', '.join(map(str, ms))}, us summed over those", flush=True)
     rows = []
-    sms = _num_sms(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for kind in _SWEEP_KINDS:
         for name, (n, k, silu) in SHAPES_8B.items():
             w_bytes = n * k * _elem_bytes(kind)
@@ -273,7 +281,10 @@ def sweep(args) -> int:
             print(f"{kind:<12} {name:<13} table {table_us:6.1f} us | best: {best}", flush=True)
             del weights
             torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-                                               "rows_bucket": bucket, "rows": rows}, indent=2))
+    write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                           "rows_bucket": bucket, "rows": rows})
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

@@ -1,7 +1,7 @@
 """What FP8 weights and an FP8 KV cache change in a model's next-token distributions.
 
 One reference model (the checkpoint's weights, or random weights of
-pdd.bench.weight_dist's distributions, in the engine's dtype) against variants
+benchmarks.weight_dist's distributions, in the engine's dtype) against variants
 of it, all run by pdd's engine code:
 - `w-FMT` (FMT in pdd.model.make_fp8.FP8_FORMATS: tensor, channel, block,
   compressed): every linear that an FP8 checkpoint of that format quantizes is
@@ -29,21 +29,22 @@ format quantizes) so that the reference's mean next-token entropy is
 `--target-entropy` nats: a random model's distributions are otherwise either
 near-uniform or near-one-hot, and KL scales with them.
 
-    pdd bench fp8-error [--model DIR] [--weights llm-like|gaussian|checkpoint] [--json FILE]
+    python -m benchmarks.fp8_error [--model DIR] [--weights llm-like|gaussian|checkpoint] [--json FILE]
 """
 from __future__ import annotations
 
 import gc
-import json
+import importlib.resources
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from benchmarks import weight_dist
+from benchmarks.cli import run_as_main
 from pdd.api import SamplingParams
-from pdd.bench import weight_dist
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.fp8_format import FP8_MAX
 from pdd.kv.scales import KVScales
 from pdd.model import fp8
@@ -54,7 +55,8 @@ from pdd.ops.metadata import AttentionMetadata
 
 DEFAULT_VARIANTS = ("reference", "w-tensor", "w-channel", "w-block", "w-compressed", "kv", "kv-calibrated",
                     "w-channel+kv", "w-block+kv")
-_CORPUS = Path(__file__).parents[1] / "model" / "corpus.txt"
+# the English text pdd ships for its built-in tokenizer (package data of pdd.model)
+_CORPUS = importlib.resources.files("pdd.model") / "corpus.txt"
 
 
 @dataclass(frozen=True)
@@ -341,9 +343,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def add_args(p) -> None:
+    p.add_argument("--model", default=None, help="the unquantized checkpoint (default: the built-in tiny model; "
+                   "a config-only one with --load-format dummy)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: no weight files read (with --weights checkpoint: random Gaussian 0.02)")
+    p.add_argument("--weights", default="llm-like", choices=["llm-like", "gaussian", "checkpoint"],
+                   help="the reference's weights: llm-like (heavy-tailed, channel spread, outliers: "
+                        "benchmarks.weight_dist), gaussian (i.i.d.), checkpoint (the model's own)")
+    p.add_argument("--variants", default="reference,w-tensor,w-channel,w-block,w-compressed,kv,kv-calibrated,"
+                   "w-channel+kv,w-block+kv", help="comma list: w-tensor|channel|block|compressed (FP8 weights as "
+                   "that checkpoint format stores them), kv / kv-calibrated (fp8_e4m3 cache, unit / amax scales), "
+                   "'+' joins two; reference: the reference against itself")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts (teacher-forced, every position compared)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens a prompt")
+    p.add_argument("--greedy-tokens", type=int, default=32, help="tokens generated greedily a prompt (0: none)")
+    p.add_argument("--target-entropy", type=float, default=2.0,
+                   help="generated weights: scale the logits to this mean next-token entropy, nats (0: leave)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU, bfloat16 on a GPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     report = run(args)
     print(markdown(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

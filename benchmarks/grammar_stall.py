@@ -14,19 +14,19 @@ bystander's chunk gaps alone, beside the K plain requests and beside the K
 grammar requests, the K's answers and wall time, and whether the router saw
 any worker turn suspect, lost or hung meanwhile.
 
-    pdd bench grammar-stall [--model DIR] [--grammars 48] [--alone-s 1]
+    python -m benchmarks.grammar_stall [--model DIR] [--grammars 48] [--alone-s 1]
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 
-from pdd.bench.bystander import Bystander, colocated_cluster
+from benchmarks.bystander import Bystander, colocated_cluster
+from benchmarks.cli import run_as_main
+from pdd.bench.commands import add_json_arg, add_tiny_model_arg, write_json
 from pdd.bench.metrics_calc import latency_stats
 
 # Router counters that move when a worker stops answering in time: liveness
@@ -138,11 +138,23 @@ def _summary(r: dict) -> str:
     return "\n".join(lines)
 
 
+def add_args(p) -> None:
+    add_tiny_model_arg(p)
+    p.add_argument("--grammars", type=int, default=48,
+                   help="requests sent at once, each with its own slow regex (a{1000}){N}, N = 2..K+1")
+    p.add_argument("--alone-s", type=float, default=1.0, help="seconds the stream's gaps are measured alone first")
+    p.add_argument("--run-dir", default="/tmp/pdd-bench-grammar-stall", help="where the cluster's logs and config go")
+    add_json_arg(p)
+
+
 def main(args) -> int:
     with colocated_cluster(args.run_dir, args.model) as cluster:
         result = asyncio.run(_measure(cluster, args.grammars, args.alone_s))
     result["date"] = time.strftime("%Y-%m-%d")
     print(_summary(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)
