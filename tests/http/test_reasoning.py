@@ -110,15 +110,21 @@ def test_auto_reads_the_chat_template(tmp_path):
 
 
 def test_the_request_fields():
-    """enable_thinking false, or a grammar, turn the split off; reasoning_effort
-    is a template variable (chat_template_kwargs' own wins)."""
+    """enable_thinking false turns the split off; a grammar applies after the
+    reasoning, or from the first token without it; reasoning_effort is a
+    template variable (chat_template_kwargs' own wins)."""
     def parse(**fields):
         return s.parse_chat_request(json.dumps({"messages": ASK, **fields}).encode(), ("tiny",), reasoning_fmt=R1)
 
     assert parse().reasoning == R1
     assert parse(chat_template_kwargs={"enable_thinking": False}).reasoning is None
     assert parse(chat_template_kwargs={"enable_thinking": True}).reasoning == R1
-    assert parse(response_format={"type": "json_object"}).reasoning is None
+    after = parse(response_format={"type": "json_object"})
+    assert after.reasoning == R1 and after.sampling.structured_output.reasoning == "deepseek_r1"
+    plain = parse(response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": False})
+    assert plain.reasoning is None and plain.sampling.structured_output.reasoning == ""
+    forced = parse(tools=TOOLS, tool_choice="required")
+    assert forced.sampling.structured_output.reasoning == "deepseek_r1"
     assert parse(reasoning_effort="low").template_args["reasoning_effort"] == "low"
     assert parse(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}
                  ).template_args["reasoning_effort"] == "high"
