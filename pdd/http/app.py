@@ -54,6 +54,7 @@ from pdd.http import request_log
 from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
+from pdd.http.reasoning import FIELDS as REASONING_FIELDS
 from pdd.http.reasoning import ReasoningSplit, reasoning_format
 from pdd.http.tools import ToolCallReader, tool_format
 from pdd.http.utility import IGNORED_FIELDS_KEY, UtilityEndpoints
@@ -422,7 +423,7 @@ class OpenAIServer:
                 thought, delta = thought + more_thought, delta + more
             if not thought:   # (all of it may be held back: a tag may begin)
                 return answer_chunk(i, delta, reason, frag) if delta or reason or frag else b""
-            out = chunks.chunk(i, {"reasoning_content": thought}, None, frag, so_far())
+            out = chunks.chunk(i, dict.fromkeys(REASONING_FIELDS, thought), None, frag, so_far())
             return out + answer_chunk(i, delta, reason) if delta or reason else out
 
         def answer_chunk(i: int, delta: str, reason, frag=None) -> bytes:

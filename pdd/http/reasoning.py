@@ -1,5 +1,6 @@
 """Reasoning models: the output's `<think>...</think>` part, split from the
-answer into `reasoning_content` (as vLLM's reasoning outputs).
+answer into `reasoning` and `reasoning_content` (FIELDS; as vLLM's reasoning
+outputs).
 
 Parsers (`router.reasoning_parser`; "auto" reads the chat template):
 - deepseek_r1: the template opens `<think>` in the prompt, so the output starts
@@ -31,6 +32,11 @@ from dataclasses import dataclass
 from pdd.api import REASONING_FORMATS as PARSERS
 from pdd.api import StructuredOutput
 OPEN, CLOSE = "<think>", "</think>"
+# The names a chat message and a stream delta give the reasoning under: vLLM's
+# `reasoning` (its name since late 2025, the only one it emits now), and the
+# `reasoning_content` it had before, which LiteLLM, LangChain and most other
+# clients still read. Both, so that either kind of client finds it.
+FIELDS = ("reasoning", "reasoning_content")
 
 # ReasoningSplit's states
 _START, _THINKING, _CONTENT = 0, 1, 2

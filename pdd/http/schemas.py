@@ -306,11 +306,15 @@ def _message(m: object, i: int) -> dict:
     if calls:
         message["tool_calls"] = calls
     # Templates that know them write them; the others ignore them (reasoning_content:
-    # an earlier answer's, as a reasoning model's template may show or drop it).
+    # an earlier answer's, as a reasoning model's template may show or drop it;
+    # a client may send it back under either name of pdd.http.reasoning.FIELDS).
     for key in ("name", "tool_call_id", "reasoning_content"):
         value = mf.string(key)
         if value is not None:
             message[key] = value
+    reasoning = mf.string("reasoning")
+    if reasoning is not None:
+        message.setdefault("reasoning_content", reasoning)
     return message
 
 

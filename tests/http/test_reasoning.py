@@ -208,7 +208,7 @@ THOUGHT = "Let me think.</think>The answer is 4."
 def test_a_whole_answer_has_reasoning_content_beside_content(thinking_model):
     (out,) = _scripted(thinking_model, THOUGHT, {})
     message = out["choices"][0]["message"]
-    assert message["reasoning_content"] == "Let me think."
+    assert message["reasoning_content"] == message["reasoning"] == "Let me think."   # either name a client reads
     assert message["content"] == "The answer is 4."
     assert out["choices"][0]["finish_reason"] == "stop"
 
@@ -224,6 +224,8 @@ def test_a_stream_sends_reasoning_content_deltas_then_content_deltas(thinking_mo
     assert "".join(t for k, t in deltas if k == "reasoning_content") == "Let me think."
     assert "".join(t for k, t in deltas if k == "content") == "The answer is 4."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    thoughts = [ch["choices"][0]["delta"] for ch in chunks if "reasoning" in ch["choices"][0]["delta"]]
+    assert thoughts and all(d["reasoning"] == d["reasoning_content"] for d in thoughts)
 
 
 def test_the_openai_client_reads_reasoning_content(thinking_model):
@@ -332,5 +334,8 @@ def test_the_default_checkpoint_has_no_reasoning_parser(tiny_model):
 def test_an_earlier_answers_reasoning_content_reaches_the_template():
     history = ASK + [{"role": "assistant", "content": "4", "reasoning_content": "2 and 2"},
                      {"role": "user", "content": "And 3 + 3?"}]
+    req = s.parse_chat_request(json.dumps({"messages": history}).encode(), ("tiny",))
+    assert req.messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2"}
+    history[1] = {"role": "assistant", "content": "4", "reasoning": "2 and 2"}   # vLLM's newer name
     req = s.parse_chat_request(json.dumps({"messages": history}).encode(), ("tiny",))
     assert req.messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2"}
