@@ -79,7 +79,8 @@ class OpenAIServer:
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
         self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
-        self.response_store = responses_api.ResponseStore()   # previous_response_id's
+        # Stored responses (GET, previous_response_id), their ids naming this router.
+        self.response_store = responses_api.ResponseStore(router=router.cfg.router.index)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -131,16 +132,26 @@ class OpenAIServer:
         """The Responses API, served as the chat request it is (pdd.http.responses_api)."""
         body = await self.read_body(request)
         req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
-            chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format))
+            chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format,
+            reasoning_fmt=self.reasoning_format))
         self.note_ignored(request, rr.ignored_fields)
         if not request[request_log.FROM_CLIENT]:   # the request's id is the response's (not a client's: it may repeat)
-            rr.id = "resp_" + request[request_log.REQUEST_ID].removeprefix("resp-")
+            rr.id = self.response_store.new_id(request[request_log.REQUEST_ID].removeprefix("resp-"))
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
         try:
             return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
         except APIError as e:   # the prompt's length, the schema's compilation: in the Responses fields' names
             raise responses_api.renamed(e, rr.sources) from None
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel: a stored response."""
+        response_id = request.match_info["response_id"]
+        if request.method == "GET":
+            return json_response(responses_api.retrieve(self.response_store, response_id))
+        if request.method == "DELETE":
+            return json_response(responses_api.delete(self.response_store, response_id))
+        return json_response(responses_api.cancel(self.response_store, response_id))
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is
@@ -585,6 +596,9 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_post("/v1/responses", server.responses)
+    app.router.add_get("/v1/responses/{response_id}", server.stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", server.stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", server.stored_response)
     app.router.add_get("/v1/models", utility.models)
     app.router.add_post("/tokenize", utility.tokenize)
     app.router.add_post("/detokenize", utility.detokenize)

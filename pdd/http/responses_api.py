@@ -41,33 +41,94 @@ PASSED = ("seed", "top_k", "user")
 
 
 class ResponseStore:
-    """Recent responses' conversations (chat messages, up to and with the
-    response's output) by response id, bounded by count and by size."""
+    """Recent stored responses by id: the response object (GET) and the
+    conversation up to and with its output (chat messages: previous_response_id),
+    bounded by count and by size, least recently used out first.
 
-    def __init__(self, max_entries: int = RESPONSE_STORE_ENTRIES, max_chars: int = RESPONSE_STORE_CHARS):
-        self.max_entries, self.max_chars = max_entries, max_chars
-        self._entries: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+    `router`: this router's index; every id it gives names it (`new_id`), so
+    that a request for another router's response is told where it lives."""
+
+    def __init__(self, max_entries: int = RESPONSE_STORE_ENTRIES, max_chars: int = RESPONSE_STORE_CHARS,
+                 router: int = 0):
+        self.max_entries, self.max_chars, self.router = max_entries, max_chars, router
+        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
         self.chars = 0
 
+    def new_id(self, unique: str) -> str:
+        return f"resp_r{self.router}_{unique}"
+
     def get(self, response_id: str) -> list[dict] | None:
+        """The conversation of a stored response, or None."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
         self._entries.move_to_end(response_id)
-        return entry[0]
+        return entry[1]
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        size = len(orjson.dumps(messages))
+    def response(self, response_id: str) -> dict | None:
+        entry = self._entries.get(response_id)
+        return None if entry is None else entry[0]
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        size = len(orjson.dumps(response)) + len(orjson.dumps(messages))
         if size > self.max_chars:
             return   # it would push out every other one and still not fit
-        self._entries[response_id] = (messages, size)
+        self._entries[response["id"]] = (response, messages, size)
         self.chars += size
         while len(self._entries) > self.max_entries or self.chars > self.max_chars:
-            _, (_, dropped) = self._entries.popitem(last=False)
+            _, (_, _, dropped) = self._entries.popitem(last=False)
             self.chars -= dropped
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.chars -= entry[2]
+        return entry is not None
+
+    def not_found(self, response_id: str) -> APIError:
+        return APIError(404, f"Response with id '{response_id}' not found: {self.why_not_here(response_id)}")
+
+    def why_not_here(self, response_id: str) -> str:
+        """Why a response is not here: another router's (its id says which), or
+        not kept (never stored, store false, pushed out, deleted)."""
+        made_by = _ROUTER_OF.match(response_id)
+        if made_by and int(made_by.group(1)) != self.router:
+            other = made_by.group(1)
+            return (f"it was made by router {other}, and each router keeps the responses it made in its own "
+                    f"memory: ask router {other} (this is router {self.router})")
+        return (f"this router keeps the last {self.max_entries} stored responses in memory, none made with "
+                "store false, none deleted")
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_ROUTER_OF = re.compile(r"resp_r(\d+)_")
+
+
+def retrieve(store: ResponseStore, response_id: str) -> dict:
+    """GET /v1/responses/{id}: the stored response object."""
+    response = store.response(response_id)
+    if response is None:
+        raise store.not_found(response_id)
+    return response
+
+
+def delete(store: ResponseStore, response_id: str) -> dict:
+    """DELETE /v1/responses/{id}: OpenAI's deletion object."""
+    if not store.delete(response_id):
+        raise store.not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def cancel(store: ResponseStore, response_id: str) -> dict:
+    """POST /v1/responses/{id}/cancel: only a background response can be
+    cancelled (OpenAI's rule), and this server runs none (`background` is
+    refused): a stored one is over."""
+    if store.response(response_id) is None:
+        raise store.not_found(response_id)
+    raise APIError(400, f"Response with id '{response_id}' cannot be cancelled: only background responses can, "
+                        "and this server runs none (it has completed)")
 
 
 # ---------------------------------------------------------------- request: Responses -> chat
@@ -97,9 +158,9 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
     if previous_id is not None:
         history = store.get(previous_id)
         if history is None:
-            raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: this server "
-                                              f"keeps the last {store.max_entries} stored responses in memory "
-                                              "(of this router); send the conversation in 'input' instead")
+            raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: "
+                                              f"{store.why_not_here(previous_id)}; send the conversation in "
+                                              "'input' instead")
     given, given_from = _input(f)
     instructions = f.string("instructions")
     first = [{"role": "system", "content": instructions}] if instructions is not None else []
@@ -133,7 +194,7 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
                 "parallel_tool_calls": _or(f.obj.get("parallel_tool_calls"), True),
                 "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
                 "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
-    rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored, sources)
+    rr = ResponsesRequest(store.new_id(uuid.uuid4().hex), int(time.time()), settings, history, stored, sources)
     return chat, rr
 
 
@@ -160,13 +221,24 @@ def _input(f: Fields) -> tuple[list[dict], list[str]]:
             raise wrong_type(param, "an object", item)
         itf = Fields(item, prefix=param + ".")
         kind = itf.string("type", "message")
+        last = messages[-1] if messages else None
         if kind == "message":
-            messages.append(_message(itf))
+            message = _message(itf)
+            if (message["role"] == "assistant" and last is not None and last["role"] == "assistant"
+                    and last["content"] == "" and "tool_calls" not in last):   # the answer of a reasoning item
+                last["content"] = message["content"]
+            else:
+                messages.append(message)
+                sources.append(param)
+        elif kind == "reasoning":
+            # An earlier answer's reasoning, sent back as OpenAI asks: its
+            # assistant message's reasoning_content (the template decides
+            # whether it is shown), the answer and calls after it joined to it.
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _reasoning_text(itf)})
             sources.append(param)
         elif kind == "function_call":
             call = {"id": _required(itf, "call_id"), "type": "function",
                     "function": {"name": _required(itf, "name"), "arguments": _required(itf, "arguments")}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -178,8 +250,22 @@ def _input(f: Fields) -> tuple[list[dict], list[str]]:
             sources.append(param)
         else:
             raise bad(itf.param("type"), f"'{itf.param('type')}': input items of type {kind!r} are not supported; "
-                                         "only message, function_call and function_call_output")
+                                         "only message, reasoning, function_call and function_call_output")
     return messages, sources
+
+
+def _reasoning_text(rf: Fields) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's)."""
+    for name in ("content", "summary"):
+        parts = rf.obj.get(name)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise wrong_type(rf.param(name), "an array of text parts", parts)
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
 
 
 def _message(mf: Fields) -> dict:
@@ -278,12 +364,12 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     (c,), = groups
     if not req.stream:
         await server._collect(req, groups)
-        output = output_items(req.tool_format, c.text.text, c.finish_reason)
+        output = output_items(req.tool_format, req.reasoning, c.text.text, c.finish_reason)
         body = response_object(rr, req.model, status_of(c.finish_reason), output, usage(server._usage(req, groups)))
         if rr.store:
-            server.response_store.put(rr.id, conversation(rr, output))
+            server.response_store.put(body, conversation(rr, output))
         return json_response(body)
-    events = EventStream(rr, req.model, req.tool_format)
+    events = EventStream(rr, req.model, req.tool_format, req.reasoning)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await resp.write(events.start())
@@ -294,7 +380,7 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     else:
         last, final = events.end(usage(server._usage(req, groups)))
         if rr.store:
-            server.response_store.put(rr.id, conversation(rr, final["output"]))
+            server.response_store.put(final, conversation(rr, final["output"]))
         await resp.write(last)
     await resp.write_eof()   # no [DONE]: the last event says the end, as OpenAI's
     return resp
