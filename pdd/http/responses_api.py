@@ -36,8 +36,9 @@ RESPONSE_STORE_ENTRIES = 1024
 RESPONSE_STORE_CHARS = 64 << 20
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-# Fields passed on to chat as they are: vLLM's sampling extras, and OpenAI's user (read, not used).
-PASSED = ("seed", "top_k", "user")
+# Fields passed on to chat as they are: vLLM's sampling extras, chat_template_kwargs
+# (a reasoning model's enable_thinking), and OpenAI's user (read, not used).
+PASSED = ("seed", "top_k", "chat_template_kwargs", "user")
 
 
 class ResponseStore:
@@ -173,6 +174,9 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", *PASSED):
         if f.obj.get(name) is not None:
             chat[name] = f.obj.get(name)
+    effort = Fields(f.mapping("reasoning") or {}, prefix="reasoning.").string("effort")
+    if effort is not None:   # OpenAI's reasoning.effort is chat's reasoning_effort (a template variable)
+        chat["reasoning_effort"] = effort
     max_output = f.integer("max_output_tokens", lo=1)
     if max_output is not None:
         chat["max_completion_tokens"] = max_output
@@ -193,7 +197,8 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
                 "tools": tools or [], "tool_choice": choice if choice is not None else "auto",
                 "parallel_tool_calls": _or(f.obj.get("parallel_tool_calls"), True),
                 "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
-                "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
+                "store": stored, "metadata": metadata or {}, "truncation": "disabled",
+                "reasoning": {"effort": effort, "summary": None} if effort is not None else None}
     rr = ResponsesRequest(store.new_id(uuid.uuid4().hex), int(time.time()), settings, history, stored, sources)
     return chat, rr
 
@@ -340,6 +345,7 @@ def _response_format(ff: Fields) -> dict:
 _RENAMES = [(re.compile(r"response_format\.json_schema\."), "text.format."),
             (re.compile(r"response_format"), "text.format"),
             (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+            (re.compile(r"reasoning_effort"), "reasoning.effort"),
             (re.compile(r"(tools\[\d+\])\.function\."), r"\1."),
             (re.compile(r"tool_choice\.function\."), "tool_choice.")]
 _MESSAGE = re.compile(r"\bmessages(?:\[(\d+)\])?")
