@@ -42,7 +42,7 @@ from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import responses as r
 from pdd.http import schemas as s
-from pdd.http import responses_api, structured
+from pdd.http import responses_api, stored_responses, structured
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
@@ -80,7 +80,7 @@ class OpenAIServer:
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
         self.relay = Relay()   # writes single-choice streams' chunks, once per loop iteration
         # Stored responses (GET, previous_response_id), their ids naming this router.
-        self.response_store = responses_api.ResponseStore(router=router.cfg.router.index)
+        self.response_store = stored_responses.ResponseStore(router=router.cfg.router.index)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -145,13 +145,9 @@ class OpenAIServer:
             raise responses_api.renamed(e, rr.sources) from None
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        """GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel: a stored response."""
-        response_id = request.match_info["response_id"]
-        if request.method == "GET":
-            return json_response(responses_api.retrieve(self.response_store, response_id))
-        if request.method == "DELETE":
-            return json_response(responses_api.delete(self.response_store, response_id))
-        return json_response(responses_api.cancel(self.response_store, response_id))
+        """GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (pdd.http.stored_responses)."""
+        cfg = self.router.cfg.router
+        return await stored_responses.answer(self.response_store, request, cfg.http_ports, cfg.host)
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is

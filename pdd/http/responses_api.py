@@ -9,9 +9,8 @@ or the Responses stream events (pdd.http.responses_output). Errors of the
 chat parser name the Responses field (`renamed`).
 
 `previous_response_id`: the conversation of each stored response (`store`,
-true by default) is kept in this router process's memory, the most recent
-RESPONSE_STORE_ENTRIES responses and RESPONSE_STORE_CHARS characters of
-conversation at most (`ResponseStore`, least recently used out first); a
+true by default) is kept in this router process's memory
+(pdd.http.stored_responses, which also serves GET and DELETE of them); a
 request naming one that is not there is refused (400). Its `instructions`
 are not carried over, as OpenAI's are not.
 """
@@ -20,116 +19,23 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 
 from pdd.http.responses import json_response
+from pdd.http.stored_responses import ResponseStore
 from pdd.http.responses_output import (EventStream, ResponsesRequest, conversation, output_items, response_object,
                                        status_of, usage)
 from pdd.http.validate import APIError, Fields, bad, load_object, reject_nonempty, unsupported, wrong_type
 from pdd.router.requests import RequestError
 
-RESPONSE_STORE_ENTRIES = 1024
-RESPONSE_STORE_CHARS = 64 << 20
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields passed on to chat as they are: vLLM's sampling extras, chat_template_kwargs
 # (a reasoning model's enable_thinking), and OpenAI's user (read, not used).
 PASSED = ("seed", "top_k", "chat_template_kwargs", "user")
-
-
-class ResponseStore:
-    """Recent stored responses by id: the response object (GET) and the
-    conversation up to and with its output (chat messages: previous_response_id),
-    bounded by count and by size, least recently used out first.
-
-    `router`: this router's index; every id it gives names it (`new_id`), so
-    that a request for another router's response is told where it lives."""
-
-    def __init__(self, max_entries: int = RESPONSE_STORE_ENTRIES, max_chars: int = RESPONSE_STORE_CHARS,
-                 router: int = 0):
-        self.max_entries, self.max_chars, self.router = max_entries, max_chars, router
-        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
-        self.chars = 0
-
-    def new_id(self, unique: str) -> str:
-        return f"resp_r{self.router}_{unique}"
-
-    def get(self, response_id: str) -> list[dict] | None:
-        """The conversation of a stored response, or None."""
-        entry = self._entries.get(response_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return entry[1]
-
-    def response(self, response_id: str) -> dict | None:
-        entry = self._entries.get(response_id)
-        return None if entry is None else entry[0]
-
-    def put(self, response: dict, messages: list[dict]) -> None:
-        size = len(orjson.dumps(response)) + len(orjson.dumps(messages))
-        if size > self.max_chars:
-            return   # it would push out every other one and still not fit
-        self._entries[response["id"]] = (response, messages, size)
-        self.chars += size
-        while len(self._entries) > self.max_entries or self.chars > self.max_chars:
-            _, (_, _, dropped) = self._entries.popitem(last=False)
-            self.chars -= dropped
-
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.chars -= entry[2]
-        return entry is not None
-
-    def not_found(self, response_id: str) -> APIError:
-        return APIError(404, f"Response with id '{response_id}' not found: {self.why_not_here(response_id)}")
-
-    def why_not_here(self, response_id: str) -> str:
-        """Why a response is not here: another router's (its id says which), or
-        not kept (never stored, store false, pushed out, deleted)."""
-        made_by = _ROUTER_OF.match(response_id)
-        if made_by and int(made_by.group(1)) != self.router:
-            other = made_by.group(1)
-            return (f"it was made by router {other}, and each router keeps the responses it made in its own "
-                    f"memory: ask router {other} (this is router {self.router})")
-        return (f"this router keeps the last {self.max_entries} stored responses in memory, none made with "
-                "store false, none deleted")
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_ROUTER_OF = re.compile(r"resp_r(\d+)_")
-
-
-def retrieve(store: ResponseStore, response_id: str) -> dict:
-    """GET /v1/responses/{id}: the stored response object."""
-    response = store.response(response_id)
-    if response is None:
-        raise store.not_found(response_id)
-    return response
-
-
-def delete(store: ResponseStore, response_id: str) -> dict:
-    """DELETE /v1/responses/{id}: OpenAI's deletion object."""
-    if not store.delete(response_id):
-        raise store.not_found(response_id)
-    return {"id": response_id, "object": "response", "deleted": True}
-
-
-def cancel(store: ResponseStore, response_id: str) -> dict:
-    """POST /v1/responses/{id}/cancel: only a background response can be
-    cancelled (OpenAI's rule), and this server runs none (`background` is
-    refused): a stored one is over."""
-    if store.response(response_id) is None:
-        raise store.not_found(response_id)
-    raise APIError(400, f"Response with id '{response_id}' cannot be cancelled: only background responses can, "
-                        "and this server runs none (it has completed)")
 
 
 # ---------------------------------------------------------------- request: Responses -> chat

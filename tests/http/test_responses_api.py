@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from pdd import LLM
 from pdd.http.app import build_app, serve_http
-from pdd.http.responses_api import ResponseStore
+from pdd.http.stored_responses import ResponseStore
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestState, TokenEvent
 from tests.http.engine_server import EngineRouter, post, run, serve

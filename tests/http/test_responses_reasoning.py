@@ -11,7 +11,8 @@ import openai
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
-from pdd.http.responses_api import ResponseStore, to_chat
+from pdd.http.responses_api import to_chat
+from pdd.http.stored_responses import ResponseStore
 from pdd.http.validate import Fields
 from pdd.model.tokenizer import Tokenizer
 from tests.http.engine_server import run

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from pdd import LLM
-from pdd.http.responses_api import ResponseStore
+from pdd.http.stored_responses import ResponseStore
 from tests.http.test_responses_api import with_client
 
 
