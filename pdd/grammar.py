@@ -2,6 +2,10 @@
 token bitmask that keeps its output inside it (llguidance; docs/design.md says
 why that library).
 
+A reasoning model's constraint (`StructuredOutput.reasoning` names its
+format) is composed with a free reasoning part before it (`grammar_for`), so
+that the same matcher knows where the reasoning ended on every engine.
+
 The router checks a spec here (`check`: a clear 400 for a bad schema or
 regex, and for one that hits a limit of the parser: `LIMITS`, the same on
 every engine); every engine that runs the request compiles it (`GrammarCompiler`,

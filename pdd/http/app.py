@@ -424,10 +424,7 @@ class OpenAIServer:
 
         def thought_chunk(i: int, delta: str, reason, frag=None) -> bytes:
             """A reasoning model's: its reasoning part goes out as such, the rest as the answer."""
-            thought, delta = thinking[i].feed(delta)
-            if reason:
-                more_thought, more = thinking[i].finish()
-                thought, delta = thought + more_thought, delta + more
+            thought, delta = thinking[i].feed_last(delta, bool(reason))
             if not thought:   # (all of it may be held back: a tag may begin)
                 return answer_chunk(i, delta, reason, frag) if delta or reason or frag else b""
             out = chunks.chunk(i, dict.fromkeys(REASONING_FIELDS, thought), None, frag, so_far())

@@ -120,6 +120,14 @@ class ReasoningSplit:
         self.pending += delta
         return self._split(final=False)
 
+    def feed_last(self, delta: str, last: bool) -> tuple[str, str]:
+        """`feed`, and with the output's last delta what was held back too."""
+        reasoning, content = self.feed(delta)
+        if last:
+            more_reasoning, more = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """End of the output: what was held back."""
         if self.state == _CONTENT or not self.pending:

@@ -138,10 +138,7 @@ class EventStream:
         out = []
         for delta, _frag, reason in pieces:
             if self.split is not None:
-                thought, delta = self.split.feed(delta)
-                if reason:
-                    more_thought, more = self.split.finish()
-                    thought, delta = thought + more_thought, delta + more
+                thought, delta = self.split.feed_last(delta, bool(reason))
                 if thought:
                     out.append(self._thought(thought))
             if self.reader is None:
