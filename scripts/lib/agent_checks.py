@@ -8,8 +8,8 @@ pdd's answers — a parsed object, a call with arguments, text without an error.
 
     python agent_checks.py URL MODEL        (exit status: the checks that failed)
 """
-from __future__ import annotations
-
+# (No `from __future__ import annotations`: the frameworks build tool schemas
+# from the annotations of get_weather, which they read as objects.)
 import asyncio
 import importlib.util
 import json
@@ -147,7 +147,15 @@ def llama_index_checks():
 
 def dspy_checks():
     import dspy
-    lm = dspy.LM(f"openai/{MODEL}", api_base=BASE, api_key=KEY, max_tokens=CALL_TOKENS, temperature=0,
+    from dspy._vendor.lm15.features import AccessPolicy
+    from dspy.lm15 import ModelSupport, ProviderDefinition, register_provider
+    # dspy sends response_format and tools only to a model its metadata says
+    # takes them: a self-hosted one is declared, as a provider speaking vLLM's
+    # chat wire (its preset's address; the LM's api_base is where it goes).
+    register_provider(ProviderDefinition.chat(AccessPolicy(provider="pdd", env_keys=("PDD_API_KEY",),
+                                                           base_url="http://localhost:8000/v1"), compat="vllm"),
+                      supports=ModelSupport(function_calling=True, response_schema=True))
+    lm = dspy.LM(f"pdd/{MODEL}", api_base=BASE, api_key=KEY, max_tokens=CALL_TOKENS, temperature=0,
                  cache=False, num_retries=0)
     yield "LM: text", isinstance(lm("Say hi")[0], str)
 
@@ -165,7 +173,8 @@ def dspy_checks():
         tools: list[dspy.Tool] = dspy.InputField()
         calls: dspy.ToolCalls = dspy.OutputField()
     with dspy.context(lm=lm, adapter=dspy.ChatAdapter(use_native_function_calling=True)):
-        got = dspy.Predict(Call)(city="Paris", tools=[dspy.Tool(get_weather)], tool_choice="required")
+        got = dspy.Predict(Call)(city="Paris", tools=[dspy.Tool(get_weather)],
+                                 config={"tool_choice": "required"})
     yield "native function calling (tool_choice required)", \
         bool(got.calls.tool_calls) and got.calls.tool_calls[0].name == "get_weather"
 
