@@ -95,6 +95,12 @@ def test_a_constraint_applies_after_the_reasoning(cluster):
     deltas = [c.choices[0].delta for c in ai.chat.completions.create(**ask, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.message.reasoning_content
     assert not any(d.content for d in deltas)
+    # A forced call's grammar has the same free reasoning before it: the same tokens.
+    forced = {k: v for k, v in ask.items() if k != "response_format"}
+    call = ai.chat.completions.create(**forced, tools=[{"type": "function", "function": {
+        "name": TOOL["name"], "parameters": TOOL["parameters"]}}],
+        tool_choice={"type": "function", "function": {"name": TOOL["name"]}}).choices[0]
+    assert call.message.reasoning_content == whole.message.reasoning_content and not call.message.tool_calls
     plain = ai.chat.completions.create(**{**ask, "max_tokens": 32}, extra_body=NO_THINKING).choices[0].message
     assert json.loads(plain.content)["answer"] in ("yes", "no")
 
