@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from pdd import LLM
+from pdd.api import InvalidRequest, StructuredOutput
 from pdd.grammar import GrammarCompiler, fill_masks
 from pdd.http.reasoning import ReasoningFormat
 from pdd.http.schemas import parse_chat_request
@@ -91,6 +92,12 @@ def test_enable_thinking_false_holds_the_constraint_from_the_first_token(grammar
     for fields, answer in ((JSON_FORMAT, ANSWER), (FORCED, CALL)):
         assert takes(grammar_of, {**fields, **NO_THINKING}, answer)
         assert not takes(grammar_of, {**fields, **NO_THINKING}, THOUGHT + "</think>" + answer)
+
+
+def test_a_reasoning_format_the_grammar_does_not_know_is_refused_naming_the_field():
+    """(What a worker checks in an Admit from a router of another version.)"""
+    with pytest.raises(InvalidRequest, match="structured_output.reasoning: .*'granite'"):
+        StructuredOutput("json_object", "", "granite").validate()
 
 
 def test_the_mask_allows_any_token_in_the_reasoning_and_only_the_schemas_after_it(grammar_of):
