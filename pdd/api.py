@@ -45,6 +45,9 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # expression's matches, one of a list of strings, a Lark or GBNF grammar's
 # sentences.
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# The reasoning formats whose reasoning part a constraint leaves free
+# (pdd.http.reasoning says what each is; pdd.grammar composes the grammar).
+REASONING_FORMATS = ("deepseek_r1", "qwen3")
 # A schema or grammar travels in every Admit/Reserve/Prefill of its request.
 MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 
@@ -59,6 +62,10 @@ class StructuredOutput:
     # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON
     # array of strings; grammar: Lark or GBNF text; json_object: "".
     spec: str = ""
+    # A reasoning model's format (one of REASONING_FORMATS): the constraint
+    # applies from the end of its reasoning on, the reasoning is free text.
+    # "": from the first token.
+    reasoning: str = ""
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -67,6 +74,9 @@ class StructuredOutput:
         if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
             raise InvalidRequest(f"structured_output.spec: must be a string of at most "
                                  f"{MAX_STRUCTURED_SPEC_CHARS} characters")
+        if self.reasoning not in ("", *REASONING_FORMATS):
+            raise InvalidRequest(f"structured_output.reasoning: must be empty or one of "
+                                 f"{', '.join(REASONING_FORMATS)}, got {_shown(self.reasoning)}")
 
 
 @dataclass

@@ -2,6 +2,10 @@
 token bitmask that keeps its output inside it (llguidance; docs/design.md says
 why that library).
 
+A reasoning model's constraint (`StructuredOutput.reasoning` names its
+format) is composed with a free reasoning part before it (`grammar_for`), so
+that the same matcher knows where the reasoning ended on every engine.
+
 The router checks a spec here (`check`: a clear 400 for a bad schema or
 regex, and for one that hits a limit of the parser: `LIMITS`, the same on
 every engine); every engine that runs the request compiles it (`GrammarCompiler`,
@@ -63,10 +67,37 @@ def limits():
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+# A reasoning model's reasoning part, left free by a constraint after it
+# (pdd.http.reasoning splits the same text off the answer). Each is one lazy
+# lexeme: it ends at the first </think>, which the model cannot write again
+# inside it. deepseek_r1's output begins inside the reasoning (the template
+# opened <think>; one written again is part of it); qwen3's has it only when
+# the output begins with <think>. Up to two newlines may follow the reasoning,
+# as models write them, but no more: the answer must begin.
+_REASONING_RULES = {
+    "deepseek_r1": ['start: reasoning GAP? @answer', 'reasoning[lazy]: /(?s:.*)<\\/think>/'],
+    "qwen3": ['start: (reasoning GAP?)? @answer', 'reasoning[lazy]: /\\s*<think>(?s:.*)<\\/think>/'],
+}
+_GAP_RULE = 'GAP: /\\n\\n?/'
+
+
 def grammar_for(so: StructuredOutput) -> str:
-    """llguidance's grammar text for a spec; InvalidRequest naming what is wrong
-    when the spec cannot even be read (the grammar's own errors show when it is
+    """llguidance's grammar text for a spec (after a reasoning part when
+    `so.reasoning` names a format); InvalidRequest naming what is wrong when
+    the spec cannot even be read (the grammar's own errors show when it is
     compiled: `check`)."""
+    constraint = _constraint(so)
+    if not so.reasoning:
+        return constraint
+    # The constraint becomes a grammar of its own, named "answer", which the
+    # reasoning's Lark grammar refers to (llguidance's grammar lists).
+    answer = (json.loads(constraint)["grammars"][0] if constraint.startswith("{")
+              else {"lark_grammar": constraint})
+    rules = "\n".join([*_REASONING_RULES[so.reasoning], _GAP_RULE])
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": rules}, {**answer, "name": "answer"}]})
+
+
+def _constraint(so: StructuredOutput) -> str:
     llg = _llg()
     kind, spec = so.kind, so.spec
     try:
@@ -244,8 +275,8 @@ class GrammarCompiler:
         self.executor = llg.LLExecutor()
         self.cache_bytes = cache_bytes
         self.cached_bytes = 0
-        self._compiled: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
-        self._pending: dict[tuple[str, str], Future] = {}
+        self._compiled: OrderedDict[tuple[str, str, str], Compiled] = OrderedDict()
+        self._pending: dict[tuple[str, str, str], Future] = {}
         # llguidance drops the GIL while it compiles and computes masks: these
         # threads leave the engine's (and the event loop's) to run. They run at a
         # lower priority, so that on a host short of cores a compile waits for
@@ -269,7 +300,7 @@ class GrammarCompiler:
     def start(self, so: StructuredOutput) -> Future:
         """The compile of `so` (a Future of Compiled; InvalidRequest if it does
         not compile): done already when cached, shared while one runs."""
-        key = (so.kind, so.spec)
+        key = (so.kind, so.spec, so.reasoning)
         hit = self._compiled.get(key)
         if hit is not None:
             self._compiled.move_to_end(key)
@@ -292,7 +323,7 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutput) -> Matcher:
         """A fresh matcher for the spec, compiled in the calling thread if not
         cached (benchmarks, tests); InvalidRequest if it does not compile."""
-        key = (so.kind, so.spec)
+        key = (so.kind, so.spec, so.reasoning)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compile(so)
@@ -310,7 +341,7 @@ class GrammarCompiler:
                 if future.exception() is None:
                     self._keep(key, future.result())
 
-    def _keep(self, key: tuple[str, str], compiled: Compiled) -> None:
+    def _keep(self, key: tuple[str, str, str], compiled: Compiled) -> None:
         if key in self._compiled or compiled.nbytes > self.cache_bytes:
             return   # one larger than the whole cache serves its own requests only
         self._compiled[key] = compiled

@@ -42,7 +42,7 @@ from pdd.api import InvalidRequest
 from pdd.http.text_stream import TextStream
 from pdd.http import responses as r
 from pdd.http import schemas as s
-from pdd.http import responses_api, structured
+from pdd.http import responses_api, stored_responses, structured
 from pdd.http.access import ApiKeys, KeylessChecks
 from pdd.http.choices import Choice, merged
 from pdd.http.choices import usage as choices_usage
@@ -55,6 +55,7 @@ from pdd.http import request_log
 from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
+from pdd.http.reasoning import FIELDS as REASONING_FIELDS
 from pdd.http.reasoning import ReasoningSplit, reasoning_format
 from pdd.http.tools import ToolCallReader, tool_format
 from pdd.http.utility import UtilityEndpoints
@@ -80,7 +81,8 @@ class OpenAIServer:
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
         # Writes single-choice streams' chunks, once per loop turn or per router.stream_interval_ms.
         self.relay = Relay(router.cfg.router.stream_interval_ms / 1000)
-        self.response_store = responses_api.ResponseStore()   # previous_response_id's
+        # Stored responses (GET, previous_response_id), their ids naming this router.
+        self.response_store = stored_responses.ResponseStore(router=router.cfg.router.index)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or 408 when it does not arrive in time (slow or short of its Content-Length)."""
@@ -132,16 +134,22 @@ class OpenAIServer:
         """The Responses API, served as the chat request it is (pdd.http.responses_api)."""
         body = await self.read_body(request)
         req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
-            chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format))
+            chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format,
+            reasoning_fmt=self.reasoning_format))
         self.note_ignored(request, rr.ignored_fields)
         if not request[request_log.FROM_CLIENT]:   # the request's id is the response's (not a client's: it may repeat)
-            rr.id = "resp_" + request[request_log.REQUEST_ID].removeprefix("resp-")
+            rr.id = self.response_store.new_id(request[request_log.REQUEST_ID].removeprefix("resp-"))
         self._admit(req)
         ids = await self.off_loop.encode_chat(len(body), req.messages, req.template_args)
         try:
             return await self._generate(request, req, [ids], partial(responses_api.answer, self, rr))
         except APIError as e:   # the prompt's length, the schema's compilation: in the Responses fields' names
             raise responses_api.renamed(e, rr.sources) from None
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (pdd.http.stored_responses)."""
+        cfg = self.router.cfg.router
+        return await stored_responses.answer(self.response_store, request, cfg.http_ports, cfg.host)
 
     def _admit(self, req: s.GenerateRequest) -> None:
         """A request that will be submitted is refused (429) before its prompt is
@@ -418,13 +426,10 @@ class OpenAIServer:
 
         def thought_chunk(i: int, delta: str, reason, frag=None) -> bytes:
             """A reasoning model's: its reasoning part goes out as such, the rest as the answer."""
-            thought, delta = thinking[i].feed(delta)
-            if reason:
-                more_thought, more = thinking[i].finish()
-                thought, delta = thought + more_thought, delta + more
+            thought, delta = thinking[i].feed_last(delta, bool(reason))
             if not thought:   # (all of it may be held back: a tag may begin)
                 return answer_chunk(i, delta, reason, frag) if delta or reason or frag else b""
-            out = chunks.chunk(i, {"reasoning_content": thought}, None, frag, so_far())
+            out = chunks.chunk(i, dict.fromkeys(REASONING_FIELDS, thought), None, frag, so_far())
             return out + answer_chunk(i, delta, reason) if delta or reason else out
 
         def answer_chunk(i: int, delta: str, reason, frag=None) -> bytes:
@@ -587,6 +592,9 @@ def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequenc
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_post("/v1/responses", server.responses)
+    app.router.add_get("/v1/responses/{response_id}", server.stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", server.stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", server.stored_response)
     app.router.add_get("/v1/models", utility.models)
     app.router.add_post("/tokenize", utility.tokenize)
     app.router.add_post("/detokenize", utility.detokenize)

@@ -1,5 +1,6 @@
 """Reasoning models: the output's `<think>...</think>` part, split from the
-answer into `reasoning_content` (as vLLM's reasoning outputs).
+answer into `reasoning` and `reasoning_content` (FIELDS; as vLLM's reasoning
+outputs).
 
 Parsers (`router.reasoning_parser`; "auto" reads the chat template):
 - deepseek_r1: the template opens `<think>` in the prompt, so the output starts
@@ -11,9 +12,12 @@ Parsers (`router.reasoning_parser`; "auto" reads the chat template):
 - none: no split; every model without `<think>` in its template.
 
 `chat_template_kwargs.enable_thinking` false (the template is told not to
-think) turns the split off for that request: the output is content. So does a
-structured output (or a forced tool call): its grammar constrains the output
-from its first token, and all of it is the constrained content.
+think) turns the split off for that request: the output is content, and a
+structured output (or a forced tool call) constrains it from its first token.
+With thinking on, the constraint applies after the reasoning, as vLLM's: the
+model reasons freely, and from the end of its reasoning on the grammar holds
+(`constrained_after`; pdd.grammar composes the grammar, so every engine that
+replays the output's tokens into it agrees where the reasoning ended).
 
 ReasoningSplit is incremental: `feed` takes a text delta and returns the
 (reasoning, content) deltas it makes sendable, holding back only what may still
@@ -22,10 +26,17 @@ comes, with no scan. The deltas of a stream concatenate to the complete split.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3")
+from pdd.api import REASONING_FORMATS as PARSERS
+from pdd.api import StructuredOutput
 OPEN, CLOSE = "<think>", "</think>"
+# The names a chat message and a stream delta give the reasoning under: vLLM's
+# `reasoning` (its name since late 2025, the only one it emits now), and the
+# `reasoning_content` it had before, which LiteLLM, LangChain and most other
+# clients still read. Both, so that either kind of client finds it.
+FIELDS = ("reasoning", "reasoning_content")
 
 # ReasoningSplit's states
 _START, _THINKING, _CONTENT = 0, 1, 2
@@ -64,13 +75,20 @@ def detect(tokenizer) -> str:
     return "deepseek_r1" if prompt.rstrip().endswith(OPEN) else "qwen3"
 
 
-def for_request(fmt: ReasoningFormat | None, template_args: dict | None, constrained: bool) -> ReasoningFormat | None:
-    """The split one chat request gets: none with enable_thinking false or a grammar."""
-    if fmt is None or constrained:
+def for_request(fmt: ReasoningFormat | None, template_args: dict | None) -> ReasoningFormat | None:
+    """The split one chat request gets: none with enable_thinking false."""
+    if fmt is None:
         return None
     if template_args and template_args.get("enable_thinking") is False:
         return None
     return fmt
+
+
+def constrained_after(so: StructuredOutput | None, fmt: ReasoningFormat | None) -> StructuredOutput | None:
+    """The request's constraint, applied after the reasoning when it has one."""
+    if so is None or fmt is None:
+        return so
+    return dataclasses.replace(so, reasoning=fmt.name)
 
 
 def _held(text: str, tag: str) -> int:
@@ -101,6 +119,14 @@ class ReasoningSplit:
             return "", delta
         self.pending += delta
         return self._split(final=False)
+
+    def feed_last(self, delta: str, last: bool) -> tuple[str, str]:
+        """`feed`, and with the output's last delta what was held back too."""
+        reasoning, content = self.feed(delta)
+        if last:
+            more_reasoning, more = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more
+        return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """End of the output: what was held back."""

@@ -15,6 +15,7 @@ import math
 import orjson
 from aiohttp import web
 
+from pdd.http.reasoning import FIELDS as REASONING_FIELDS
 from pdd.http.schemas import GenerateRequest
 from pdd.http.validate import APIError
 
@@ -124,10 +125,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
                 tool_calls: list[dict] | None = None, *, reasoning: str | None = None,
                 thinks: bool = False, stop_reason: str | int | None = None) -> dict:
-    """thinks: a reasoning model's answer, whose message says its reasoning_content (None: none)."""
+    """thinks: a reasoning model's answer, whose message says its reasoning (None:
+    none), under each name clients read (pdd.http.reasoning.FIELDS)."""
     message = {"role": "assistant", "content": text}
     if thinks:
-        message["reasoning_content"] = reasoning
+        for name in REASONING_FIELDS:
+            message[name] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return _ended({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason},

@@ -9,9 +9,8 @@ or the Responses stream events (pdd.http.responses_output). Errors of the
 chat parser name the Responses field (`renamed`).
 
 `previous_response_id`: the conversation of each stored response (`store`,
-true by default) is kept in this router process's memory, the most recent
-RESPONSE_STORE_ENTRIES responses and RESPONSE_STORE_CHARS characters of
-conversation at most (`ResponseStore`, least recently used out first); a
+true by default) is kept in this router process's memory
+(pdd.http.stored_responses, which also serves GET and DELETE of them); a
 request naming one that is not there is refused (400). Its `instructions`
 are not carried over, as OpenAI's are not.
 """
@@ -20,54 +19,23 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 
 from pdd.http.responses import json_response
+from pdd.http.stored_responses import ResponseStore
 from pdd.http.responses_output import (EventStream, ResponsesRequest, conversation, output_items, response_object,
                                        status_of, usage)
 from pdd.http.validate import APIError, Fields, bad, load_object, reject_nonempty, unsupported, wrong_type
 from pdd.router.requests import RequestError
 
-RESPONSE_STORE_ENTRIES = 1024
-RESPONSE_STORE_CHARS = 64 << 20
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-# Fields passed on to chat as they are: vLLM's sampling extras, and OpenAI's user (read, not used).
-PASSED = ("seed", "top_k", "user")
-
-
-class ResponseStore:
-    """Recent responses' conversations (chat messages, up to and with the
-    response's output) by response id, bounded by count and by size."""
-
-    def __init__(self, max_entries: int = RESPONSE_STORE_ENTRIES, max_chars: int = RESPONSE_STORE_CHARS):
-        self.max_entries, self.max_chars = max_entries, max_chars
-        self._entries: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
-        self.chars = 0
-
-    def get(self, response_id: str) -> list[dict] | None:
-        entry = self._entries.get(response_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return entry[0]
-
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        size = len(orjson.dumps(messages))
-        if size > self.max_chars:
-            return   # it would push out every other one and still not fit
-        self._entries[response_id] = (messages, size)
-        self.chars += size
-        while len(self._entries) > self.max_entries or self.chars > self.max_chars:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.chars -= dropped
-
-    def __len__(self) -> int:
-        return len(self._entries)
+# Fields passed on to chat as they are: vLLM's sampling extras, chat_template_kwargs
+# (a reasoning model's enable_thinking), and OpenAI's user (read, not used).
+PASSED = ("seed", "top_k", "chat_template_kwargs", "user")
 
 
 # ---------------------------------------------------------------- request: Responses -> chat
@@ -97,9 +65,9 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
     if previous_id is not None:
         history = store.get(previous_id)
         if history is None:
-            raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: this server "
-                                              f"keeps the last {store.max_entries} stored responses in memory "
-                                              "(of this router); send the conversation in 'input' instead")
+            raise bad("previous_response_id", f"Previous response with id '{previous_id}' not found: "
+                                              f"{store.why_not_here(previous_id)}; send the conversation in "
+                                              "'input' instead")
     given, given_from = _input(f)
     instructions = f.string("instructions")
     first = [{"role": "system", "content": instructions}] if instructions is not None else []
@@ -112,6 +80,9 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", *PASSED):
         if f.obj.get(name) is not None:
             chat[name] = f.obj.get(name)
+    effort = Fields(f.mapping("reasoning") or {}, prefix="reasoning.").string("effort")
+    if effort is not None:   # OpenAI's reasoning.effort is chat's reasoning_effort (a template variable)
+        chat["reasoning_effort"] = effort
     max_output = f.integer("max_output_tokens", lo=1)
     if max_output is not None:
         chat["max_completion_tokens"] = max_output
@@ -132,8 +103,9 @@ def to_chat(f: Fields, store: ResponseStore) -> tuple[dict, ResponsesRequest]:
                 "tools": tools or [], "tool_choice": choice if choice is not None else "auto",
                 "parallel_tool_calls": _or(f.obj.get("parallel_tool_calls"), True),
                 "text": {"format": fmt or {"type": "text"}}, "previous_response_id": previous_id,
-                "store": stored, "metadata": metadata or {}, "truncation": "disabled"}
-    rr = ResponsesRequest(f"resp_{uuid.uuid4().hex}", int(time.time()), settings, history, stored, sources)
+                "store": stored, "metadata": metadata or {}, "truncation": "disabled",
+                "reasoning": {"effort": effort, "summary": None} if effort is not None else None}
+    rr = ResponsesRequest(store.new_id(uuid.uuid4().hex), int(time.time()), settings, history, stored, sources)
     return chat, rr
 
 
@@ -160,13 +132,24 @@ def _input(f: Fields) -> tuple[list[dict], list[str]]:
             raise wrong_type(param, "an object", item)
         itf = Fields(item, prefix=param + ".")
         kind = itf.string("type", "message")
+        last = messages[-1] if messages else None
         if kind == "message":
-            messages.append(_message(itf))
+            message = _message(itf)
+            if (message["role"] == "assistant" and last is not None and last["role"] == "assistant"
+                    and last["content"] == "" and "tool_calls" not in last):   # the answer of a reasoning item
+                last["content"] = message["content"]
+            else:
+                messages.append(message)
+                sources.append(param)
+        elif kind == "reasoning":
+            # An earlier answer's reasoning, sent back as OpenAI asks: its
+            # assistant message's reasoning_content (the template decides
+            # whether it is shown), the answer and calls after it joined to it.
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _reasoning_text(itf)})
             sources.append(param)
         elif kind == "function_call":
             call = {"id": _required(itf, "call_id"), "type": "function",
                     "function": {"name": _required(itf, "name"), "arguments": _required(itf, "arguments")}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -178,8 +161,22 @@ def _input(f: Fields) -> tuple[list[dict], list[str]]:
             sources.append(param)
         else:
             raise bad(itf.param("type"), f"'{itf.param('type')}': input items of type {kind!r} are not supported; "
-                                         "only message, function_call and function_call_output")
+                                         "only message, reasoning, function_call and function_call_output")
     return messages, sources
+
+
+def _reasoning_text(rf: Fields) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's)."""
+    for name in ("content", "summary"):
+        parts = rf.obj.get(name)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise wrong_type(rf.param(name), "an array of text parts", parts)
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
 
 
 def _message(mf: Fields) -> dict:
@@ -254,6 +251,7 @@ def _response_format(ff: Fields) -> dict:
 _RENAMES = [(re.compile(r"response_format\.json_schema\."), "text.format."),
             (re.compile(r"response_format"), "text.format"),
             (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+            (re.compile(r"reasoning_effort"), "reasoning.effort"),
             (re.compile(r"(tools\[\d+\])\.function\."), r"\1."),
             (re.compile(r"tool_choice\.function\."), "tool_choice.")]
 _MESSAGE = re.compile(r"\bmessages(?:\[(\d+)\])?")
@@ -278,12 +276,12 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     (c,), = groups
     if not req.stream:
         await server._collect(req, groups)
-        output = output_items(req.tool_format, c.text.text, c.finish_reason)
+        output = output_items(req.tool_format, req.reasoning, c.text.text, c.finish_reason)
         body = response_object(rr, req.model, status_of(c.finish_reason), output, usage(server._usage(req, groups)))
         if rr.store:
-            server.response_store.put(rr.id, conversation(rr, output))
+            server.response_store.put(body, conversation(rr, output))
         return json_response(body)
-    events = EventStream(rr, req.model, req.tool_format)
+    events = EventStream(rr, req.model, req.tool_format, req.reasoning)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await resp.write(events.start())
@@ -294,7 +292,7 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     else:
         last, final = events.end(usage(server._usage(req, groups)))
         if rr.store:
-            server.response_store.put(rr.id, conversation(rr, final["output"]))
+            server.response_store.put(final, conversation(rr, final["output"]))
         await resp.write(last)
     await resp.write_eof()   # no [DONE]: the last event says the end, as OpenAI's
     return resp

@@ -1,8 +1,11 @@
 """The Responses API's answer, from a chat answer: the response object, its
-output items (a "message" holding one "output_text" part; a "function_call"
-per tool call, read from the text by pdd.http.tools.ToolCallReader as chat
-reads them), and the stream's events (`EventStream`). pdd.http.responses_api
-turns the request into chat's and calls these."""
+output items (a reasoning model's "reasoning" first, holding one
+"reasoning_text" part, split off as chat splits it: pdd.http.reasoning; a
+"message" holding one "output_text" part; a "function_call" per tool call,
+read from the text by pdd.http.tools.ToolCallReader as chat reads them), and
+the stream's events (`EventStream`; the reasoning's are
+response.reasoning_text.delta and .done, as OpenAI's and vLLM's).
+pdd.http.responses_api turns the request into chat's and calls these."""
 from __future__ import annotations
 
 import uuid
@@ -10,8 +13,10 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from pdd.http.reasoning import ReasoningFormat, ReasoningSplit
 from pdd.http.tools import ToolCallReader, ToolFormat
 from pdd.http.validate import APIError
+
 
 @dataclass
 class ResponsesRequest:
@@ -55,16 +60,30 @@ def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(text: str, status: str) -> dict:
+    # No summary: the model's own reasoning is given whole, in content.
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [reasoning_text(text)], "encrypted_content": None}
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
 
-def output_items(fmt: ToolFormat | None, text: str, finish_reason: str | None) -> list[dict]:
-    """A whole answer's output items: its content, then its calls (read as chat
-    reads them). Cut by max_output_tokens, the last is incomplete (as streamed)."""
+def output_items(fmt: ToolFormat | None, thinks: ReasoningFormat | None, text: str,
+                 finish_reason: str | None) -> list[dict]:
+    """A whole answer's output items: its reasoning (a reasoning model's), its
+    content, then its calls (read as chat reads them). Cut by
+    max_output_tokens, the last is incomplete (as streamed)."""
+    thought, text = ReasoningSplit.split(thinks, text) if thinks is not None else ("", text)
     content, calls = ToolCallReader.read(fmt, text) if fmt is not None else (text, [])
-    items = [message_item(content, "completed")] if content else []
+    items = [reasoning_item(thought, "completed")] if thought else []
+    items += [message_item(content, "completed")] if content else []
     items += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
     if items:
         items[-1]["status"] = status_of(finish_reason)
@@ -78,6 +97,9 @@ def conversation(rr: ResponsesRequest, output: list[dict]) -> list[dict]:
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     answer = {"role": "assistant", "content": text if text or not calls else None}
+    thought = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+    if thought:   # the template decides whether an earlier turn's reasoning is shown
+        answer["reasoning_content"] = thought
     if calls:
         answer["tool_calls"] = calls
     return rr.history + [answer]
@@ -91,6 +113,7 @@ class EventStream:
     rr: ResponsesRequest
     model: str
     fmt: ToolFormat | None
+    thinks: ReasoningFormat | None = None
     output: list[dict] = field(default_factory=list)   # the items, as they stand
     finish_reason: str | None = None
     seq: int = 0
@@ -99,6 +122,7 @@ class EventStream:
 
     def __post_init__(self):
         self.reader = ToolCallReader(self.fmt) if self.fmt is not None else None
+        self.split = ReasoningSplit(self.thinks) if self.thinks is not None else None
 
     def event(self, kind: str, **fields) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -113,6 +137,10 @@ class EventStream:
     def emit(self, _index: int, pieces: list[tuple]) -> bytes:
         out = []
         for delta, _frag, reason in pieces:
+            if self.split is not None:
+                thought, delta = self.split.feed_last(delta, bool(reason))
+                if thought:
+                    out.append(self._thought(thought))
             if self.reader is None:
                 deltas = [{"content": delta}] if delta else []
             else:
@@ -123,6 +151,14 @@ class EventStream:
                 self.finish_reason = reason
                 out.append(self._close())
         return b"".join(out)
+
+    def _thought(self, text: str) -> bytes:
+        out = b""
+        if self._open is None or self._open["type"] != "reasoning":
+            out = self._add(reasoning_item("", "in_progress"))
+        self._open["content"][0]["text"] += text
+        return out + self.event("response.reasoning_text.delta", item_id=self._open["id"],
+                                output_index=len(self.output) - 1, content_index=0, delta=text)
 
     def _delta(self, d: dict) -> bytes:
         if "content" in d:
@@ -153,7 +189,7 @@ class EventStream:
         self.output.append(item)
         self._open = item
         return out + self.event("response.output_item.added", output_index=len(self.output) - 1,
-                                item={**item, "content": []} if item["type"] == "message" else dict(item))
+                                item={**item, "content": []} if "content" in item else dict(item))
 
     def _close(self) -> bytes:
         item, self._open = self._open, None
@@ -162,7 +198,10 @@ class EventStream:
         index = self.output.index(item)
         item["status"] = status_of(self.finish_reason) if self.finish_reason else "completed"
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
                                   content_index=0, text=part["text"], logprobs=[]))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
 from pdd.http import structured
-from pdd.http.reasoning import ReasoningFormat, for_request
+from pdd.http.reasoning import ReasoningFormat, constrained_after, for_request
 from pdd.http.tools import ToolFormat, tool_format
 from pdd.http.validate import (APIError, Fields, bad, json_type, load_object, reject_nonempty,
                                reject_tool_choice, reject_unless, token_ids, unsupported, wrong_type)
@@ -212,7 +212,8 @@ def parse_chat_request(body: bytes, served_models: Sequence[str], vocab_size: in
             sampling.structured_output = structured.tool_grammar(fmt, listed, choice, parallel)
             structured_param = "tools"
             fmt = dataclasses.replace(fmt, forced=True)
-    reasoning = for_request(reasoning_fmt, template_args, sampling.structured_output is not None)
+    reasoning = for_request(reasoning_fmt, template_args)
+    sampling.structured_output = constrained_after(sampling.structured_output, reasoning)
     stream, include_usage, continuous = _stream(f)
     _check_prompt_logprobs(wanted, stream)
     _finish(sampling, unset=unset)
@@ -305,11 +306,15 @@ def _message(m: object, i: int) -> dict:
     if calls:
         message["tool_calls"] = calls
     # Templates that know them write them; the others ignore them (reasoning_content:
-    # an earlier answer's, as a reasoning model's template may show or drop it).
+    # an earlier answer's, as a reasoning model's template may show or drop it;
+    # a client may send it back under either name of pdd.http.reasoning.FIELDS).
     for key in ("name", "tool_call_id", "reasoning_content"):
         value = mf.string(key)
         if value is not None:
             message[key] = value
+    reasoning = mf.string("reasoning")
+    if reasoning is not None:
+        message.setdefault("reasoning_content", reasoning)
     return message
 
 

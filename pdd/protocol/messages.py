@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from pdd.api import SamplingParams, StepSample
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 @dataclass

@@ -8,8 +8,8 @@ pdd's answers — a parsed object, a call with arguments, text without an error.
 
     python agent_checks.py URL MODEL        (exit status: the checks that failed)
 """
-from __future__ import annotations
-
+# (No `from __future__ import annotations`: the frameworks build tool schemas
+# from the annotations of get_weather, which they read as objects.)
 import asyncio
 import importlib.util
 import json
@@ -51,11 +51,7 @@ def langchain_checks():
         out = llm.with_structured_output(Weather, method=method).invoke("The weather in Paris?")
         yield f"with_structured_output(method={method!r})", isinstance(out, Weather)
 
-    @tool
-    def get_weather(city: Literal["Paris", "Oslo"]) -> str:   # (a free string from random weights never ends)
-        """The weather in a city."""
-        return "sunny"
-    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+    msg = llm.bind_tools([tool(get_weather)], tool_choice="get_weather").invoke("Weather in Paris?")
     yield "bind_tools, a named tool_choice", len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather"
 
 
@@ -126,15 +122,81 @@ def openai_agents_checks():
         yield f"Runner.run over the {name}: a parsed output", isinstance(asyncio.run(run(kind)), Weather)
 
 
+def get_weather(city: Literal["Paris", "Oslo"]) -> str:   # (a free string from random weights never ends)
+    """The weather in a city."""
+    return "sunny"
+
+
+def llama_index_checks():
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.openai_like import OpenAILike
+    llm = OpenAILike(model=MODEL, api_base=BASE, api_key=KEY, is_chat_model=True, is_function_calling_model=True,
+                     max_tokens=CALL_TOKENS, temperature=0, max_retries=0)
+    text = llm.chat([ChatMessage(role="user", content="Say hi")]).message.content
+    yield "OpenAILike chat: text", isinstance(text, str)
+    Weather = weather_model()
+    out = llm.structured_predict(Weather, PromptTemplate("The weather in {city}?"), city="Paris")
+    yield "structured_predict (a function call)", isinstance(out, Weather)
+    reply = llm.chat_with_tools([FunctionTool.from_defaults(fn=get_weather)], user_msg="Weather in Paris?",
+                                tool_required=True)
+    calls = llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False)
+    yield "chat_with_tools(tool_required=True)", bool(calls) and calls[0].tool_name == "get_weather"
+
+
+def dspy_checks():
+    import dspy
+    from dspy._vendor.lm15.features import AccessPolicy
+    from dspy.lm15 import ModelSupport, ProviderDefinition, register_provider
+    # dspy sends response_format and tools only to a model its metadata says
+    # takes them: a self-hosted one is declared, as a provider speaking vLLM's
+    # chat wire (its preset's address; the LM's api_base is where it goes).
+    register_provider(ProviderDefinition.chat(AccessPolicy(provider="pdd", env_keys=("PDD_API_KEY",),
+                                                           base_url="http://localhost:8000/v1"), compat="vllm"),
+                      supports=ModelSupport(function_calling=True, response_schema=True))
+    lm = dspy.LM(f"pdd/{MODEL}", api_base=BASE, api_key=KEY, max_tokens=CALL_TOKENS, temperature=0,
+                 cache=False, num_retries=0)
+    yield "LM: text", isinstance(lm("Say hi")[0], str)
+
+    class Sky(dspy.Signature):
+        """The weather in a city."""
+        city: str = dspy.InputField()
+        sky: Literal["sunny", "rainy"] = dspy.OutputField()
+    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+        out = dspy.Predict(Sky)(city="Paris")
+    yield "Predict with JSONAdapter (a structured answer)", out.sky in ("sunny", "rainy")
+
+    class Call(dspy.Signature):
+        """Call the tool for the weather in the city."""
+        city: str = dspy.InputField()
+        tools: list[dspy.Tool] = dspy.InputField()
+        calls: dspy.ToolCalls = dspy.OutputField()
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter(use_native_function_calling=True)):
+        got = dspy.Predict(Call)(city="Paris", tools=[dspy.Tool(get_weather)],
+                                 config={"tool_choice": "required"})
+    yield "native function calling (tool_choice required)", \
+        bool(got.calls.tool_calls) and got.calls.tool_calls[0].name == "get_weather"
+
+
 FRAMEWORKS = {"langchain-openai": ("langchain_openai", langchain_checks), "litellm": ("litellm", litellm_checks),
               "instructor": ("instructor", instructor_checks), "pydantic-ai": ("pydantic_ai", pydantic_ai_checks),
-              "openai-agents": ("agents", openai_agents_checks)}
+              "openai-agents": ("agents", openai_agents_checks), "llama-index": ("llama_index.llms.openai_like",
+                                                                                  llama_index_checks),
+              "dspy": ("dspy", dspy_checks)}
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:   # a dotted name whose package is missing
+        return False
 
 
 def main() -> int:
     failed = 0
     for name, (module, checks) in FRAMEWORKS.items():
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             print(f"{name}: not installed")
             continue
         try:

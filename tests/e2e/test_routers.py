@@ -2,7 +2,8 @@
 each router serves the texts one router gives, admin commands reach every
 router, a router killed with -9 loses only its own requests (the other's
 streams finish, every worker frees what the dead one's held) and rejoins when
-`pdd up` restarts it; admission counts what the other routers queued."""
+`pdd up` restarts it; admission counts what the other routers queued; a
+stored response is found through either router."""
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +83,36 @@ def test_each_router_serves_the_texts_one_router_gives_and_admin_reaches_both(tw
     status = admin("status")
     assert [s["result"]["router"] for s in status] == ["router-0", "router-1"]
     assert all(s["result"]["routers_in_cluster"] == 2 for s in status)
+
+
+def test_a_stored_response_is_found_through_any_router(two_routers):
+    """Its id names router 0, which made it: router 1 forwards a GET, DELETE or
+    cancel of it there; previous_response_id at router 1 says where it lives."""
+    c = two_routers
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def call(method, url, **body):
+                async with s.request(method, url, json=body or None) as r:
+                    return r.status, await r.json()
+            _, made = await call("POST", c.router_url(0) + "/v1/responses", model=c.model_name, input="Hi",
+                                 max_output_tokens=4, temperature=0)
+            rid = made["id"]
+            return rid, made, [await call("GET", c.router_url(1) + f"/v1/responses/{rid}"),
+                               await call("GET", c.url + f"/v1/responses/{rid}"),
+                               await call("POST", c.router_url(1) + f"/v1/responses/{rid}/cancel"),
+                               await call("POST", c.router_url(1) + "/v1/responses", model=c.model_name,
+                                          input="And?", previous_response_id=rid),
+                               await call("DELETE", c.router_url(1) + f"/v1/responses/{rid}"),
+                               await call("GET", c.router_url(0) + f"/v1/responses/{rid}")]
+
+    rid, made, (got, shared, cancel, previous, deleted, gone) = asyncio.run(main())
+    assert rid.startswith("resp_r0_")
+    assert got == (200, made) and shared == (200, made)
+    assert cancel[0] == 400 and "cannot be cancelled" in cancel[1]["error"]["message"]
+    assert previous[0] == 400 and "made by router 0" in previous[1]["error"]["message"]
+    assert deleted == (200, {"id": rid, "object": "response", "deleted": True})
+    assert gone[0] == 404 and rid in gone[1]["error"]["message"]
 
 
 def test_a_router_killed_loses_only_its_own_requests_and_rejoins(two_routers, offline):

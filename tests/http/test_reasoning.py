@@ -110,15 +110,21 @@ def test_auto_reads_the_chat_template(tmp_path):
 
 
 def test_the_request_fields():
-    """enable_thinking false, or a grammar, turn the split off; reasoning_effort
-    is a template variable (chat_template_kwargs' own wins)."""
+    """enable_thinking false turns the split off; a grammar applies after the
+    reasoning, or from the first token without it; reasoning_effort is a
+    template variable (chat_template_kwargs' own wins)."""
     def parse(**fields):
         return s.parse_chat_request(json.dumps({"messages": ASK, **fields}).encode(), ("tiny",), reasoning_fmt=R1)
 
     assert parse().reasoning == R1
     assert parse(chat_template_kwargs={"enable_thinking": False}).reasoning is None
     assert parse(chat_template_kwargs={"enable_thinking": True}).reasoning == R1
-    assert parse(response_format={"type": "json_object"}).reasoning is None
+    after = parse(response_format={"type": "json_object"})
+    assert after.reasoning == R1 and after.sampling.structured_output.reasoning == "deepseek_r1"
+    plain = parse(response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": False})
+    assert plain.reasoning is None and plain.sampling.structured_output.reasoning == ""
+    forced = parse(tools=TOOLS, tool_choice="required")
+    assert forced.sampling.structured_output.reasoning == "deepseek_r1"
     assert parse(reasoning_effort="low").template_args["reasoning_effort"] == "low"
     assert parse(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}
                  ).template_args["reasoning_effort"] == "high"
@@ -202,7 +208,7 @@ THOUGHT = "Let me think.</think>The answer is 4."
 def test_a_whole_answer_has_reasoning_content_beside_content(thinking_model):
     (out,) = _scripted(thinking_model, THOUGHT, {})
     message = out["choices"][0]["message"]
-    assert message["reasoning_content"] == "Let me think."
+    assert message["reasoning_content"] == message["reasoning"] == "Let me think."   # either name a client reads
     assert message["content"] == "The answer is 4."
     assert out["choices"][0]["finish_reason"] == "stop"
 
@@ -218,6 +224,8 @@ def test_a_stream_sends_reasoning_content_deltas_then_content_deltas(thinking_mo
     assert "".join(t for k, t in deltas if k == "reasoning_content") == "Let me think."
     assert "".join(t for k, t in deltas if k == "content") == "The answer is 4."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    thoughts = [ch["choices"][0]["delta"] for ch in chunks if "reasoning" in ch["choices"][0]["delta"]]
+    assert thoughts and all(d["reasoning"] == d["reasoning_content"] for d in thoughts)
 
 
 def test_the_openai_client_reads_reasoning_content(thinking_model):
@@ -326,5 +334,8 @@ def test_the_default_checkpoint_has_no_reasoning_parser(tiny_model):
 def test_an_earlier_answers_reasoning_content_reaches_the_template():
     history = ASK + [{"role": "assistant", "content": "4", "reasoning_content": "2 and 2"},
                      {"role": "user", "content": "And 3 + 3?"}]
+    req = s.parse_chat_request(json.dumps({"messages": history}).encode(), ("tiny",))
+    assert req.messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2"}
+    history[1] = {"role": "assistant", "content": "4", "reasoning": "2 and 2"}   # vLLM's newer name
     req = s.parse_chat_request(json.dumps({"messages": history}).encode(), ("tiny",))
     assert req.messages[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2"}

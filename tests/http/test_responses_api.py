@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from pdd import LLM
 from pdd.http.app import build_app, serve_http
-from pdd.http.responses_api import ResponseStore
+from pdd.http.stored_responses import ResponseStore
 from pdd.model.tokenizer import Tokenizer
 from pdd.router.requests import RequestState, TokenEvent
 from tests.http.engine_server import EngineRouter, post, run, serve
@@ -241,7 +241,7 @@ def test_refused_and_ignored_fields(llm):
                  "tools[0].name": {"tools": [{"type": "function", "name": "no spaces"}]},
                  "text.format.type": {"text": {"format": {"type": "yaml"}}},
                  "text.format.name": {"text": {"format": {"type": "json_schema", "schema": WEATHER}}},
-                 "input[0].type": {"input": [{"type": "reasoning", "summary": []}]}}
+                 "input[0].type": {"input": [{"type": "item_reference", "id": "msg_1"}]}}
         for param, fields in cases.items():
             async with s.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", **fields}) as r:
                 out[param] = (r.status, await r.json())
@@ -249,7 +249,7 @@ def test_refused_and_ignored_fields(llm):
                                                        "frobnicate": 1, "store": False}) as r:
             out["ignored"] = (r.status, r.headers.get("X-Pdd-Ignored-Fields"))
             # The response's id is the request's.
-            assert (await r.json())["id"] == "resp_" + r.headers["X-Request-Id"].removeprefix("resp-")
+            assert (await r.json())["id"] == "resp_r0_" + r.headers["X-Request-Id"].removeprefix("resp-")
         return out
 
     out = with_client(llm, body)
@@ -263,15 +263,20 @@ def test_refused_and_ignored_fields(llm):
 def test_store_is_bounded():
     """The least recently used goes first, past the count or the size."""
     store = ResponseStore(max_entries=2, max_chars=1000)
+
+    def put(rid: str, text: str) -> None:
+        store.put({"id": rid}, [{"role": "user", "content": text}])
+
     for rid in ("a", "b", "c"):
-        store.put(rid, [{"role": "user", "content": rid}])
+        put(rid, rid)
     assert store.get("a") is None and store.get("b") and store.get("c") and len(store) == 2
     store.get("b")   # now the most recent
-    store.put("d", [{"role": "user", "content": "d"}])
+    put("d", "d")
     assert store.get("c") is None and store.get("b") and store.get("d")
-    store.put("big", [{"role": "user", "content": "x" * 600}])
-    store.put("big2", [{"role": "user", "content": "y" * 600}])
+    put("big", "x" * 600)
+    put("big2", "y" * 600)
     assert store.get("big") is None and store.get("big2") and store.chars <= 1000
+    assert store.delete("big2") and store.get("big2") is None and not store.delete("big2")
 
 
 def test_bodies_hold_to_openai_types(llm):
