@@ -25,7 +25,7 @@ GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEM
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
+           "rotary", "rotary_store_kv", "fused_moe", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
            "warm_up_attention", "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul",
            "warm_up_gemv"]
 
@@ -154,6 +154,16 @@ def rotary(positions, q, k, cos, sin):
 def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE):
     """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
     return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale)
+
+
+def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool) -> torch.Tensor:
+    """A mixture of experts' sparse MLP (reference.fused_moe): routing, the grouped
+    expert GEMMs and the weighted sum, a fixed set of launches on the GPU
+    (pdd.ops.triton_moe)."""
+    if x.is_cuda and _load_triton() is not None:
+        from pdd.ops import triton_moe
+        return triton_moe.fused_moe(x, router_logits, gate_up, down, top_k, renormalize)
+    return reference.fused_moe(x, router_logits, gate_up, down, top_k, renormalize)
 
 
 def argmax(logits) -> torch.Tensor:
