@@ -116,6 +116,17 @@ class ModelConfig:
         e, k = self.moe.num_experts, self.moe.top_k
         return e * (1.0 - (1.0 - k / e) ** max(tokens, 0))
 
+    def decode_expert_bytes(self, batch: int = 64) -> float:
+        """Expert weight bytes each decode adds to a step, on average from one decode
+        to `batch` (the more tokens, the more experts a sparse layer reads, until it
+        reads them all); 0 for a dense model. FP8 checkpoints: a byte a weight."""
+        if self.moe is None:
+            return 0.0
+        weight_bytes = 1 if self.quant is not None else 2
+        expert = 3 * self.hidden_size * self.moe.intermediate_size * weight_bytes
+        more = (self.expected_experts_read(batch) - self.expected_experts_read(1)) / (batch - 1)
+        return len(self.moe.sparse_layers) * expert * more
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"

@@ -17,7 +17,7 @@ from pdd.model import fp8
 from pdd.model.config import CheckpointError, ModelConfig
 from pdd.model.kv_scale_tensors import is_kv_scale, read_kv_scales
 from pdd.model.llama import PACKED_MODULES, CausalLM
-from pdd.model.moe import EXPERT_PARAMS, expert_target, hf_expert_name, module_name
+from pdd.model.moe import EXPERT_PARAMS, Experts, expert_target, hf_expert_name, module_name
 from pdd.model.quant_config import Fp8Scheme
 from pdd.ops.fp8_linear import FP8_DTYPE
 
@@ -80,6 +80,13 @@ def use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dt
     n = fp8.swap_linears(model, scheme, hf_names, shard_sizes, device, dtype, skip=routers)
     log.info("FP8 checkpoint (%s, %s weight scales): %d linear layers run FP8 GEMMs",
              scheme.method, scheme.weight, n)
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+    for name, module in experts:
+        why_not = module.fp8_unsupported(scheme.block)
+        if why_not is None and scheme.quantizes(f"{name}.0.gate_proj"):
+            module.use_fp8()
+        elif why_not is not None:
+            log.info("%s: experts dequantized at load: %s", name, why_not)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -181,9 +188,14 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
                     module.load_shard(rows, tensor, scale, input_scale)
                     loaded.add((name, shard))
                     continue
+                if isinstance(module, Experts) and module.fp8:
+                    module.load_fp8(name.rsplit(".", 1)[1], shard[0], rows, tensor, scale)
+                    loaded.add((name, shard))
+                    continue
                 # Rounded to the checkpoint's dtype: what a dequantized copy of it holds.
                 tensor = fp8.dequantize(tensor, scale, scheme.block).to(getattr(torch, model.config.dtype))
-            elif isinstance(module, fp8.Fp8Linear) and name.endswith(".weight"):
+            elif (isinstance(module, fp8.Fp8Linear) and name.endswith(".weight")) or (
+                    isinstance(module, Experts) and module.fp8):
                 raise CheckpointError(f"{path}: tensor {hf_name!r} is {tensor.dtype}, but quantization_config "
                                       "makes that layer FP8 (is it missing from the ignore list?)")
             dst.copy_(tensor)

@@ -50,7 +50,19 @@ PRESETS: dict[str, dict] = {
 }
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    # Real Qwen3 sets head_dim explicitly and != hidden/heads; so do we.
+    "head_dim": 48,
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
 
 # Family-specific config.json keys, as real checkpoints of each family write them.
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
@@ -79,18 +91,7 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "sliding_window": None,
     },
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        # Real Qwen3 sets head_dim explicitly and != hidden/heads; so do we.
-        "head_dim": 48,
-        "use_sliding_window": False,
-        "sliding_window": None,
-    },
+    "qwen3": _QWEN3,
     "mistral": {
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
@@ -101,15 +102,9 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # Qwen3-30B-A3B's keys: top-k of many small experts, renormalized; layer 0
     # is dense (`mlp_only_layers`) so both kinds of layer are in every test.
     "qwen3_moe": {
+        **_QWEN3,
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "head_dim": 48,
-        "use_sliding_window": False,
-        "sliding_window": None,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 96,

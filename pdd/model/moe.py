@@ -18,6 +18,9 @@ from torch import nn
 
 from pdd import ops
 from pdd.model.config import ModelConfig
+from pdd.ops.fp8_linear import FP8_DTYPE
+
+FP8_BLOCK = 128   # the block scales' tile the fused kernels take (pdd.ops.triton_moe)
 
 # The checkpoint's expert tensors, by family: `...experts.{e}.{name}.weight` ->
 # (our stacked parameter, the shard of its rows: 0 gate, 1 up, None the whole
@@ -56,13 +59,47 @@ def module_name(hf_name: str) -> str:
 
 
 class Experts(nn.Module):
-    """Every expert's weights stacked along dim 0, as the fused kernels read them."""
+    """Every expert's weights stacked along dim 0, as the fused kernels read them.
+    FP8 (use_fp8): the checkpoint's float8 weights as they are, with their 128x128
+    block scales stacked the same way ([E, ceil(N/128), ceil(K/128)])."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.gate_up_weight_scale: nn.Parameter | None = None
+        self.down_weight_scale: nn.Parameter | None = None
+
+    def fp8_unsupported(self, block: tuple[int, int] | None) -> str | None:
+        """Why the fused kernels cannot take these experts in FP8 (then the loader
+        dequantizes them), or None."""
+        if block != (FP8_BLOCK, FP8_BLOCK):
+            return f"the fused expert kernels take 128x128 block scales, not {block or 'per-tensor/channel'}"
+        if self.intermediate_size % FP8_BLOCK:
+            return f"intermediate size {self.intermediate_size} is not a multiple of 128 (up rows mid-block)"
+        return None
+
+    def use_fp8(self) -> None:
+        """Hold FP8 weights and block scales (filled by load_fp8)."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            e, n, k = w.shape
+            setattr(self, name, nn.Parameter(torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device),
+                                             requires_grad=False))
+            scale = torch.ones(e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=torch.float32, device=w.device)
+            setattr(self, name.replace("_proj", "_weight_scale"), nn.Parameter(scale, requires_grad=False))
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_weight_scale is not None
+
+    @torch.no_grad()
+    def load_fp8(self, param: str, expert: int, rows: slice, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Expert `expert`'s FP8 tensor of rows `rows` of `param` with its block scale."""
+        getattr(self, param)[expert, rows].copy_(weight)
+        scales = getattr(self, param.replace("_proj", "_weight_scale"))
+        scales[expert, rows.start // FP8_BLOCK:-(-rows.stop // FP8_BLOCK)].copy_(scale)
 
 
 class SparseMoeBlock(nn.Module):
@@ -75,5 +112,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = ops.linear(x, self.gate)  # [T, E]
-        return ops.fused_moe(x, router_logits, self.experts.gate_up_proj, self.experts.down_proj,
-                             self.top_k, self.renormalize)
+        ex = self.experts
+        return ops.fused_moe(x, router_logits, ex.gate_up_proj, ex.down_proj, self.top_k, self.renormalize,
+                             ex.gate_up_weight_scale, ex.down_weight_scale)

@@ -9,16 +9,14 @@ import pytest
 
 from pdd import LLM
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
-from tests.engine.test_hf_equivalence import NEW_TOKENS, PROMPT_LENGTHS, hf_greedy
+from tests.engine.test_hf_equivalence import NEW_TOKENS, hf_case, hf_greedy
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe_case(request, model_factory):
-    model_dir = model_factory(request.param)
-    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    return model_dir, prompts, hf_greedy(model_dir, prompts)
+    return hf_case(model_factory(request.param))
 
 
 def test_config_reads_the_experts(moe_case):
