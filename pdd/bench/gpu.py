@@ -66,6 +66,18 @@ def unread_expert_bytes(model: torch.nn.Module, batch: int) -> float:
     return len(layers) * per_expert * unread
 
 
+def _router_prior(engine):
+    """The router's step-time model of this worker before it is measured: its priors
+    priced by the model it registers (pdd.router.cost.step.StepFit.price_model)."""
+    from pdd.protocol.messages import StepLimits
+    from pdd.router.cost.step import StepFit
+
+    limits = StepLimits.of(engine.cfg, engine.model_config)
+    fit = StepFit()
+    fit.price_model(limits.prefill_flops_per_token, limits.decode_expert_bytes)
+    return fit
+
+
 def is_fp8(model: torch.nn.Module) -> bool:
     from pdd.model.fp8 import Fp8Linear
     from pdd.model.moe import Experts
@@ -335,18 +347,23 @@ def main(args) -> int:
         engine.warm_up()
         from pdd import ops
         ops.report_compiles(lambda kernel: print(f"compiled after the warm-up: {kernel[:3000]}", flush=True))
+    prior = _router_prior(engine)
     for b in batches:
         r = bench_decode(args, engine, b, args.context)
+        r["router_prior_ms"] = 1e3 * prior.predict(b, 0)
         out["decode"].append(r)
         print(f"decode  batch {b:>4} ctx {args.context}: step {r['step_ms']:.2f} ms (p10 {r['p10_ms']:.2f}, "
               f"p90 {r['p90_ms']:.2f}), floor {r['floor_ms']:.2f} ms, "
               f"{100 * r['fraction_of_roofline']:.0f}% of roofline, {r['tokens_s']:.0f} tok/s; "
-              f"graph forward alone {r['graph_forward_ms'] or float('nan'):.2f} ms", flush=True)
+              f"graph forward alone {r['graph_forward_ms'] or float('nan'):.2f} ms; "
+              f"router's prior {r['router_prior_ms']:.2f} ms", flush=True)
     for n in prompts:
         r = bench_prefill(args, engine, n)
+        r["router_prior_ms"] = 1e3 * prior.predict(0, n, n * (n + 1) / 2)
         out["prefill"].append(r)
         print(f"prefill {n:>6} tokens: {r['time_ms']:.1f} ms, {r['tflop_s']:.0f} TFLOP/s, "
-              f"{100 * r['fraction_of_peak']:.0f}% of the {r['peak_tflop_s']:.0f} TFLOP/s peak", flush=True)
+              f"{100 * r['fraction_of_peak']:.0f}% of the {r['peak_tflop_s']:.0f} TFLOP/s peak; "
+              f"router's prior {r['router_prior_ms']:.1f} ms", flush=True)
     for c in chunks:
         r = bench_mixed(args, engine, args.mixed_batch, c, args.mixed_prompt)
         out.setdefault("mixed", []).append(r)
