@@ -5,17 +5,18 @@ launches whatever the routing: no loop over experts, no per-expert launch, no
 host sync, every buffer and grid sized from shapes alone (the worst case), so
 a decode step with MoE layers can be captured in a CUDA graph.
 
-1. `_route_kernel`, one program per token: softmax over the router logits,
+1. `_route_kernel`, 16 tokens a program: softmax over the router logits,
    top-k by k rounds of argmax, renormalized -> weights [T, k], ids [T, k].
    Each (token, choice) is a *pair*, numbered token * k + choice.
 2. Small batches (pairs <= GEMV_MAX_PAIRS, decode): `_expert_gemv`, grid
    (pairs, N tiles). A program reads the rows of its pair's expert only, so a
    step reads the chosen experts' weights and nothing else (the dense GEMV's
    idea, pdd.ops.triton_gemv); a pair needs no grouping.
-3. Larger batches (prefill): `_align_kernel`, one program, groups the pairs by
-   expert: counts, each expert's run padded to BLOCK_M, the pairs scattered to
-   their expert's run (`sorted_pairs`, padding = pairs, an index past the end)
-   and the expert of each BLOCK_M block (-1 past the last). Then
+3. Larger batches (prefill): `align` groups the pairs by expert in three
+   launches: counts per expert (`_count_kernel`, a chunk of pairs a program),
+   each expert's run padded to BLOCK_M and the expert of each BLOCK_M block, -1
+   past the last (`_runs_kernel`, one program), the pairs scattered into their
+   runs (`_scatter_kernel`; `sorted_pairs`, padding = pairs, past the end). Then
    `_expert_gemm`, grid (worst-case blocks, N tiles): a program multiplies
    BLOCK_M pairs of one expert by that expert's weights on the tensor cores
    (tl.dot); unused blocks return at once.
@@ -39,34 +40,42 @@ from pdd.ops.triton_common import _dot, _dot_mode, _pow2
 
 GEMV_MAX_PAIRS = 64    # (token, expert) pairs up to which the per-pair GEMV runs (decode batches)
 FP8_BLOCK = 128        # the block scales' tile, both dims
-_ALIGN_CHUNK = 128     # pairs the align kernel takes per iteration
+_ALIGN_CHUNK = 128     # pairs an align kernel's program (or iteration) takes
+_ROUTE_TOKENS = 16     # tokens a route program takes
 
 
 # ---------------------------------------------------------------------------
 # Routing and grouping
 # ---------------------------------------------------------------------------
 
-@triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t,
-                  TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    t = tl.program_id(0)
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.constexpr, K_P: tl.constexpr,
+                  E_P: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """BLOCK_T tokens a program, a row each."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < T
     experts = tl.arange(0, E_P)
-    x = tl.load(logits_ptr + t * stride_t + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
+    e_ok = (experts < E)[None, :]
+    x = tl.load(logits_ptr + tokens[:, None] * stride_t + experts[None, :], mask=t_ok[:, None] & e_ok,
+                other=0.0).to(tl.float32)
+    x = tl.where(e_ok, x, float("-inf"))   # padding experts get no weight; padding tokens stay finite
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
     slots = tl.arange(0, K_P)
-    weights = tl.zeros([K_P], tl.float32)
-    ids = tl.zeros([K_P], tl.int32)
+    weights = tl.zeros([BLOCK_T, K_P], tl.float32)
+    ids = tl.zeros([BLOCK_T, K_P], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        pick = tl.min(tl.where(p == best, experts, E_P), 0)   # the lowest index of a tie
-        weights = tl.where(slots == j, best, weights)
-        ids = tl.where(slots == j, pick, ids)
-        p = tl.where(experts == pick, -1.0, p)
+        best = tl.max(p, 1)
+        pick = tl.min(tl.where(p == best[:, None], experts[None, :], E_P), 1)   # the lowest index of a tie
+        weights = tl.where(slots[None, :] == j, best[:, None], weights)
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        p = tl.where(experts[None, :] == pick[:, None], -1.0, p)
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    tl.store(w_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+        weights = weights / tl.sum(weights, 1)[:, None]
+    out = tokens[:, None] * TOP_K + slots[None, :]
+    ok = t_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(w_ptr + out, weights, mask=ok)
+    tl.store(ids_ptr + out, ids, mask=ok)
 
 
 @triton.jit
@@ -79,27 +88,41 @@ def _experts_onehot(ids_ptr, start, num_pairs, experts, CHUNK: tl.constexpr, E_P
 
 # The pair count changes with every step: one compiled variant for all of them.
 @triton.jit(do_not_specialize=["num_pairs"])
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, max_blocks, E,
-                  E_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, E, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs per expert, a chunk of pairs a program (one atomic add per expert)."""
     experts = tl.arange(0, E_P)
-    counts = tl.zeros([E_P], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        _, onehot = _experts_onehot(ids_ptr, start, num_pairs, experts, CHUNK, E_P)
-        counts += tl.sum(onehot, 0)
+    _, onehot = _experts_onehot(ids_ptr, tl.program_id(0) * CHUNK, num_pairs, experts, CHUNK, E_P)
+    tl.atomic_add(counts_ptr + experts, tl.sum(onehot, 0), mask=experts < E)
+
+
+@triton.jit
+def _runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, max_blocks, E,
+                 E_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, where it starts (the
+    scatter's cursors), and the expert of each BLOCK_M block (-1 past the last)."""
+    experts = tl.arange(0, E_P)
+    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    running = ends - padded          # where each expert's next pair goes
-    for start in range(0, num_pairs, CHUNK):
-        offs, onehot = _experts_onehot(ids_ptr, start, num_pairs, experts, CHUNK, E_P)
-        before = tl.cumsum(onehot, 0) - onehot          # same-expert pairs earlier in this chunk
-        pos = tl.sum(onehot * (before + running[None, :]), 1)
-        tl.store(sorted_ptr + pos, offs, mask=offs < num_pairs)
-        running += tl.sum(onehot, 0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=experts < E)
     for b0 in range(0, max_blocks, CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
         # A block's expert: how many runs end at or before its first row.
         expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1), mask=blocks < max_blocks)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, E, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair into its expert's run: a program claims room for its chunk's pairs of
+    each expert by one atomic add, then places them in chunk order. The order of runs'
+    pairs varies between launches; no result depends on it (a pair's rows are its own)."""
+    experts = tl.arange(0, E_P)
+    offs, onehot = _experts_onehot(ids_ptr, tl.program_id(0) * CHUNK, num_pairs, experts, CHUNK, E_P)
+    base = tl.atomic_add(cursor_ptr + experts, tl.sum(onehot, 0), mask=experts < E)
+    before = tl.cumsum(onehot, 0) - onehot          # same-expert pairs earlier in this chunk
+    pos = tl.sum(onehot * (before + base[None, :]), 1)
+    tl.store(sorted_ptr + pos, offs, mask=offs < num_pairs)
 
 
 # ---------------------------------------------------------------------------
@@ -215,7 +238,7 @@ def _expert_gemm(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, route
 # ---------------------------------------------------------------------------
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.route, one program per token."""
+    """reference.route, _ROUTE_TOKENS tokens a program."""
     t, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k {top_k} must be in 1..{e} (the experts)")
@@ -224,8 +247,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t:
-        _route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), TOP_K=top_k,
-                            K_P=_pow2(top_k), E_P=_pow2(e), RENORMALIZE=renormalize)
+        _route_kernel[(triton.cdiv(t, _ROUTE_TOKENS),)](
+            router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k, K_P=_pow2(top_k),
+            E_P=_pow2(e), BLOCK_T=_ROUTE_TOKENS, RENORMALIZE=renormalize)
     return weights, ids
 
 
@@ -236,14 +260,21 @@ def block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert: (sorted_pairs [worst case], block_expert [worst case / bm])."""
+    """Pairs grouped by expert: (sorted_pairs [worst case], block_expert [worst case / bm]).
+    Three launches (count, runs, scatter), each over chunks of pairs in parallel but runs."""
     num_pairs = ids.numel()
     size = num_pairs + num_experts * (bm - 1)   # every run padded by at most bm - 1
     max_blocks = -(-size // bm)
-    sorted_pairs = torch.full((max_blocks * bm,), num_pairs, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_pairs, max_blocks, num_experts,
-                        E_P=_pow2(num_experts), BLOCK_M=bm, CHUNK=_ALIGN_CHUNK)
+    dev = ids.device
+    sorted_pairs = torch.full((max_blocks * bm,), num_pairs, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    e_p, chunks = _pow2(num_experts), triton.cdiv(num_pairs, _ALIGN_CHUNK)
+    _count_kernel[(chunks,)](ids, counts, num_pairs, num_experts, E_P=e_p, CHUNK=_ALIGN_CHUNK)
+    _runs_kernel[(1,)](counts, cursor, block_expert, max_blocks, num_experts, E_P=e_p, BLOCK_M=bm,
+                       CHUNK=_ALIGN_CHUNK)
+    _scatter_kernel[(chunks,)](ids, cursor, sorted_pairs, num_pairs, num_experts, E_P=e_p, CHUNK=_ALIGN_CHUNK)
     return sorted_pairs, block_expert
 
 
