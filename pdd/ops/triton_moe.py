@@ -136,10 +136,11 @@ def _block_scale(s_ptr, offs_n, k0, n_ok, stride_sn, stride_sk, BLOCK: tl.conste
 
 
 @triton.jit
-def _finish(acc, acc_up, route_w, out_ty: tl.constexpr, SILU: tl.constexpr, WEIGHTED: tl.constexpr):
+def _finish(acc, acc_up, route_w, a_ptr, SILU: tl.constexpr, WEIGHTED: tl.constexpr):
     """The float32 result of a GEMM tile, rounded where the reference rounds: the
-    GEMM's output to x's dtype, then silu(gate) * up in it, or the routing weight's
-    product in float32."""
+    GEMM's output to x's (a's) dtype, then silu(gate) * up in it, or the routing
+    weight's product in float32."""
+    out_ty = a_ptr.dtype.element_ty
     y = acc.to(out_ty).to(tl.float32)
     if SILU:
         act = (y / (1.0 + tl.exp(-y))).to(out_ty).to(tl.float32)
@@ -183,7 +184,7 @@ def _expert_gemv(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, route_w_ptr, num_pairs, N,
     route_w = 1.0
     if WEIGHTED:
         route_w = tl.load(route_w_ptr + pair)
-    y = _finish(acc, acc_up, route_w, c_ptr.dtype.element_ty, SILU, WEIGHTED)
+    y = _finish(acc, acc_up, route_w, a_ptr, SILU, WEIGHTED)
     tl.store(c_ptr + pair.to(tl.int64) * stride_cm + offs_n, y, mask=n_ok)
 
 
@@ -228,7 +229,7 @@ def _expert_gemm(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, route
     route_w = 1.0
     if WEIGHTED:
         route_w = tl.load(route_w_ptr + pairs, mask=m_ok, other=0.0)[:, None]
-    y = _finish(acc, acc_up, route_w, c_ptr.dtype.element_ty, SILU, WEIGHTED)
+    y = _finish(acc, acc_up, route_w, a_ptr, SILU, WEIGHTED)
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y,
              mask=m_ok[:, None] & n_ok[None, :])
 
