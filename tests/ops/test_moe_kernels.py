@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tests.ops.interpreted import import_kernels
-from tests.ops.test_kernels import DEVICE, INTERPRET, _interpreter_env  # noqa: F401
+from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, _interpreter_env  # noqa: F401
 
 from pdd.model.fp8 import dequantize, quantize_weight  # noqa: E402
+from pdd import ops  # noqa: E402
 from pdd.ops import reference  # noqa: E402
 
 tm = import_kernels("pdd.ops.triton_moe")
@@ -123,3 +124,14 @@ def test_bad_operands_are_refused():
         tm.fused_moe(x, logits, gate_up, down[:, :, :16], 2, True)
     with pytest.raises(ValueError, match="top_k 9 must be in 1..8"):
         tm.fused_moe(x, logits, gate_up, down, 9, True)
+
+
+def test_dispatch_picks_the_kernels_on_the_gpu_and_the_reference_elsewhere():
+    x, logits, gate_up, down = moe_case(7)
+    out = ops.fused_moe(x, logits, gate_up, down, 2, True)
+    chosen = tm.fused_moe if CUDA else reference.fused_moe
+    assert torch.equal(out, chosen(x, logits, gate_up, down, 2, True))
+    if not CUDA:
+        scales = torch.ones(8, 1, 1)
+        with pytest.raises(ValueError, match="FP8 experts need the Triton MoE kernels"):
+            ops.fused_moe(x, logits, gate_up, down, 2, True, scales, scales)
