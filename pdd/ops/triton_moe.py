@@ -95,7 +95,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, E, E_P: tl.constexpr, CHUNK: t
     tl.atomic_add(counts_ptr + experts, tl.sum(onehot, 0), mask=experts < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])   # it follows the pair count: one variant for all
 def _runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, max_blocks, E,
                  E_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """One program: each expert's run padded to BLOCK_M, where it starts (the
