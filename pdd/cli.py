@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "8b"], help="model size")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
-                   help="architecture of the checkpoint")
+    p.add_argument("--arch", default="llama",
+                   choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"],
+                   help="architecture of the checkpoint (qwen3_moe, mixtral: mixtures of experts)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write it to")
     p.add_argument("--fp8", choices=["tensor", "channel", "block", "compressed"], default=None,

@@ -4,7 +4,9 @@ decode: B requests with a context of --context tokens each, all decoding; a
 step's floor is (weight bytes + KV bytes read) / HBM bandwidth, counting only the
 bytes a step reads (an untied embedding table is looked up, not read whole).
 prefill: one prompt of N tokens in one step; the floor is
-(2 * params * N + attention FLOPs) / matmul peak.
+(2 * params * N + attention FLOPs) / matmul peak. A mixture of experts counts
+its active parameters (a token's top-k experts) in both: a decode step reads
+the experts its batch chose in expectation, a prompt token multiplies by k.
 mixed (--mixed-chunks): a prompt computed in chunks beside B decoding requests,
 what each chunk adds to their step by its depth in the prompt.
 Times are whole engine steps (schedule, inputs, forward, sample, outputs): the
@@ -40,20 +42,47 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> float:
     """Weight bytes one decode step reads: every layer and the LM head, but of an
-    untied embedding table only the batch's rows (a lookup, not a pass over it)."""
+    untied embedding table only the batch's rows (a lookup, not a pass over it),
+    and of a sparse layer's experts only those its tokens chose."""
     table = model.model.embed_tokens.weight
     row_bytes = table.shape[1] * table.element_size()
+    total = weight_bytes(model) - unread_expert_bytes(model, batch)
     if table is model.lm_head.weight:
-        return weight_bytes(model)
-    return weight_bytes(model) - table.shape[0] * row_bytes + batch * row_bytes
+        return total
+    return total - table.shape[0] * row_bytes + batch * row_bytes
+
+
+def unread_expert_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Bytes of the experts a decode step of `batch` tokens leaves unread: each
+    sparse layer reads E(1 - (1 - k/E)^batch) experts in expectation
+    (ModelConfig.expected_experts_read; random prompts route near uniformly)."""
+    cfg, layers = model.config, model.moe_layers()
+    if not layers:
+        return 0.0
+    unread = cfg.moe.num_experts - cfg.expected_experts_read(batch)
+    per_expert = sum(p.numel() * p.element_size() for p in layers[0].experts.parameters()) / cfg.moe.num_experts
+    return len(layers) * per_expert * unread
+
+
+def _router_prior(engine):
+    """The router's step-time model of this worker before it is measured: its priors
+    priced by the model it registers (pdd.router.cost.step.StepFit.price_model)."""
+    from pdd.protocol.messages import StepLimits
+    from pdd.router.cost.step import StepFit
+
+    limits = StepLimits.of(engine.cfg, engine.model_config)
+    fit = StepFit()
+    fit.price_model(limits.prefill_flops_per_token, limits.decode_expert_bytes)
+    return fit
 
 
 def is_fp8(model: torch.nn.Module) -> bool:
     from pdd.model.fp8 import Fp8Linear
+    from pdd.model.moe import Experts
 
-    return any(isinstance(m, Fp8Linear) for m in model.modules())
+    return any(isinstance(m, Fp8Linear) or (isinstance(m, Experts) and m.fp8) for m in model.modules())
 
 
 def _cuda_time(fn, reps: int = 20) -> float:
@@ -218,7 +247,7 @@ def bench_prefill(args, engine, tokens: int) -> dict:
         if rep:  # the first run compiles kernels
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    linear_flops = 2 * cfg.num_parameters() * tokens
+    linear_flops = 2 * cfg.num_active_parameters() * tokens   # a token's own experts, not all of them
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
     flops = linear_flops + attn_flops
     peak = FP8_MATMUL_FLOP_S if is_fp8(engine.runner.model) else MATMUL_FLOP_S
@@ -318,18 +347,23 @@ def main(args) -> int:
         engine.warm_up()
         from pdd import ops
         ops.report_compiles(lambda kernel: print(f"compiled after the warm-up: {kernel[:3000]}", flush=True))
+    prior = _router_prior(engine)
     for b in batches:
         r = bench_decode(args, engine, b, args.context)
+        r["router_prior_ms"] = 1e3 * prior.predict(b, 0)
         out["decode"].append(r)
         print(f"decode  batch {b:>4} ctx {args.context}: step {r['step_ms']:.2f} ms (p10 {r['p10_ms']:.2f}, "
               f"p90 {r['p90_ms']:.2f}), floor {r['floor_ms']:.2f} ms, "
               f"{100 * r['fraction_of_roofline']:.0f}% of roofline, {r['tokens_s']:.0f} tok/s; "
-              f"graph forward alone {r['graph_forward_ms'] or float('nan'):.2f} ms", flush=True)
+              f"graph forward alone {r['graph_forward_ms'] or float('nan'):.2f} ms; "
+              f"router's prior {r['router_prior_ms']:.2f} ms", flush=True)
     for n in prompts:
         r = bench_prefill(args, engine, n)
+        r["router_prior_ms"] = 1e3 * prior.predict(0, n, n * (n + 1) / 2)
         out["prefill"].append(r)
         print(f"prefill {n:>6} tokens: {r['time_ms']:.1f} ms, {r['tflop_s']:.0f} TFLOP/s, "
-              f"{100 * r['fraction_of_peak']:.0f}% of the {r['peak_tflop_s']:.0f} TFLOP/s peak", flush=True)
+              f"{100 * r['fraction_of_peak']:.0f}% of the {r['peak_tflop_s']:.0f} TFLOP/s peak; "
+              f"router's prior {r['router_prior_ms']:.1f} ms", flush=True)
     for c in chunks:
         r = bench_mixed(args, engine, args.mixed_batch, c, args.mixed_prompt)
         out.setdefault("mixed", []).append(r)

@@ -265,6 +265,7 @@ class LLMEngine:
         attn = self.runner.model.model.layers[0].self_attn
         ops.warm_up_split_prefill(mc.num_heads, attn.kv_cache, self.dtype, self.max_model_len, attn.kv_scale)
         ops.warm_up_gemv(self.runner.model.gemv_sites(), self.dtype, self.device)
+        ops.warm_up_moe(self.runner.model.moe_layers(), self.dtype, self.device, self.cfg.max_num_batched_tokens)
         self.wait_in_flight()
         steps = pool.steps_launched - before.steps_launched
         assert not sched.requests, "warm-up left requests behind"

@@ -15,13 +15,17 @@ from pdd.model.quant_config import Fp8Scheme, parse_quantization
 
 
 # HF `architectures` entry -> our family name. The decoder is the same for all
-# of them; the family only selects q/k/v bias and q/k RMSNorm.
+# of them; the family selects q/k/v bias, q/k RMSNorm and, for the mixtures of
+# experts, how config.json spells the experts (MoeConfig).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -35,6 +39,19 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture of experts: which layers have one, and its shape."""
+    num_experts: int
+    top_k: int                  # experts each token goes to
+    intermediate_size: int      # of one expert
+    renormalize: bool           # the top-k routing weights rescaled to sum to 1
+    sparse_layers: frozenset[int]   # the others keep the dense MLP of intermediate_size
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     quant: Fp8Scheme | None = None  # FP8 linear layers (quantization_config), None for a plain checkpoint
+    moe: MoeConfig | None = None    # a mixture of experts' sparse layers, None for a dense model
 
     @property
     def q_size(self) -> int:
@@ -67,12 +85,47 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
+    def num_parameters(self, experts_per_layer: float | None = None) -> int:
+        """All weights; with `experts_per_layer`, a sparse layer counts that many
+        experts instead of all of them (num_active_parameters)."""
+        h, v = self.hidden_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        total = 0
+        for layer in range(self.num_layers):
+            total += attn
+            if self.moe is None or not self.moe.is_sparse(layer):
+                total += 3 * h * self.intermediate_size
+                continue
+            experts = self.moe.num_experts if experts_per_layer is None else experts_per_layer
+            total += self.moe.num_experts * h + round(experts * 3 * h * self.moe.intermediate_size)
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return total + embed + h
+
+    def num_active_parameters(self) -> int:
+        """The weights one token's forward multiplies by: its top-k experts of each
+        sparse layer, not all of them (a prefill token's FLOPs are 2x this)."""
+        return self.num_parameters(self.moe.top_k if self.moe is not None else None)
+
+    def expected_experts_read(self, tokens: int) -> float:
+        """How many distinct experts of one sparse layer a step of `tokens` tokens
+        reads, in expectation, if each token picks its top-k uniformly:
+        E * (1 - (1 - k/E)^tokens). What a decode step's weight bytes scale with."""
+        if self.moe is None:
+            return 0.0
+        e, k = self.moe.num_experts, self.moe.top_k
+        return e * (1.0 - (1.0 - k / e) ** max(tokens, 0))
+
+    def decode_expert_bytes(self, batch: int = 64) -> float:
+        """Expert weight bytes each decode adds to a step, on average from one decode
+        to `batch` (the more tokens, the more experts a sparse layer reads, until it
+        reads them all); 0 for a dense model. FP8 checkpoints: a byte a weight."""
+        if self.moe is None:
+            return 0.0
+        weight_bytes = 1 if self.quant is not None else 2
+        expert = 3 * self.hidden_size * self.moe.intermediate_size * weight_bytes
+        more = (self.expected_experts_read(batch) - self.expected_experts_read(1)) / (batch - 1)
+        return len(self.moe.sparse_layers) * expert * more
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -127,7 +180,7 @@ class ModelConfig:
         if dtype_name not in _DTYPES:
             raise CheckpointError(f"{source}: unsupported dtype {dtype_name!r}")
         sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3_moe") and not raw.get("use_sliding_window", False):
             sliding = None
 
         return cls(
@@ -144,13 +197,42 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope=_parse_rope(raw, source),
             dtype=dtype_name,
             eos_token_ids=_eos_ids(raw, generation or {}),
             sliding_window=int(sliding) if sliding else None,
             quant=parse_quantization(raw, source),
+            moe=_parse_moe(raw, family, need, source),
         )
+
+
+def _parse_moe(raw: dict, family: str, need, source: str) -> MoeConfig | None:
+    """The experts as each family's config.json spells them (Qwen3-MoE: num_experts,
+    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers;
+    Mixtral: num_local_experts of intermediate_size, always renormalized)."""
+    if family not in MOE_FAMILIES:
+        return None
+    layers = need("num_hidden_layers")
+    if family == "mixtral":
+        experts, expert_size, renormalize = need("num_local_experts"), need("intermediate_size"), True
+        sparse = frozenset(range(layers))
+    else:
+        experts, expert_size = need("num_experts"), need("moe_intermediate_size")
+        renormalize = bool(raw.get("norm_topk_prob", False))
+        step = int(raw.get("decoder_sparse_step") or 1)
+        if step <= 0:
+            raise CheckpointError(f"{source}: field 'decoder_sparse_step' must be positive, got {step!r}")
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+            raise CheckpointError(f"{source}: field 'mlp_only_layers' must list layer indices "
+                                  f"0..{layers - 1}, got {dense!r}")
+        sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    top_k = need("num_experts_per_tok")
+    if top_k > experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok {top_k} is more than the {experts} experts")
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=expert_size,
+                     renormalize=renormalize, sparse_layers=sparse)
 
 
 def _parse_rope(raw: dict, source: str) -> RopeConfig:

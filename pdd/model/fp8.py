@@ -159,12 +159,15 @@ def _shape_fits(linear: nn.Linear, shard_sizes: list[int], scheme: Fp8Scheme) ->
 
 
 def swap_linears(model: nn.Module, scheme: Fp8Scheme, hf_names: dict[str, list[str]],
-                 shard_sizes: dict[str, list[int]], device: torch.device, dtype: torch.dtype) -> int:
+                 shard_sizes: dict[str, list[int]], device: torch.device, dtype: torch.dtype,
+                 skip: set[str] = frozenset()) -> int:
     """Replace each nn.Linear that the checkpoint stores in FP8 by an Fp8Linear;
     how many were replaced. hf_names: module name -> the checkpoint's module names
-    packed into it; shard_sizes: module name -> their row counts."""
+    packed into it; shard_sizes: module name -> their row counts; skip: modules kept."""
     swapped = 0
     for name, module in list(model.named_modules()):
+        if name in skip:
+            continue
         if not isinstance(module, nn.Linear) or not all(scheme.quantizes(n) for n in hf_names.get(name, [name])):
             continue
         if not _shape_fits(module, shard_sizes.get(name, [module.out_features]), scheme):

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3; Qwen3-MoE and
+Mixtral with sparse MLPs, pdd.model.moe) over a paged KV cache.
 
 The forward takes a flat batch: every new token of every sequence in one
 [num_tokens] vector, prefill chunks and decodes mixed. Only attention knows
@@ -19,6 +20,7 @@ from torch import nn
 from pdd import ops
 from pdd.kv.scales import KVScales
 from pdd.model.config import ModelConfig, RopeConfig
+from pdd.model.moe import SparseMoeBlock
 from pdd.ops.metadata import AttentionMetadata
 
 # HF tensor name fragment -> (packed parameter fragment, shard index)
@@ -115,10 +117,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and cfg.moe.is_sparse(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -142,7 +144,7 @@ class DecoderModel(nn.Module):
         max_positions = cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -172,10 +174,19 @@ class CausalLM(nn.Module):
 
     def gemv_sites(self):
         """(linear layer, whether SiLU-and-mul follows it) of every decoder layer:
-        the GEMV variants a decode step launches (ops.warm_up_gemv)."""
+        the GEMV variants a decode step launches (ops.warm_up_gemv). A sparse
+        layer's router is one; its experts are the fused MoE kernels' (moe_layers)."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            yield from ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True), (mlp.down_proj, False))
+            yield from ((attn.qkv_proj, False), (attn.o_proj, False))
+            if isinstance(mlp, SparseMoeBlock):
+                yield mlp.gate, False
+            else:
+                yield from ((mlp.gate_up_proj, True), (mlp.down_proj, False))
+
+    def moe_layers(self) -> list[SparseMoeBlock]:
+        """The sparse MLPs (ops.warm_up_moe compiles their kernels' variants)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

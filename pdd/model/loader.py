@@ -17,6 +17,7 @@ from pdd.model import fp8
 from pdd.model.config import CheckpointError, ModelConfig
 from pdd.model.kv_scale_tensors import is_kv_scale, read_kv_scales
 from pdd.model.llama import PACKED_MODULES, CausalLM
+from pdd.model.moe import EXPERT_PARAMS, Experts, expert_target, hf_expert_name, module_name
 from pdd.model.quant_config import Fp8Scheme
 from pdd.fp8_format import FP8_DTYPE
 
@@ -65,6 +66,10 @@ def use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dt
                  scheme.method, scheme.weight, model.config.dtype, why_not)
         return
     hf_names, shard_sizes = {}, {}
+    # A sparse layer's router stays in the checkpoint's dtype (a [E, H] GEMV; published
+    # FP8 MoE checkpoints keep it unquantized, and one that does not is dequantized).
+    routers = {f"{name}.gate" for name, _ in model.named_modules() if name.endswith(".mlp")
+               and hasattr(model.get_submodule(name), "experts")}
     for name, module in model.named_modules():
         packed = [(frag, shard) for frag, (p, shard) in PACKED_MODULES.items() if name.endswith("." + p)]
         if packed:
@@ -72,9 +77,16 @@ def use_fp8_linears(model: CausalLM, scheme: Fp8Scheme, device: torch.device, dt
             hf_names[name] = [f"{prefix}.{frag}" for frag, _ in sorted(packed, key=lambda x: x[1])]
             shard_sizes[name] = [shard_slice(model, name, s).stop - shard_slice(model, name, s).start
                                  for _, s in sorted(packed, key=lambda x: x[1])]
-    n = fp8.swap_linears(model, scheme, hf_names, shard_sizes, device, dtype)
+    n = fp8.swap_linears(model, scheme, hf_names, shard_sizes, device, dtype, skip=routers)
     log.info("FP8 checkpoint (%s, %s weight scales): %d linear layers run FP8 GEMMs",
              scheme.method, scheme.weight, n)
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+    for name, module in experts:
+        why_not = module.fp8_unsupported(scheme.block)
+        if why_not is None and scheme.quantizes(f"{name}.0.gate_proj"):
+            module.use_fp8()
+        elif why_not is not None:
+            log.info("%s: experts dequantized at load: %s", name, why_not)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -85,8 +97,14 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """HF tensor name -> (our parameter name, shard index within a packed parameter)."""
+def _target(name: str) -> tuple[str, int | tuple[int, int | None] | None]:
+    """HF tensor name -> (our parameter name, shard index within a packed parameter;
+    for an expert's tensor (expert index, shard of its rows))."""
+    expert = expert_target(name)
+    if expert is not None:
+        param, e, shard = expert
+        return param, (e, shard)
+    name = module_name(name)
     for fragment, (packed, shard) in PACKED_MODULES.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{packed}."), shard
@@ -98,6 +116,8 @@ def shard_slice(model: CausalLM, param_name: str, shard: int) -> slice:
     cfg = model.config
     if "qkv_proj" in param_name:
         sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    elif ".experts." in param_name:
+        sizes = [cfg.moe.intermediate_size, cfg.moe.intermediate_size]
     else:
         sizes = [cfg.intermediate_size, cfg.intermediate_size]
     start = sum(sizes[:shard])
@@ -120,7 +140,10 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
             continue
         if name.endswith(_SCALE_SUFFIXES):
             continue
-        if any(p in name for p in ("qkv_proj", "gate_up_proj")):
+        if name.endswith(EXPERT_PARAMS):   # every expert's tensors, shard by shard
+            shards = (0, 1) if name.endswith("gate_up_proj") else (None,)
+            expected.update((name, (e, s)) for e in range(params[name].shape[0]) for s in shards)
+        elif any(p in name for p in ("qkv_proj", "gate_up_proj")):
             shards = 3 if "qkv_proj" in name else 2
             expected.update((name, s) for s in range(shards))
         else:
@@ -151,10 +174,7 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
             if name not in params:
                 raise CheckpointError(f"{path}: unexpected tensor {hf_name!r} for {model.config.architecture}")
             tensor = f.get_tensor(hf_name)
-            dst = params[name].data
-            rows = shard_slice(model, name, shard) if shard is not None else slice(0, dst.shape[0])
-            if shard is not None:
-                dst = dst[rows]
+            dst, rows = _destination(model, params[name].data, name, shard)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise CheckpointError(f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                       f"config.json implies {tuple(dst.shape)}")
@@ -168,17 +188,38 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
                     module.load_shard(rows, tensor, scale, input_scale)
                     loaded.add((name, shard))
                     continue
+                if isinstance(module, Experts) and module.fp8:
+                    module.load_fp8(name.rsplit(".", 1)[1], shard[0], rows, tensor, scale)
+                    loaded.add((name, shard))
+                    continue
                 # Rounded to the checkpoint's dtype: what a dequantized copy of it holds.
                 tensor = fp8.dequantize(tensor, scale, scheme.block).to(getattr(torch, model.config.dtype))
-            elif isinstance(module, fp8.Fp8Linear) and name.endswith(".weight"):
+            elif (isinstance(module, fp8.Fp8Linear) and name.endswith(".weight")) or (
+                    isinstance(module, Experts) and module.fp8):
                 raise CheckpointError(f"{path}: tensor {hf_name!r} is {tensor.dtype}, but quantization_config "
                                       "makes that layer FP8 (is it missing from the ignore list?)")
             dst.copy_(tensor)
             loaded.add((name, shard))
     missing = expected - loaded
     if missing:
-        names = sorted(f"{n}[shard {s}]" if s is not None else n for n, s in missing)
+        names = sorted(_missing_name(model, n, s) for n, s in missing)
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(names)} tensor(s), e.g. {names[:5]}")
+
+
+def _destination(model: CausalLM, param: torch.Tensor, name: str, shard) -> tuple[torch.Tensor, slice]:
+    """The part of parameter `name` that the tensor of `shard` (_target) fills, and its rows."""
+    if isinstance(shard, tuple):   # (expert, its gate or up rows, or the whole expert)
+        expert, rows = shard
+        param = param[expert]
+        shard = rows
+    rows = shard_slice(model, name, shard) if shard is not None else slice(0, param.shape[0])
+    return (param[rows] if shard is not None else param), rows
+
+
+def _missing_name(model: CausalLM, name: str, shard) -> str:
+    if isinstance(shard, tuple):   # the name the checkpoint should have used
+        return hf_expert_name(model.config.family, name, *shard)
+    return f"{name}[shard {shard}]" if shard is not None else name
 
 
 def _scales(index: dict, hf_name: str, weight: torch.Tensor, scheme: Fp8Scheme

@@ -49,7 +49,20 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    # Real Qwen3 sets head_dim explicitly and != hidden/heads; so do we.
+    "head_dim": 48,
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
 
 # Family-specific config.json keys, as real checkpoints of each family write them.
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
@@ -78,24 +91,41 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "sliding_window": None,
     },
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        # Real Qwen3 sets head_dim explicitly and != hidden/heads; so do we.
-        "head_dim": 48,
-        "use_sliding_window": False,
-        "sliding_window": None,
-    },
+    "qwen3": _QWEN3,
     "mistral": {
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
         "tie_word_embeddings": False,
         "rope_theta": 1000000.0,
         "sliding_window": None,
+    },
+    # Qwen3-30B-A3B's keys: top-k of many small experts, renormalized; layer 0
+    # is dense (`mlp_only_layers`) so both kinds of layer are in every test.
+    "qwen3_moe": {
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+    # Mixtral-8x7B's keys: every layer sparse, top-2 of 8 experts of intermediate_size.
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.02,
+        "router_jitter_noise": 0.0,
     },
 }
 
@@ -221,7 +251,7 @@ def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
     )
     cfg.update(_ARCH_CONFIG[arch])
     cfg.update(p.get("config", {}))
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["max_window_layers"] = p["num_hidden_layers"]
     return cfg
 
@@ -266,12 +296,10 @@ def _param_specs(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[int, .
             if arch == "qwen2":  # Qwen2 always has q/k/v bias (never o_proj bias)
                 specs.append((f"{attn}.{proj}.bias", (out_f,), 0.0, 0.1))
         specs.append(linear(f"{attn}.o_proj.weight", h, q_out))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             specs += [norm(f"{attn}.q_norm.weight", hd), norm(f"{attn}.k_norm.weight", hd)]
+        specs += _mlp_specs(cfg, arch, i, linear)
         specs += [
-            linear(f"{mlp}.gate_proj.weight", inter, h),
-            linear(f"{mlp}.up_proj.weight", inter, h),
-            linear(f"{mlp}.down_proj.weight", h, inter),
             norm(f"model.layers.{i}.input_layernorm.weight", h),
             norm(f"model.layers.{i}.post_attention_layernorm.weight", h),
         ]
@@ -280,6 +308,51 @@ def _param_specs(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[int, .
         # Wider than 1/sqrt(h): clear top-1 margins keep greedy decoding stable across implementations.
         specs.append(("lm_head.weight", (cfg["vocab_size"], h), 0.0, 3.0 * h ** -0.5))
     return specs
+
+
+# The router's weights are wider than 1/sqrt(h): its logits spread over a few
+# units, so the k-th and (k+1)-th experts of a token are never near a tie that
+# float rounding could flip between implementations.
+ROUTER_STD_GAIN = 3.0
+
+# HF names of an expert's (gate, up, down) projections, by family.
+EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def _mlp_specs(cfg: dict[str, Any], arch: str, layer: int, linear) -> list[tuple[str, tuple[int, ...], float, float]]:
+    """A layer's dense MLP, or its router and experts under the family's published names."""
+    h = cfg["hidden_size"]
+    if not _is_sparse(cfg, arch, layer):
+        mlp, inter = f"model.layers.{layer}.mlp", cfg["intermediate_size"]
+        return [linear(f"{mlp}.gate_proj.weight", inter, h), linear(f"{mlp}.up_proj.weight", inter, h),
+                linear(f"{mlp}.down_proj.weight", h, inter)]
+    if arch == "mixtral":
+        block = f"model.layers.{layer}.block_sparse_moe"
+        experts, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    else:
+        block = f"model.layers.{layer}.mlp"
+        experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    gate, up, down = EXPERT_NAMES[arch]
+    specs = [(f"{block}.gate.weight", (experts, h), 0.0, ROUTER_STD_GAIN * h ** -0.5)]
+    for e in range(experts):
+        expert = f"{block}.experts.{e}"
+        specs += [linear(f"{expert}.{gate}.weight", inter, h), linear(f"{expert}.{up}.weight", inter, h),
+                  linear(f"{expert}.{down}.weight", h, inter)]
+    return specs
+
+
+def _is_sparse(cfg: dict[str, Any], arch: str, layer: int) -> bool:
+    if arch == "mixtral":
+        return True
+    if arch != "qwen3_moe":
+        return False
+    return layer not in cfg["mlp_only_layers"] and (layer + 1) % cfg["decoder_sparse_step"] == 0
+
+
+def _quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 checkpoint stores this tensor in FP8: the linear layers' weights,
+    experts' included; embeddings, norms and the router stay in bfloat16."""
+    return len(shape) == 2 and (name.endswith("_proj.weight") or ".experts." in name)
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], mean: float, std: float) -> torch.Tensor:
@@ -303,7 +376,7 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, fp8: str | None = None) 
         w = _normal(gen, shape, mean, std)
         if fp8 is None:
             out[name] = w
-        elif len(shape) == 2 and name.endswith("_proj.weight"):
+        elif _quantized(name, shape):
             out.update(fp8_tensors(name, w, fp8))
         else:
             out[name] = w.to(torch.bfloat16)

@@ -24,9 +24,9 @@ from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
-           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
+           "rotary", "rotary_store_kv", "fused_moe", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
            "warm_up_attention", "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul",
-           "warm_up_gemv"]
+           "warm_up_gemv", "warm_up_moe"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -153,6 +153,29 @@ def rotary(positions, q, k, cos, sin):
 def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE):
     """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
     return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale)
+
+
+def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool,
+              gate_up_scale=None, down_scale=None) -> torch.Tensor:
+    """A mixture of experts' sparse MLP (reference.fused_moe): routing, the grouped
+    expert GEMMs and the weighted sum, a fixed set of launches on the GPU
+    (pdd.ops.triton_moe). FP8 experts (block scales given) run only there: elsewhere
+    the loader dequantizes them."""
+    if x.is_cuda and _load_triton() is not None:
+        from pdd.ops import triton_moe
+        return triton_moe.fused_moe(x, router_logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale)
+    if gate_up_scale is not None:
+        raise ValueError("FP8 experts need the Triton MoE kernels (CUDA); the loader dequantizes them elsewhere")
+    return reference.fused_moe(x, router_logits, gate_up, down, top_k, renormalize)
+
+
+def warm_up_moe(layers, dtype: torch.dtype, device: torch.device, max_tokens: int) -> int:
+    """Compile the fused MoE kernels' variants for steps of 1..max_tokens tokens
+    (what the warm-up steps may not all reach); how many layer shapes, 0 off the GPU."""
+    if device.type != "cuda" or _load_triton() is None or not layers:
+        return 0
+    from pdd.ops import triton_moe
+    return triton_moe.warm_up(layers, dtype, device, max_tokens)
 
 
 def argmax(logits) -> torch.Tensor:

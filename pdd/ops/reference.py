@@ -187,3 +187,29 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> int64 [B]: the lowest index among ties; NaN counts as the maximum."""
     return logits.argmax(dim=-1)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> (weights float32 [T, k], expert ids int32 [T, k]):
+    the softmax over all experts (in float32), its top k, rescaled to sum to 1 when
+    `renormalize` (which makes them the softmax over the k chosen, Mixtral's rule)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Σ over each token's top-k experts e of weight * down[e] @ silu_and_mul(gate_up[e] @ x):
+    x [T, H], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. Each expert's output is
+    rounded to x's dtype before it is weighted (as a GEMM in that dtype leaves it), the
+    sum is in float32. A loop over the experts chosen: the reference, not the fast path."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        h = silu_and_mul(x[token] @ gate_up[e].t()) @ down[e].t()
+        out.index_add_(0, token, h.float() * weights[token, slot, None])
+    return out.to(x.dtype)

@@ -138,6 +138,19 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """tl.dot of a and b as _dot_mode says: float32 exactly (1), bf16 through float32
+    where the interpreter has no bf16 matmul (2), else on the tensor cores (0)."""
+    if DOT == 1:
+        out = tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
 def _dot_mode(q: torch.Tensor) -> int:
     """See `_attend_tile`'s DOT."""
     if q.dtype == torch.float32:

@@ -49,12 +49,22 @@ class StepLimits:
     long_threshold: int = 0
     long_partial: int = 0
     long_share: float = 0.0
+    # What the model costs, for the step-time priors before the worker is measured
+    # (0: not said, the priors' own model): FLOPs of a prompt token (2 x the
+    # parameters it multiplies by; a mixture of experts: its top-k experts), and
+    # the expert weight bytes one more decode adds to a step (a mixture of experts
+    # reads more experts as its batch grows; a dense model none).
+    prefill_flops_per_token: float = 0.0
+    decode_expert_bytes: float = 0.0
 
     @classmethod
-    def of(cls, cfg) -> "StepLimits":
+    def of(cls, cfg, model=None) -> "StepLimits":
+        """From the EngineConfig and, when given, the model's ModelConfig."""
+        flops, expert_bytes = (0.0, 0.0) if model is None else (2.0 * model.num_active_parameters(),
+                                                               model.decode_expert_bytes())
         return cls(cfg.max_num_batched_tokens, cfg.chunk_size, cfg.chunk_only_beside_decodes,
                    cfg.prefill_tokens_beside_decodes or 0, cfg.long_prefill_token_threshold or 0,
-                   cfg.max_long_partial_prefills, cfg.long_prefill_min_share)
+                   cfg.max_long_partial_prefills, cfg.long_prefill_min_share, flops, expert_bytes)
 
 
 @dataclass

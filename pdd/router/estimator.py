@@ -119,15 +119,21 @@ class Estimator:
         the worker that measured them best, and how much evidence it has."""
         best: SharedCost = {}
         for info in workers:
-            fit = self._worker(info.worker_id).fit
+            fit = self._priced(info).fit
             kind = _device_type(info)
             if fit.prefill_evidence > best.get(kind, (0.0, 0.0, 0.0))[2]:
                 _, _, b, e = fit.solve()
                 best[kind] = (b, e, fit.prefill_evidence)
         return best
 
-    def _estimate(self, info: WorkerInfo, shared: SharedCost) -> WorkerEstimate:
+    def _priced(self, info: WorkerInfo) -> _Worker:
+        """The worker's record, its step-cost priors scaled to the model it registered."""
         w = self._worker(info.worker_id)
+        w.fit.price_model(info.step.prefill_flops_per_token, info.step.decode_expert_bytes)
+        return w
+
+    def _estimate(self, info: WorkerInfo, shared: SharedCost) -> WorkerEstimate:
+        w = self._priced(info)
         a, c, b, e = w.fit.solve()
         # A worker that has hardly prefilled (one leaning to decode) takes the
         # prefill costs another worker of its kind measured: a prompt token

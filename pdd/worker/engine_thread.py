@@ -228,7 +228,7 @@ class EngineThread(threading.Thread):
             device=str(e.device), layout=layout, num_blocks=e.kv.pool.num_usable_blocks,
             max_num_seqs=e.cfg.max_num_seqs, max_model_len=e.max_model_len,
             data_addr=self.decode_side.data_addr if self.decode_side else "", transfer_backends=plan.backends,
-            prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg))
+            prefills_for_others=wc.prefill_for_others, step=m.StepLimits.of(e.cfg, e.model_config))
 
     def _set_aside(self, spec: KVCacheSpec, max_tokens: int) -> int:
         """What the data plane's receiver keeps beside the pool (pdd.transfer.plan.set_aside),

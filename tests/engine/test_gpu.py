@@ -12,7 +12,8 @@ from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+# qwen3_moe, mixtral: the fused MoE kernels (per-pair GEMV in decode graphs, grouped GEMM in 64-token chunks).
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_gpu_engine_matches_cpu_engine(model_factory, arch):
     model_dir = model_factory(arch)
     prompts = random_prompts([1, 7, 16, 33, 100, 300], seed=2)

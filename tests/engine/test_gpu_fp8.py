@@ -13,7 +13,7 @@ import torch
 from pdd.model.fp8 import Fp8Linear
 from pdd.model.make_fp8 import FP8_FORMATS, fp8_quantization_config
 from pdd.model.make_model import dequantized_copy, make_model, model_config
-from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
+from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts, run_to_end
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
@@ -38,11 +38,7 @@ def test_8b_shape_fp8_decode_steps_run_in_cuda_graphs(tmp_path, fmt):
     assert len(layers) == 4 * 32  # qkv, o, gate_up, down of every layer; not the LM head
     assert layers[0].weight.dtype == torch.float8_e4m3fn
     assert engine.runner.graphs is not None, "decode CUDA graphs were not captured"
-    g = torch.Generator().manual_seed(0)
-    reqs = [engine.add_request(f"r{i}", torch.randint(0, 32000, (100 + 37 * i,), generator=g).tolist(),
-                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for i in range(8)]
-    while engine.has_unfinished():
-        engine.step()
+    reqs = run_to_end(engine, [100 + 37 * i for i in range(8)], 8)
     assert all(len(r.output_token_ids) == 8 for r in reqs)
 
 

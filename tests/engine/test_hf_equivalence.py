@@ -28,7 +28,11 @@ def hf_greedy(model_dir, prompts, max_new_tokens=NEW_TOKENS) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
 def arch_case(request, model_factory):
-    model_dir = model_factory(request.param)
+    return hf_case(model_factory(request.param))
+
+
+def hf_case(model_dir):
+    """(model_dir, prompts of PROMPT_LENGTHS, HF's greedy tokens for each)."""
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
     return model_dir, prompts, hf_greedy(model_dir, prompts)
 
@@ -44,9 +48,7 @@ def test_greedy_matches_hf(arch_case):
 
 @pytest.fixture(scope="module")
 def llama_case(model_factory):
-    model_dir = model_factory("llama")
-    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    return model_dir, prompts, hf_greedy(model_dir, prompts)
+    return hf_case(model_factory("llama"))
 
 
 @pytest.mark.parametrize("chunk_size", [16, 7, 4096], ids=["one-block", "odd", "whole-prompt"])

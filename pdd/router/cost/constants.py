@@ -25,6 +25,10 @@ class CostModelConstants:
     prior_tokens_at: int = 512        # ... b at 512 prompt tokens, one engine chunk
     prior_mpairs_at: float = 2.0      # ... e at 2M pairs: a 512-token chunk 4k deep in its prompt
     min_slope_share: float = 1e-3     # no fitted slope below this share of its prior: noise must not make work free
+    # A worker's model scales the priors (m.StepLimits; a mixture of experts computes and reads only its active
+    # experts): b by its prompt token's FLOPs against the model b was measured on, c up by its expert bytes per decode.
+    prior_flops_per_token: float = 2 * 8.03e9   # Llama-3.1-8B, the shape of prior_token_s and prior_pair_s
+    prior_hbm_bytes_s: float = 4.26e12          # DESIGN.md's measured H200 HBM copy: what reading weights costs
     # Fitting the heartbeats' step samples:
     group: int = 4                    # steps per sample: with async scheduling one step's latency is its predecessor's
     forget: float = 0.99              # weight kept per new group: the fit follows the last few hundred groups

@@ -35,6 +35,15 @@ class StepFit:
         self.n = 0                                   # groups fitted
         self.group: list[tuple[int, int, int, float]] = []   # steps not yet a group
 
+    def price_model(self, prefill_flops_per_token: float, decode_expert_bytes: float) -> None:
+        """Scale the priors to the worker's model (m.StepLimits, 0: not said): a prompt
+        token by its FLOPs (a mixture of experts: its active parameters'), a decode up
+        by the expert bytes it adds to a step. Measurements override both as ever."""
+        costs = self.costs
+        share = prefill_flops_per_token / costs.prior_flops_per_token if prefill_flops_per_token > 0 else 1.0
+        decode_s = costs.prior_decode_s + decode_expert_bytes / costs.prior_hbm_bytes_s
+        self.prior = (costs.prior_base_s, decode_s, costs.prior_token_s * share, costs.prior_pair_s * MEGA)
+
     @property
     def prefill_evidence(self) -> float:
         """Σw·prefill²: how much its prefill slopes rest on measurements."""
