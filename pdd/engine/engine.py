@@ -401,7 +401,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.kv.copies_pending
 
     def close(self) -> None:
         """Free what the engine holds beside its pool (the host KV tier's memory)."""

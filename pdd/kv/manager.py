@@ -231,6 +231,12 @@ class KVCacheManager:
         self._copies.append(c)
         self._loading[req.request_id] = c
 
+    @property
+    def copies_pending(self) -> bool:
+        """Tier copies to issue or finish: the engine steps on until there are none
+        (their blocks are referenced until then)."""
+        return bool(self._offload or self._copies)
+
     def loading(self, req) -> bool:
         return req.request_id in self._loading
 
