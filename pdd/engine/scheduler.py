@@ -284,7 +284,9 @@ class Scheduler:
         """Room for n more tokens of `req` (kv.allocate_slots), taking the blocks
         of waiting requests that hold some when the free ones are short."""
         while self.kv.allocate_slots(req, n, computed) is None:
-            holder = next((r for r in reversed(self.waiting) if r is not req and self.kv.block_ids(r)), None)
+            # Not one loading from the KV tier: its copy holds the blocks until it lands.
+            holder = next((r for r in reversed(self.waiting)
+                           if r is not req and self.kv.block_ids(r) and not self.kv.loading(r)), None)
             if holder is None:
                 return False
             log.debug("taking the blocks of waiting %s", holder.request_id)

@@ -176,3 +176,39 @@ def test_the_setting_is_checked_and_an_allocation_failure_names_it(tiny_model):
         LLM(str(tiny_model), num_blocks=8, host_kv_cache_bytes=1)
     with pytest.raises(ConfigError, match="engine.host_kv_cache_bytes: could not allocate"):
         LLM(str(tiny_model), num_blocks=8, host_kv_cache_bytes=2**62)
+
+
+def test_two_requests_loading_the_same_blocks_at_once_both_get_the_tokens_of_a_fresh_prefill(tiered, plain,
+                                                                                          monkeypatch):
+    """The second one's lookup comes while the first one's load is in flight
+    (held open: a fault forced on purpose): the GPU cache has nothing yet (a
+    block is published only once landed), so it loads the same hashes into
+    blocks of its own; both land, and the first copy stays the cached one."""
+    prompt = random_prompts([100], seed=51)[0]   # two of it fit in the pool at once
+    want = plain.generate([prompt], greedy(10))[0].token_ids
+    tiered.generate([prompt], greedy(10))
+    _evict_with_others(tiered, seed=52)
+    engine, held = tiered.engine, _HeldCopy()
+    copier = _tier(tiered).copier
+    real = copier.to_pool
+    monkeypatch.setattr(copier, "to_pool", lambda *a: (real(*a), held)[1])
+    engine.add_request("first", prompt, greedy(10))
+    engine.step()
+    monkeypatch.setattr(copier, "to_pool", real)
+    engine.add_request("second", prompt, greedy(10))
+    engine.step()
+    first, second = (engine.scheduler.requests[r] for r in ("first", "second"))
+    assert engine.kv.loading(first) and engine.kv.loading(second)
+    assert set(engine.kv.block_ids(first)).isdisjoint(engine.kv.block_ids(second))
+    engine.step()   # the second's copy (a real one) has landed: it runs; the first still loads
+    assert engine.kv.loading(first) and not engine.kv.loading(second)
+    assert second in engine.scheduler.running
+    held.released = True
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                assert o.num_cached_tokens == 96
+    assert outs == {"first": want, "second": want}
+    assert_all_blocks_free(tiered)
