@@ -141,15 +141,28 @@ class _HeldCopy(CopyDone):
         return self.released
 
 
-def test_abort_during_a_load_keeps_its_blocks_until_the_copy_ends(tiered, plain, monkeypatch):
-    prompt = random_prompts([200], seed=21)[0]
+def _only_on_the_host(tiered, plain, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """A prompt of n tokens served once, then evicted from the pool (the host
+    tier holds it), and the tokens of its fresh prefill."""
+    prompt = random_prompts([n], seed=seed)[0]
     want = plain.generate([prompt], greedy(10))[0].token_ids
     tiered.generate([prompt], greedy(10))
-    _evict_with_others(tiered, seed=22)
-    engine, held = tiered.engine, _HeldCopy()
-    copier = _tier(tiered).copier
+    _evict_with_others(tiered, seed=seed + 1)
+    return prompt, want
+
+
+def _hold_loads(tiered, monkeypatch) -> _HeldCopy:
+    """Loads from now on stay in flight until the returned copy is released
+    (monkeypatch.undo() ends that for the loads after)."""
+    held, copier = _HeldCopy(), _tier(tiered).copier
     real = copier.to_pool
     monkeypatch.setattr(copier, "to_pool", lambda *a: (real(*a), held)[1])
+    return held
+
+
+def test_abort_during_a_load_keeps_its_blocks_until_the_copy_ends(tiered, plain, monkeypatch):
+    prompt, want = _only_on_the_host(tiered, plain, 200, seed=21)
+    engine, held = tiered.engine, _hold_loads(tiered, monkeypatch)
     engine.add_request("aborted", prompt, greedy(10))
     engine.step()
     req = engine.scheduler.requests["aborted"]
@@ -159,7 +172,7 @@ def test_abort_during_a_load_keeps_its_blocks_until_the_copy_ends(tiered, plain,
     pool = engine.kv.pool
     assert all(pool.ref_counts[b] == 1 for b in loading_blocks[-12:]), "freed while the copy writes them"
     held.released = True
-    monkeypatch.setattr(copier, "to_pool", real)
+    monkeypatch.undo()
     engine.step()
     assert all(pool.ref_counts[b] == 0 for b in loading_blocks)
     # The landed blocks are cached on the GPU now: the next one finds them there.
@@ -184,17 +197,11 @@ def test_two_requests_loading_the_same_blocks_at_once_both_get_the_tokens_of_a_f
     (held open: a fault forced on purpose): the GPU cache has nothing yet (a
     block is published only once landed), so it loads the same hashes into
     blocks of its own; both land, and the first copy stays the cached one."""
-    prompt = random_prompts([100], seed=51)[0]   # two of it fit in the pool at once
-    want = plain.generate([prompt], greedy(10))[0].token_ids
-    tiered.generate([prompt], greedy(10))
-    _evict_with_others(tiered, seed=52)
-    engine, held = tiered.engine, _HeldCopy()
-    copier = _tier(tiered).copier
-    real = copier.to_pool
-    monkeypatch.setattr(copier, "to_pool", lambda *a: (real(*a), held)[1])
+    prompt, want = _only_on_the_host(tiered, plain, 100, seed=51)   # two of it fit in the pool at once
+    engine, held = tiered.engine, _hold_loads(tiered, monkeypatch)
     engine.add_request("first", prompt, greedy(10))
     engine.step()
-    monkeypatch.setattr(copier, "to_pool", real)
+    monkeypatch.undo()
     engine.add_request("second", prompt, greedy(10))
     engine.step()
     first, second = (engine.scheduler.requests[r] for r in ("first", "second"))
