@@ -192,6 +192,8 @@ class HostTier(KVTier):
 
     def close(self) -> None:
         self.copier.wait_all()
+        if self.storage is not None and self.copier.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
         self.storage = None
         self._slot_of.clear()
         self._free_slots.clear()
@@ -208,9 +210,16 @@ def host_tier_for(capacity_bytes: int, kv: torch.Tensor, spec: KVCacheSpec,
 
 
 def _allocate_host(block_shape: tuple[int, ...], capacity: int, pinned: bool, capacity_bytes: int) -> torch.Tensor:
+    """Plain host memory, page-locked in place when pinned: torch's pinned
+    allocator rounds a request up to a power of two (96 GiB would take 128)."""
+    kind = "pinned host" if pinned else "host"
     try:
-        return torch.empty((capacity, *block_shape), dtype=torch.uint8, pin_memory=pinned)
+        storage = torch.empty((capacity, *block_shape), dtype=torch.uint8)
+        if pinned:
+            err = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.numel(), 0))
+            if err:
+                raise RuntimeError(f"cudaHostRegister failed with cudaError {err}")
+        return storage
     except (RuntimeError, MemoryError) as e:
-        kind = "pinned host" if pinned else "host"
         raise ConfigError(f"engine.host_kv_cache_bytes: could not allocate {capacity_bytes / 2**30:.2f} GiB of "
                           f"{kind} memory for the host KV tier ({e}); lower it (0: no host tier)") from e
