@@ -61,7 +61,8 @@ def main() -> None:
         t_tier, t_plain = _timed(tier, device, a.repeat), _timed(plain, device, a.repeat)
         print(json.dumps({"direction": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                           else "cpu", "bytes": nbytes, "blocks": a.blocks, "block_bytes": spec.bytes_per_block,
-                          "tier_GBps": round(nbytes / t_tier / 1e9, 2), "plain_pinned_GBps": round(nbytes / t_plain / 1e9, 2),
+                          "tier_GBps": round(nbytes / t_tier / 1e9, 2),
+                          "plain_pinned_GBps": round(nbytes / t_plain / 1e9, 2),
                           "tier_share_of_plain": round(t_plain / t_tier, 3)}))
 
 

@@ -63,7 +63,8 @@ def host_stats(cluster) -> dict[str, dict]:
                    and w["free_blocks"] == w["num_blocks"] for wid, w in workers.items())
         return workers if done and not cluster.admin("requests") else None
 
-    return {wid: w["host_kv"] for wid, w in _wait_for(idle_and_fresh, what="a heartbeat from every idle worker").items()}
+    workers = _wait_for(idle_and_fresh, what="a heartbeat from every idle worker")
+    return {wid: w["host_kv"] for wid, w in workers.items()}
 
 
 def hit_blocks_metric(cluster) -> float:
