@@ -34,6 +34,11 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
+    # The host-memory KV tier behind the pool (pdd.kv.tier): blocks leaving the
+    # pool's prefix cache stay findable there, loaded back instead of computed
+    # again. Bytes of (pinned, on a GPU) host memory; 0: no tier. Off unless
+    # set: the host's RAM is shared by all its workers, which none can size alone.
+    host_kv_cache_bytes: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
     # Tokens one step computes at most; None: 8192 on a GPU (an H200 runs a
@@ -127,6 +132,10 @@ class EngineConfig:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:
             bad("num_blocks", "must be >= 2")
+        if isinstance(self.host_kv_cache_bytes, bool) or not isinstance(self.host_kv_cache_bytes, int) \
+                or self.host_kv_cache_bytes < 0:
+            bad("host_kv_cache_bytes", f"must be a number of bytes >= 0 (0: no host tier), "
+                                       f"got {self.host_kv_cache_bytes!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             bad("load_format", f"must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -31,6 +31,10 @@ def test_a_mistake_in_the_file_names_the_file_and_the_key(tmp_path, text, messag
 @pytest.mark.parametrize("env, message", [
     ({"PDD_ENGINE__BLOCK_SIZE": "abc"}, r"PDD_ENGINE__BLOCK_SIZE: engine\.block_size: expected int"),
     ({"PDD_ENGINE__BLOCK_SIZE": "3"}, r"PDD_ENGINE__BLOCK_SIZE: engine\.block_size: must be a power of two"),
+    ({"PDD_ENGINE__HOST_KV_CACHE_BYTES": "64GiB"},
+     r"PDD_ENGINE__HOST_KV_CACHE_BYTES: engine\.host_kv_cache_bytes: expected int"),
+    ({"PDD_ENGINE__HOST_KV_CACHE_BYTES": "-1"},
+     r"PDD_ENGINE__HOST_KV_CACHE_BYTES: engine\.host_kv_cache_bytes: must be a number of bytes >= 0"),
     ({"PDD_ROUTER__BREAKER__WINDOW_S": "x"}, r"PDD_ROUTER__BREAKER__WINDOW_S: router\.breaker\.window_s"),
     ({"PDD_ROUTER__BREAKER__FAILURE_RATE": "2"}, r"PDD_ROUTER__BREAKER__FAILURE_RATE: router\.breaker\.failure_rate"),
     ({"PDD_ENGINE__BLOK": "1"}, r"PDD_ENGINE__BLOK: \[engine\]: unknown key\(s\) \['blok'\]"),

@@ -16,7 +16,7 @@ SLOW_COLUMNS = ["request_id", "mode", "finish_reason", "duration_s", "ttft_s", "
 REQUEST_COLUMNS = ["request_id", "phase", "mode", "worker_id", "prefill_worker", "prompt_tokens", "output_tokens",
                    "buffered_tokens", "age_s", "migrations"]
 WORKER_COLUMNS = ["worker_id", "role", "device", "accepting", "inflight", "running", "waiting", "free_blocks",
-                  "num_blocks", "prefix_hit_rate", "last_seen_s_ago"]
+                  "num_blocks", "prefix_hit_rate", "host_kv_blocks", "last_seen_s_ago"]
 
 
 def render(command: str, result, args: Namespace) -> str:

@@ -56,6 +56,10 @@ class Metrics:
     slo_attainment: float | None = None       # fraction of the requests sent meeting every SLO
     slos_ms: dict[str, float] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)   # {"error": text, "count": n}, most frequent first
+    # Prompt tokens the server found cached (usage), so computed = input - cached;
+    # and the TTFT of the later turns of conversations (multi-turn: those coming back).
+    total_cached_tokens: int = 0
+    ttft_ms_later_turns: LatencyStats | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -99,7 +103,9 @@ def compute(records: list[RequestRecord], duration_s: float, slos_ms: dict[str, 
         tpot_ms=latency_stats(tpots, percentiles),
         itl_ms=latency_stats([g for r in ok for g in r.itl_s], percentiles),
         e2el_ms=latency_stats([r.e2el_s for r in ok], percentiles),
-        errors=[{"error": e, "count": c} for e, c in Counter(r.error for r in failed).most_common(MAX_ERRORS)])
+        errors=[{"error": e, "count": c} for e, c in Counter(r.error for r in failed).most_common(MAX_ERRORS)],
+        total_cached_tokens=sum(r.cached_tokens for r in ok),
+        ttft_ms_later_turns=latency_stats([r.ttft_s for r in ok if r.turn > 0], percentiles))
     if slos_ms:
         unknown = set(slos_ms) - set(SLO_METRICS)
         if unknown:

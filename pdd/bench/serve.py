@@ -112,7 +112,8 @@ def summary(result: ServeResult, metrics: tuple[str, ...] = METRICS) -> str:
              + (f", max concurrency {cfg.load.max_concurrency}" if cfg.load.max_concurrency else ""),
              f"requests    {m.completed} completed, {m.failed} failed, {result.outcome.not_sent} not sent, "
              f"in {m.duration_s:.2f} s",
-             f"tokens      {m.total_input_tokens:,} in, {m.total_output_tokens:,} out",
+             f"tokens      {m.total_input_tokens:,} in ({m.total_input_tokens - m.total_cached_tokens:,} computed, "
+             f"{m.total_cached_tokens:,} cached), {m.total_output_tokens:,} out",
              f"throughput  {m.request_throughput:.2f} req/s, {m.output_throughput:,.1f} output tok/s, "
              f"{m.total_token_throughput:,.1f} total tok/s"]
     if m.goodput is not None:
@@ -125,6 +126,9 @@ def summary(result: ServeResult, metrics: tuple[str, ...] = METRICS) -> str:
         s = getattr(m, f"{name}_ms")
         row = [s.mean, s.median, s.p90, s.p99, *(s.percentiles[p] for p in extra)]
         lines.append("  ".join([f"{name.upper():>9}"] + [f"{'-' if v is None else f'{v:.2f}':>9}" for v in row]))
+    later = m.ttft_ms_later_turns
+    if later is not None and later.count:
+        lines.append(f"TTFT of later turns: median {later.median:.2f} ms, p99 {later.p99:.2f} ms ({later.count} turns)")
     for e in m.errors[:5]:
         lines.append(f"error x{e['count']}: {e['error']}")
     return "\n".join(lines)

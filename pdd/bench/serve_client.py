@@ -50,6 +50,7 @@ class RequestRecord:
     e2el_s: float | None = None
     output_tokens: int = 0
     usage_reported: bool = False
+    cached_tokens: int = 0       # usage.prompt_tokens_details.cached_tokens (not computed by the server)
     text: str = ""               # the answer: the next turn resends it; not written to the JSON
 
     def to_json(self) -> dict:
@@ -57,6 +58,7 @@ class RequestRecord:
         return {"item": self.item, "turn": self.turn, "start_s": round(self.start_s, 6), "success": self.success,
                 "error": self.error, "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
                 "output_tokens": self.output_tokens, "usage_reported": self.usage_reported,
+                "cached_tokens": self.cached_tokens,
                 "ttft_ms": ms(self.ttft_s), "e2el_ms": ms(self.e2el_s), "itl_ms": [ms(x) for x in self.itl_s]}
 
 
@@ -125,6 +127,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, star
         if obj.get("usage"):
             record.output_tokens = obj["usage"].get("completion_tokens", 0)
             record.prompt_len = obj["usage"].get("prompt_tokens", record.prompt_len)
+            record.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             record.usage_reported = True
         text = _content(obj, chat)
         if text:

@@ -33,6 +33,7 @@ from pdd.engine.request import Request, RequestStatus
 from pdd.engine.scheduler import Scheduler
 from pdd.kv.cache import KVCacheSpec
 from pdd.kv.manager import KVCacheManager
+from pdd.kv.tier import host_tier_for
 from pdd.model.config import ModelConfig
 from pdd.model.make_model import resolve_model_dir
 
@@ -105,7 +106,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         torch.manual_seed(cfg.seed)
         self.runner = ModelRunner(cfg, self.model_config, str(self.model_dir), self.device, self.dtype, beside_kv)
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        r = self.runner
+        tier = host_tier_for(cfg.host_kv_cache_bytes, r.kv_cache, r.kv_spec,
+                             r.kv_scales.identity() if r.kv_scales else "") if cfg.enable_prefix_caching else None
+        self.kv = KVCacheManager(r.num_blocks, cfg.block_size, cfg.enable_prefix_caching, tier)
+        if tier is not None:
+            log.info("host KV tier: %d blocks (%d tokens, %.1f GiB%s)", tier.stats.capacity_blocks,
+                     tier.stats.capacity_blocks * cfg.block_size, cfg.host_kv_cache_bytes / 2**30,
+                     ", pinned" if tier.copier.pinned else "")
         self.scheduler = Scheduler(cfg, self.kv)
         pool_tokens = self.kv.pool.num_usable_blocks * cfg.block_size
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
@@ -391,7 +399,12 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.kv.copies_pending
+
+    def close(self) -> None:
+        """Free what the engine holds beside its pool (the host KV tier's memory)."""
+        self.wait_in_flight()
+        self.kv.close()
 
     def wait_in_flight(self) -> None:
         """Block until the device has finished every launched step (also one

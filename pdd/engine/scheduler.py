@@ -111,6 +111,7 @@ class Scheduler:
         if blocks is None:
             return None
         if looked_up:
+            num_cached += self.kv.load_into_reservation(req, len(computed)) * self.kv.block_size
             self.kv.count_lookup(req, num_cached)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
@@ -123,6 +124,7 @@ class Scheduler:
         """The prompt's KV is in the reserved blocks: publish them in the prefix
         cache (only now are they valid), take the first token, start decoding."""
         req = self.waiting_for_kv.pop(request_id)
+        self.kv.wait_for_load(req)   # the part of its prefix its own KV tier holds
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.append_token(first_token)
@@ -154,6 +156,7 @@ class Scheduler:
         return len(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.advance_copies()
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         decoding = self._decoding = any(r.decoding for r in self.running)
@@ -229,10 +232,18 @@ class Scheduler:
             if req.awaiting_grammar:
                 i += 1
                 continue   # its grammar compiles: the requests behind it go on
+            if self.kv.loading(req):
+                i += 1
+                continue   # its prefix comes from the KV tier behind the pool: admitted once there
             computed, num_cached = [], 0
             looked_up = self._takes_cached_blocks(req)
             if looked_up:
                 computed, num_cached = self.kv.get_computed_blocks(req)
+                if self.kv.start_load(req, computed):
+                    i += 1
+                    continue
+            else:
+                self._take_loaded(req)
             wanted = req.num_tokens - req.num_computed_tokens - num_cached
             long = self._is_long(wanted)
             if long and len(self._long) >= self.cfg.max_long_partial_prefills:
@@ -260,11 +271,22 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _take_loaded(self, req: Request) -> None:
+        """A request whose prefix the KV tier loaded: those tokens are computed,
+        and cached as far as its usage says."""
+        loaded = self.kv.take_loaded(req)
+        if loaded:
+            self.kv.count_lookup(req, loaded)
+            req.num_computed_tokens = loaded
+            req.num_cached_tokens = max(req.num_cached_tokens, min(loaded, req.num_prompt_tokens))
+
     def _allocate(self, req: Request, n: int, computed: list[int] = ()) -> bool:
         """Room for n more tokens of `req` (kv.allocate_slots), taking the blocks
         of waiting requests that hold some when the free ones are short."""
         while self.kv.allocate_slots(req, n, computed) is None:
-            holder = next((r for r in reversed(self.waiting) if r is not req and self.kv.block_ids(r)), None)
+            # Not one loading from the KV tier: its copy holds the blocks until it lands.
+            holder = next((r for r in reversed(self.waiting)
+                           if r is not req and self.kv.block_ids(r) and not self.kv.loading(r)), None)
             if holder is None:
                 return False
             log.debug("taking the blocks of waiting %s", holder.request_id)

@@ -140,6 +140,11 @@ class Heartbeat(Message):
     # are: its scheduler lets short prompts pass them (the router's TTFT model).
     long_prefill_tokens_pending: int = 0
     long_prefills_pending: int = 0
+    # The host KV tier behind its pool (pdd.kv.tier.TierStats; {}: none), and
+    # the hashes it stored since the previous heartbeat (newest last): what the
+    # worker can load instead of compute (prefix affinity, the cost model).
+    host_kv: dict = field(default_factory=dict)
+    host_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -230,6 +230,7 @@ class _WorkerCollector:
         compiled = CounterMetricFamily("pdd_kernels_compiled_in_service", "Triton kernels compiled after the "
                                        "worker's warm-up, each a stall of every request on it (should stay 0)",
                                        labels=["worker"])
+        host = _HostTierFamilies()
         workers = GaugeMetricFamily("pdd_workers", "Registered workers", labels=["role", "accepting"])
         counts: dict[tuple[str, str], int] = {}
         for w in list(self.registry.workers.values()):
@@ -243,9 +244,33 @@ class _WorkerCollector:
             waiting.add_metric([w.worker_id], w.load.waiting)
             preemptions.add_metric([w.worker_id], w.load.num_preemptions)
             compiled.add_metric([w.worker_id], w.load.kernels_compiled_in_service)
+            host.add(w.worker_id, w.load.host_kv)
         for (role, accepting), n in counts.items():
             workers.add_metric([role, accepting], n)
-        yield from (free, total, hit, running, waiting, preemptions, compiled, workers)
+        yield from (free, total, hit, running, waiting, preemptions, compiled, workers, *host.families)
+
+
+class _HostTierFamilies:
+    """The host KV tiers' accounting (pdd.kv.tier.TierStats), per worker that has one."""
+
+    # (metric, its TierStats key, a counter, help)
+    SERIES = (("pdd_host_kv_cache_blocks", "capacity_blocks", False, "KV blocks the host tier holds at most"),
+              ("pdd_host_kv_cache_used_blocks", "used_blocks", False, "KV blocks in the host tier (occupancy)"),
+              ("pdd_host_kv_cache_hit_blocks", "hit_blocks", True,
+               "KV blocks loaded back to the GPU from the host tier instead of computed"),
+              ("pdd_host_kv_cache_bytes_in", "bytes_in", True, "Bytes copied from the GPU pool into the host tier"),
+              ("pdd_host_kv_cache_bytes_out", "bytes_out", True, "Bytes loaded from the host tier into the GPU pool"),
+              ("pdd_host_kv_cache_evicted_blocks", "evicted_blocks", True,
+               "KV blocks the host tier dropped (least recently used) for others"))
+
+    def __init__(self):
+        self.families = [(CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["worker"])
+                         for name, _, counter, doc in self.SERIES]
+
+    def add(self, worker_id: str, stats: dict) -> None:
+        if stats:
+            for family, (_, key, _, _) in zip(self.families, self.SERIES):
+                family.add_metric([worker_id], stats.get(key, 0))
 
 
 class _TracingCollector:

@@ -23,6 +23,22 @@ from pdd.protocol import messages as m
 log = logging.getLogger(__name__)
 
 _MAX_TRACKED_HASHES = 200_000  # per worker, for prefix affinity
+# ... of its host KV tier: the tier's own capacity, at most this many.
+_MAX_TRACKED_HOST_HASHES = 1_000_000
+
+
+def _note(seen: OrderedDict, hashes: list[int], limit: int) -> None:
+    """Hashes a worker reported, newest last, the oldest forgotten past `limit`."""
+    for h in hashes:
+        seen[h] = None
+        seen.move_to_end(h)
+    while len(seen) > limit:
+        seen.popitem(last=False)
+
+
+def _tier_fill(stats: dict) -> str | None:
+    """ "used/capacity" blocks of a host KV tier, None without one."""
+    return f"{stats.get('used_blocks', 0)}/{stats['capacity_blocks']}" if stats else None
 
 
 @dataclass
@@ -57,6 +73,7 @@ class WorkerInfo:
     inflight: int = 0
     inflight_at_report: int = 0     # `inflight` when its last heartbeat came (busy)
     cached_hashes: OrderedDict = field(default_factory=OrderedDict)
+    host_hashes: OrderedDict = field(default_factory=OrderedDict)   # in its host KV tier (pdd.kv.tier)
 
     @property
     def serving(self) -> bool:
@@ -84,21 +101,30 @@ class WorkerInfo:
     def free_blocks(self) -> int:
         return self.load.free_blocks if self.load else self.num_blocks
 
-    def note_hashes(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.cached_hashes[h] = None
-            self.cached_hashes.move_to_end(h)
-        while len(self.cached_hashes) > _MAX_TRACKED_HASHES:
-            self.cached_hashes.popitem(last=False)
+    def note_hashes(self, hashes: list[int], host_hashes: list[int] = ()) -> None:
+        _note(self.cached_hashes, hashes, _MAX_TRACKED_HASHES)
+        if host_hashes:
+            capacity = self.load.host_kv.get("capacity_blocks", 0) if self.load else 0
+            _note(self.host_hashes, host_hashes, min(capacity or _MAX_TRACKED_HOST_HASHES, _MAX_TRACKED_HOST_HASHES))
 
     def prefix_match(self, hashes: list[int]) -> int:
-        """How many leading blocks of a prompt this worker (probably) caches."""
-        n = 0
+        """How many leading blocks of a prompt this worker (probably) caches,
+        in its pool or in its host KV tier (from where it loads them)."""
+        return self.tiered_prefix_match(hashes)[0]
+
+    def tiered_prefix_match(self, hashes: list[int]) -> tuple[int, int]:
+        """(leading blocks it probably caches, of those the ones only its host
+        tier holds): the cost model prices the second kind as a load."""
+        n = host = 0
         for h in hashes:
-            if h not in self.cached_hashes:
+            if h in self.cached_hashes:
+                pass
+            elif h in self.host_hashes:
+                host += 1
+            else:
                 break
             n += 1
-        return n
+        return n, host
 
     def summary(self) -> dict:
         load = self.load
@@ -117,6 +143,8 @@ class WorkerInfo:
             "step_running_s": load.step_running_s if load else 0.0,
             "faults": dict(load.faults) if load else {},
             "kernels_compiled_in_service": load.kernels_compiled_in_service if load else 0,
+            "host_kv": dict(load.host_kv) if load else {},
+            "host_kv_blocks": _tier_fill(load.host_kv) if load else None,
         }
 
 
@@ -161,7 +189,7 @@ class WorkerRegistry:
         if old is not None:
             # A repeated registration of the same process keeps its state.
             info.draining = info.draining or old.draining
-            info.inflight, info.cached_hashes = old.inflight, old.cached_hashes
+            info.inflight, info.cached_hashes, info.host_hashes = old.inflight, old.cached_hashes, old.host_hashes
             info.load, info.heartbeats = old.load, old.heartbeats
         self.workers[msg.worker_id] = info
         return None
@@ -175,7 +203,7 @@ class WorkerRegistry:
         info.inflight_at_report = info.inflight
         info.heartbeats += 1
         info.self_draining = msg.draining
-        info.note_hashes(msg.recent_hashes)
+        info.note_hashes(msg.recent_hashes, msg.host_hashes)
         return True
 
     def heard(self, worker_id: str) -> float | None:

@@ -159,7 +159,17 @@ class EngineThread(threading.Thread):
             for side in (self.decode_side, self.prefill_side):
                 if side is not None:
                     side.close()
+            self._close_engine()
             self._post(self.listener.on_engine_exit, code)
+
+    def _close_engine(self) -> None:
+        """Free the engine's host KV tier (pinned memory outlives nothing)."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.close()
+        except Exception:
+            log.warning("worker %s: closing the engine failed", self.worker_id, exc_info=True)
 
     def _run(self) -> int:
         """The exit status: 0 once stopped or drained."""

@@ -81,6 +81,8 @@ class EngineSnapshot:
     recent_hashes: JournalView = JournalView()
     transfer: dict = field(default_factory=dict)
     kernels_compiled_in_service: int = 0
+    host_kv: dict = field(default_factory=dict)     # the host KV tier's TierStats ({}: no tier)
+    host_hashes: JournalView = JournalView()        # hashes stored in the host tier
 
 
 class EngineStats:
@@ -90,6 +92,7 @@ class EngineStats:
         self.steps_completed = 0
         self.steps = Journal(_MAX_SAMPLES)
         self.recent_hashes = Journal(_MAX_HASHES)
+        self.host_hashes = Journal(_MAX_HASHES)
 
     def record(self, step: StepSample) -> None:
         self.steps_completed += 1
@@ -101,6 +104,8 @@ class EngineStats:
         hashes the prefix cache published (by steps, or by a request whose KV landed)."""
         sched, kv = engine.scheduler, engine.kv
         self.recent_hashes.extend(kv.take_recent_hashes())
+        if kv.tier is not None:
+            self.host_hashes.extend(kv.tier.take_stored_hashes())
         pending = PromptsPending.of(sched)
         return EngineSnapshot(
             running=len(sched.running), decoding=sum(1 for r in sched.running if r.decoding),
@@ -111,7 +116,8 @@ class EngineStats:
             steps=self.steps.view(), prefill_tokens_pending=pending.tokens,
             long_prefill_tokens_pending=pending.long_tokens, long_prefills_pending=pending.long_prompts,
             recent_hashes=self.recent_hashes.view(),
-            transfer=transfer, kernels_compiled_in_service=ops.compiles_reported())
+            transfer=transfer, kernels_compiled_in_service=ops.compiles_reported(),
+            host_kv=kv.tier.stats.to_dict() if kv.tier is not None else {}, host_hashes=self.host_hashes.view())
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ class HeartbeatReader:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
-        self._steps, self._hashes = JournalCursor(), JournalCursor()
+        self._steps, self._hashes, self._host_hashes = JournalCursor(), JournalCursor(), JournalCursor()
 
     def heartbeat(self, snap: EngineSnapshot, step_running_s: float, draining: bool,
                   faults: dict[str, float] | None = None) -> m.Heartbeat:
@@ -161,4 +167,5 @@ class HeartbeatReader:
             draining=draining, steps_completed=snap.steps_completed, step_running_s=step_running_s,
             faults=faults or {}, kernels_compiled_in_service=snap.kernels_compiled_in_service,
             long_prefill_tokens_pending=snap.long_prefill_tokens_pending,
-            long_prefills_pending=snap.long_prefills_pending)
+            long_prefills_pending=snap.long_prefills_pending, host_kv=snap.host_kv,
+            host_hashes=self._host_hashes.take(snap.host_hashes))

@@ -184,3 +184,25 @@ def test_a_router_spreads_its_requests_between_heartbeats_by_the_load_the_worker
         w.inflight += 1   # this router placed one there
         picked.append(w.worker_id)
     assert picked.count("c0") == 4 and picked.count("c1") == 2
+
+
+def test_what_a_worker_holds_in_its_host_kv_tier_counts_as_cached_and_is_priced_as_a_load(pd):
+    """The heartbeats' host_hashes: blocks a worker loads from host memory
+    instead of computing. Affinity and the threshold rule count them as cached;
+    the cost model adds their load time (bytes over COSTS.host_load_bytes_s)."""
+    from pdd.router.cost.constants import COSTS
+    from pdd.router.registry import WorkerRegistry
+    workers, ests = pd
+    registry = WorkerRegistry(0.5, 3, 5.0)
+    decode = registry.workers["d0"] = workers[1]
+    request = prompt(2000)
+    block_bytes = 2 * 32 * 8 * 128 * 2 * LAYOUT.block_size
+    registry.heartbeat(m.Heartbeat("d0", 0, 0, 64, 64, recent_hashes=request.block_hashes[:40],
+                                   host_hashes=request.block_hashes[:100],
+                                   host_kv={"capacity_blocks": 1000, "bytes_per_block": block_bytes}))
+    assert decode.tiered_prefix_match(request.block_hashes) == (100, 60)
+    assert request.cached_on(decode, LAYOUT.block_size) == 1600
+    assert request.host_load_s(decode) == pytest.approx(60 * block_bytes / COSTS.host_load_bytes_s)
+    plan = threshold(request, workers, estimates(**ests))
+    assert (plan.kind, plan.decode, plan.reason, plan.prefill_tokens) == (LOCAL_PREFILL, "d0", "cached", 400)
+    assert request.host_load_s(workers[0]) == 0.0   # the prefill worker holds none of it

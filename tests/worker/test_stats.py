@@ -45,7 +45,7 @@ def fake_engine(published: list[int], running=(), waiting=(), long_threshold: in
         out = published[:]
         published.clear()
         return out
-    kv = SimpleNamespace(num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.25,
+    kv = SimpleNamespace(tier=None, num_free_blocks=7, pool=SimpleNamespace(num_usable_blocks=7), hit_rate=lambda: 0.25,
                          num_hit_tokens=32, num_queried_tokens=128, take_recent_hashes=take_recent_hashes)
     scheduler = SimpleNamespace(running=list(running), waiting=list(waiting), num_preemptions=0,
                                 num_waiting=lambda: len(waiting),

@@ -158,7 +158,7 @@ def _local_option(d: WorkerInfo, request: PlaceRequest, est: Estimates, slo: Ada
     # The gap its deepest chunk (its last) gives the requests decoding here.
     own = min(chunk or e.chunk, new)
     itl = e.chunk_step_s(own, n - own) if e.decoding else 0.0
-    return _Option(d, None, "", new, e.prefill_s(new, queued=True, cached=cached, chunk=chunk),
+    return _Option(d, None, "", new, e.prefill_s(new, queued=True, cached=cached, chunk=chunk) + request.host_load_s(d),
                    e.tpot_s(), itl, e.harm_s(new, cached), e.leaning == LEAN_PREFILL, chunk=chunk)
 
 
@@ -211,8 +211,9 @@ def _remote_options(d: WorkerInfo, prefillers: list[WorkerInfo], request: PlaceR
         # decodes count in the cost (harm), not as a target (itl 0): they are why
         # it leans so, and the engine computes prompts for others at full speed.
         cached = n - new
-        ttft = e.prefill_s(new, queued=True, for_others=True, cached=cached) + tail
+        load = request.host_load_s(p)   # what it takes from its host KV tier, before it computes
+        ttft = e.prefill_s(new, queued=True, for_others=True, cached=cached) + load + tail
         options.append(_Option(d, p, backend, new, ttft, e_d.tpot_s(), 0.0, e.harm_s(new, cached),
                                e_d.leaning == LEAN_PREFILL,
-                               ttft - tail - e.prefill_s(new, for_others=True, cached=cached)))
+                               ttft - tail - load - e.prefill_s(new, for_others=True, cached=cached)))
     return options, None

@@ -67,8 +67,16 @@ class PlaceRequest:
         return max(self.num_tokens, len(self.block_hashes) * block_size, 1)
 
     def cached_on(self, w: WorkerInfo, block_size: int) -> int:
-        """Prompt tokens `w` probably caches (the last token is computed anyway)."""
+        """Prompt tokens `w` probably caches (the last token is computed anyway),
+        in its pool or in its host KV tier."""
         return min(w.prefix_match(self.block_hashes) * block_size, self.tokens(block_size) - 1)
+
+    def host_load_s(self, w: WorkerInfo) -> float:
+        """Seconds `w` takes to load the part of the prompt only its host KV
+        tier holds (it loads that before it computes the rest)."""
+        _, host_blocks = w.tiered_prefix_match(self.block_hashes)
+        block_bytes = w.load.host_kv.get("bytes_per_block", 0) if host_blocks and w.load else 0
+        return host_blocks * block_bytes / COSTS.host_load_bytes_s
 
 
 @dataclass(frozen=True)
