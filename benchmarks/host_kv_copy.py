@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from benchmarks.cli import run_as_main
+
 from pdd.kv.cache import KVCacheSpec, allocate_kv_cache
 from pdd.kv.copies import BlockCopier
 
@@ -32,8 +34,7 @@ def _timed(fn, device: torch.device, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -42,7 +43,9 @@ def main() -> None:
     p.add_argument("--pool-blocks", type=int, default=4096, help="blocks in the pool the copies pick from")
     p.add_argument("--blocks", type=int, default=512, help="blocks per copy (512: an 8k-token conversation)")
     p.add_argument("--repeat", type=int, default=10)
-    a = p.parse_args()
+
+
+def main(a: argparse.Namespace) -> int:
     device = torch.device(a.device)
     spec = KVCacheSpec(a.layers, a.kv_heads, a.head_dim, a.block_size, torch.bfloat16)
     kv = allocate_kv_cache(spec, a.pool_blocks, device)
@@ -64,7 +67,8 @@ def main() -> None:
                           "tier_GBps": round(nbytes / t_tier / 1e9, 2),
                           "plain_pinned_GBps": round(nbytes / t_plain / 1e9, 2),
                           "tier_share_of_plain": round(t_plain / t_tier, 3)}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_as_main(__name__)

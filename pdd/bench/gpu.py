@@ -100,7 +100,7 @@ def matmul_peaks(n: int = 8192) -> dict:
     """TFLOP/s of an n^3 GEMM: bf16, and FP8 e4m3 through torch._scaled_mm with
     tensorwise, rowwise and 128x128 block scales (the kinds FP8 checkpoints use)."""
     from pdd.ops import fp8_linear
-    from pdd.ops.fp8_linear import FP8_DTYPE
+    from pdd.fp8_format import FP8_DTYPE
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

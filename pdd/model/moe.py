@@ -18,7 +18,7 @@ from torch import nn
 
 from pdd import ops
 from pdd.model.config import ModelConfig
-from pdd.ops.fp8_linear import FP8_DTYPE
+from pdd.fp8_format import FP8_DTYPE
 
 FP8_BLOCK = 128   # the block scales' tile the fused kernels take (pdd.ops.triton_moe)
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.ops.fp8_linear import FP8_DTYPE
+from pdd.fp8_format import FP8_DTYPE
 from pdd.ops.triton_common import _dot, _dot_mode, _pow2
 
 GEMV_MAX_PAIRS = 64    # (token, expert) pairs up to which the per-pair GEMV runs (decode batches)
