@@ -83,3 +83,17 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory):
     return model_factory("llama")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _gpu_memory_given_back():
+    """After each module, the GPU memory its dead engines' tensors left in
+    torch's caching allocator goes back to the device: the worker processes
+    that later modules start need it (one GPU, shared by every test)."""
+    yield
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
