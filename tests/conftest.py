@@ -65,6 +65,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # e2e, hf and kernels imply slow, whether found here or written on the test.
         if any(item.get_closest_marker(m) for m in ("e2e", "hf", "kernels")) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
+    # Modules that start processes first, each kept whole: under pytest-xdist
+    # (scripts/test) the longest ones then start early beside the short ones
+    # instead of ending the run alone.
+    first = {item.path for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: item.path not in first)
 
 
 @pytest.fixture(scope="session")

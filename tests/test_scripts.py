@@ -4,6 +4,7 @@ scripts/test pass their arguments on to `pdd up` and pytest after making .venv;
 scripts/device-* are for the GPU machines.)"""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,13 @@ def test_a_wrong_argument_is_one_line(name, args, says):
     r = run(name, *args)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
     assert says in r.stderr
+
+
+def test_a_test_process_count_that_is_not_one_is_refused_before_any_install():
+    r = subprocess.run([str(SCRIPTS / "test")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PDD_TEST_WORKERS": "two"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert "PDD_TEST_WORKERS" in r.stderr and "'two'" in r.stderr
 
 
 def test_every_install_pins_the_one_torch_of_scripts_lib_venv_sh():

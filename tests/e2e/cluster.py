@@ -128,6 +128,15 @@ class UpCluster:
                 return pid
         raise LookupError(f"no {role} child of pdd up ({self.proc.pid})")
 
+    def restarted(self, role: str, old_pid: int, router: int | None = None) -> bool:
+        """Whether `pdd up` runs a `pdd serve --role ROLE` child again under
+        another pid than `old_pid` (False while none runs: between an exit and
+        the restart that follows it)."""
+        try:
+            return self.child_pid(role, router) != old_pid
+        except LookupError:
+            return False
+
     def stop(self) -> int:
         return interrupt(self.proc, 60.0)
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from pdd import LLM
+from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
 from tests.e2e.test_disagg import metric, mixed_workload, run_all
 
@@ -44,8 +45,16 @@ def test_1p1d_with_fp8_kv_equals_colocated_fp8_kv(fp8_disagg, tiny_model):
                 - bytes_before)
     # PrefillDone may come after an answer: wait for every prompt's blocks to be counted.
     blocks = sum(-(-len(p) // 16) for p in prompts)
-    _wait_for(lambda: sent()[0] + metric(fp8_disagg, "pdd_kv_transfer_blocks_skipped_total") >= blocks, 30.0,
-              "transfers counted")
+
+    def counted() -> float:
+        return sent()[0] + metric(fp8_disagg, "pdd_kv_transfer_blocks_skipped_total")
+    try:
+        _wait_for(lambda: counted() >= blocks, 30.0, "transfers counted")
+    except AssertionError:
+        # A shortfall names where the requests went (a prompt that fell back sends no blocks).
+        series = http_util.get(fp8_disagg.url + "/metrics").body.decode().splitlines()
+        raise AssertionError(f"{counted():.0f} of {blocks} blocks sent or skipped; "
+                             f"{[s for s in series if s.startswith(('pdd_disagg_fallbacks', 'pdd_requests_total'))]}")
     num_blocks, num_bytes = sent()
     assert num_blocks > 0 and num_bytes == num_blocks * page_bytes
     fp8_disagg.wait_idle()

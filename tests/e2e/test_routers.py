@@ -140,7 +140,7 @@ def test_a_router_killed_loses_only_its_own_requests_and_rejoins(two_routers, of
         assert "the connection to the router-1 at" in said and "closed; dropping what it placed here" in said
     # `pdd up` restarts it; it registers both workers again and serves.
     c.wait_line("router-1 exited")
-    _wait_for(lambda: c.child_pid("router", router=1) != doomed_pid, START_S, "router-1 restarted")
+    _wait_for(lambda: c.restarted("router", doomed_pid, router=1), START_S, "router-1 restarted")
     _wait_for(lambda: _registered(c, 1) == 2, START_S, "router-1 registered both workers again")
     again = asyncio.run(_streams([at(c, 1)] * 4, prompts[4:], params[4:]))
     assert [tuple(x) for x in again] == expected[4:]
