@@ -63,34 +63,17 @@ class RouterChannel:
 
     async def recv(self) -> tuple[str, Message]:
         while True:
-            got = self._parse(await self.sock.recv_multipart(copy=True))
-            if got is not None:
-                return got
-
-    def recv_nowait(self) -> tuple[str, Message] | None:
-        """The next well-formed message if one is waiting, else None (never waits)."""
-        while True:
-            fut = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-            if fut.exception() is not None:   # zmq.Again: nothing waiting (its future is done at once)
-                if isinstance(fut.exception(), zmq.Again):
-                    return None
-                raise fut.exception()
-            got = self._parse(fut.result())
-            if got is not None:
-                return got
-
-    def _parse(self, frames: list[bytes]) -> tuple[str, Message] | None:
-        if len(frames) != 2:
-            self.dropped += 1
-            log.warning("control: dropped a message with %d frames (expected 2)", len(frames))
-            return None
-        peer = frames[0].decode("utf-8", "replace")
-        try:
-            return peer, decode(frames[1])
-        except ProtocolError as e:
-            self.dropped += 1
-            log.warning("control: dropped a malformed message from %s: %s", peer, e)
-            return None
+            frames = await self.sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                self.dropped += 1
+                log.warning("control: dropped a message with %d frames (expected 2)", len(frames))
+                continue
+            peer = frames[0].decode("utf-8", "replace")
+            try:
+                return peer, decode(frames[1])
+            except ProtocolError as e:
+                self.dropped += 1
+                log.warning("control: dropped a malformed message from %s: %s", peer, e)
 
     async def send(self, peer: str, msg: Message) -> bool:
         """False if the peer is not connected (the message is not delivered)."""

@@ -49,11 +49,6 @@ RESET_TIMEOUT_S = 15.0
 STALL_TOLERANCE_S = 0.1
 
 
-# The longest a turn of the receive loop handles waiting messages before the
-# rest of the loop runs (see Router._recv_loop).
-RECV_TURN_S = 0.005
-
-
 class Router:
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
@@ -233,26 +228,17 @@ class Router:
             await asyncio.sleep(0.01)
 
     async def _recv_loop(self) -> None:
-        chan = self.chan
         while True:
-            got = await chan.recv()
-            # What else is waiting goes in the same turn, up to RECV_TURN_S of
-            # handling: the streams' writes (pdd.http.relay) run once after the
-            # turn, so a router that fell behind writes each stream the tokens
-            # of several steps at once — its cost per token falls as its load
-            # rises, instead of one write per stream per step whatever the load.
-            # Then the loop's other work gets its turn (the handlers, the
-            # timers): a receive that finds a message waiting completes without
-            # yielding, so without this bound it would not yield for as long as
-            # the workers send faster than this loop handles.
-            deadline = time.monotonic() + RECV_TURN_S
-            while got is not None:
-                conn, msg = got
-                try:
-                    self._received(conn, msg)
-                except Exception:
-                    log.exception("router: error handling %s from %s", msg.TYPE, conn)
-                got = chan.recv_nowait() if time.monotonic() < deadline else None
+            conn, msg = await self.chan.recv()
+            try:
+                self._received(conn, msg)
+            except Exception:
+                log.exception("router: error handling %s from %s", msg.TYPE, conn)
+            # A receive that finds a message waiting completes without yielding to
+            # the loop: while the workers send faster than this loop handles (a
+            # step's TokenBatch of a thousand streams costs milliseconds), it would
+            # never yield, and the streams' handlers — the writes to the clients —
+            # and the timers would wait for seconds. One message, then their turn.
             await asyncio.sleep(0)
 
     def _received(self, conn: str, msg: m.Message) -> None:
