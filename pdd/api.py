@@ -36,6 +36,9 @@ MAX_STOP_STRINGS = 16            # OpenAI allows 4; a few more cost nothing
 # long stop string delays every token's text by its length.
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: as OpenAI, at most 300 tokens, each biased by -100 to 100.
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 INT64_MAX = (1 << 63) - 1
 # A seed may be any integer of 64 bits, signed or unsigned; it is used modulo
 # 2**63 (seeds are int64 tensors on the device), so s and s + 2**63 coincide.
@@ -106,6 +109,10 @@ class SamplingParams:
     # The output must follow this grammar (tokens it forbids are never sampled,
     # and EOS only where it may end); None: free text.
     structured_output: StructuredOutput | None = None
+    # token id -> what is added to its logit before sampling (OpenAI's
+    # logit_bias: -100 bans a token, 100 all but forces it). The logprobs
+    # reported stay the model's.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +145,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         self._validate_stops()
+        self._validate_logit_bias()
         so = self.structured_output
         if so is not None:
             if not isinstance(so, StructuredOutput):
@@ -149,6 +157,14 @@ class SamplingParams:
             self.seed = random.getrandbits(63)
         self.seed &= INT64_MAX
         return self
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest(f"logit_bias: must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to biases")
+        for t, b in bias.items():
+            _integer("logit_bias", t, 0, INT64_MAX, "a map from non-negative token ids")
+            _number(f"logit_bias[{t}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
     def _validate_stops(self) -> None:
         ids, stop = self.stop_token_ids, self.stop

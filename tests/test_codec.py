@@ -1,6 +1,8 @@
 """The wire codec: every field checked on decode, errors naming the field."""
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -100,17 +102,18 @@ def test_a_structured_output_travels_inside_sampling_params():
     from pdd.api import StructuredOutput
 
     so = StructuredOutput("json_schema", '{"type": "object"}')
-    for msg in (m.Admit("r", 1, [1, 2], SamplingParams(structured_output=so)),
+    for msg in (m.Admit("r", 1, [1, 2], SamplingParams(structured_output=so, logit_bias={7: -100.0, 3: 2.5})),
                 m.Reserve("r", 1, [1, 2], SamplingParams(structured_output=so), 5.0),
                 m.Prefill("r", 1, [1, 2], SamplingParams(structured_output=so)),
                 m.Admit("r", 1, [1, 2], SamplingParams())):
         assert decode(encode(msg)) == msg
     sampling = msgpack.unpackb(encode(m.Admit("r", 1, [1], SamplingParams(structured_output=so))))["sampling"]
+    at = [f.name for f in dataclasses.fields(SamplingParams)].index("structured_output")
     for bad, error in ((["json_schema", 3], "admit.sampling.structured_output.spec: expected str, got int"),
                        ("json", "admit.sampling.structured_output: expected a StructuredOutput array of fields"),
                        ([], "admit.sampling.structured_output: missing field(s) ['kind']")):
         with pytest.raises(ProtocolError) as e:
-            decode(raw("admit", request_id="r", epoch=1, prompt_token_ids=[1], sampling=sampling[:-1] + [bad]))
+            decode(raw("admit", request_id="r", epoch=1, prompt_token_ids=[1], sampling=sampling[:at] + [bad] + sampling[at + 1:]))
         assert str(e.value).startswith(error)
 
 

@@ -152,6 +152,9 @@ class LLMEngine:
         bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         if sampling.top_k >= vocab:
             sampling.top_k = 0  # keeping every token is no filter at all
         num_prior = kwargs.get("num_prior_output_tokens", 0)

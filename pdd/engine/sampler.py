@@ -74,6 +74,8 @@ class SamplingBatch:
     # would stop the request too early); None: none in this batch.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None   # None: no row has a penalty
+    # (rows, token ids, biases) added to the logits (logit_bias); None: none.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # [B, ceil(V / 32)] int32: the tokens each row's grammar allows, packed (bit
     # t % 32 of word t // 32; pdd.grammar); None: no row of this batch has one.
     allowed: torch.Tensor | None = None
@@ -95,12 +97,17 @@ class SamplingBatch:
         pairs = [(row, t) for row, ids in enumerate(banned or ()) for t in ids]
         if pairs:
             banned_rows, banned_ids = staging.upload([[r for r, _ in pairs], [t for _, t in pairs]], torch.int64)
+        biased = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
+        if biased:
+            bias_rows, bias_ids = staging.upload([[r for r, _, _ in biased], [t for _, t, _ in biased]], torch.int64)
+            (bias_values,) = staging.upload([[b for _, _, b in biased]], torch.float32)
         return cls(
             temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seeds=ints[1],
             positions=ints[2], all_greedy=all(x == 0.0 for x in temps), any_top_k=any(top_k),
             any_top_p=any(x < 1.0 for x in top_p), any_min_p=any(x > 0.0 for x in min_p),
             max_logprobs=max(wanted) if wanted else None, max_top_k=max(top_k),
             banned=(banned_rows, banned_ids) if pairs else None,
+            bias=(bias_rows, bias_ids, bias_values) if biased else None,
         )
 
 
@@ -114,8 +121,11 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [B, V] float32 -> one token per row. Logprobs are the model's,
-    before any token is banned, penalized or masked by a grammar."""
+    before any token is biased, banned, penalized or masked by a grammar."""
     raw = logits
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
     if batch.allowed is not None:
         logits = apply_allowed(logits, batch.allowed)
     if batch.banned is not None:

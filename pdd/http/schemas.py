@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdd.api import (INT64_MAX, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
-                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
+                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams)
 from pdd.http import structured
 from pdd.http.reasoning import ReasoningFormat, constrained_after, for_request
 from pdd.http.tools import ToolFormat, tool_format
@@ -379,8 +379,6 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
     """Types and the bounds a value needs to travel (int64); SamplingParams.validate
     (in _finish, or at the router for chat without max_tokens) checks the rest."""
     reject_unless(f, "length_penalty", 1.0)   # beam search's
-    if f.mapping("logit_bias"):
-        raise unsupported("logit_bias")
     for name in UNSUPPORTED_EXTRAS:
         reject_nonempty(f, name)
     f.string("user")    # accepted and ignored, but a wrong type is still an error
@@ -406,7 +404,26 @@ def _sampling(f: Fields, max_tokens: int, logprobs: int | None, vocab_size: int 
         frequency_penalty=f.number("frequency_penalty", 0.0, lo=-MAX_PENALTY, hi=MAX_PENALTY),
         repetition_penalty=f.number("repetition_penalty", 1.0, lo=0, hi=MAX_REPETITION_PENALTY, lo_exclusive=True),
         prompt_logprobs=_prompt_logprobs(f),
+        logit_bias=_logit_bias(f, vocab_size),
     )
+
+
+def _logit_bias(f: Fields, vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON keys: strings of digits) to biases."""
+    given = f.mapping("logit_bias") or {}
+    if len(given) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad("logit_bias", f"'logit_bias' may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(given)}")
+    bias = {}
+    for key, value in given.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}"
+                      if vocab_size is not None else f"'logit_bias' keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key}")
+        bias[token] = float(value)
+    return bias
 
 
 def _stop(f: Fields) -> list[str]:

@@ -115,6 +115,33 @@ def test_banned_tokens_are_not_sampled_and_logprobs_stay_the_models():
     assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.tokens[:, None])[:, 0])
 
 
+def test_logit_bias_moves_the_choice_and_logprobs_stay_the_models():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    top = logits.argmax(-1)
+    low = logits.argmin(-1)
+    biases = [{int(low[0]): 100.0}, {}, {int(top[2]): -100.0, int(low[2]): 100.0}]
+    params = [SamplingParams(temperature=0.0, logprobs=0, logit_bias=b).validate() for b in biases]
+    out = sample(logits, SamplingBatch.build(params, [0, 1, 2], torch.device("cpu")))
+    assert out.tokens.tolist() == [int(low[0]), int(top[1]), int(low[2])]
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.tokens[:, None])[:, 0])
+
+
+def test_logit_bias_reaches_the_engine_and_out_of_vocabulary_is_refused(llm):
+    prompt = random_prompts([12], seed=3)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+    banned = {free[0]: -100.0}
+    biased = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logit_bias=banned))[0].token_ids
+    assert biased[0] != free[0] and free[0] not in biased
+    forced = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={5: 100.0}))[0]
+    assert forced.token_ids == [5, 5, 5]
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(Exception, match=rf"logit_bias: token id {vocab} is outside the vocabulary"):
+        llm.generate([prompt], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    with pytest.raises(Exception, match=r"logit_bias\[3\]: must be"):
+        SamplingParams(logit_bias={3: 101.0}).validate()
+    assert_all_blocks_free(llm)
+
+
 def test_min_tokens_holds_off_a_stop_token(llm):
     prompt = random_prompts([12], seed=5)[0]
     first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0].token_ids[0]

@@ -64,7 +64,7 @@ def test_fields_nothing_reads_are_accepted_and_named():
     # Known fields, sent or not, are never among them; a known field set to what
     # pdd does not do is still refused, naming it.
     assert parse_completion_request(cmpl(stream=False, seed=3, user="u", top_k=5), MODELS).ignored_fields == ()
-    assert refused(cmpl(logit_bias={"5": 1}, metadata={})).param == "logit_bias"
+    assert refused(cmpl(use_beam_search=True, metadata={})).param == "use_beam_search"
 
 
 def test_each_ignored_name_is_logged_once_and_the_header_lists_what_it_can(caplog, monkeypatch):

@@ -41,6 +41,12 @@ def test_penalties_reach_the_sampling_params(parse):
 
 
 @pytest.mark.parametrize("parse", [cmpl, chat])
+def test_logit_bias_is_parsed_from_openais_string_keys(parse):
+    assert parse(max_tokens=4, logit_bias={"7": -100, "12": 2.5}).sampling.logit_bias == {7: -100.0, 12: 2.5}
+    assert parse(max_tokens=4).sampling.logit_bias == {}
+
+
+@pytest.mark.parametrize("parse", [cmpl, chat])
 def test_n_is_parsed_and_best_of_equal_to_it_accepted(parse):
     assert parse(max_tokens=4, n=4).n == 4
     assert cmpl(n=3, best_of=3).n == 3 and cmpl(best_of=1).n == 1

@@ -237,7 +237,10 @@ def test_null_means_default_and_unknown_fields_are_ignored():
     ("repetition_penalty", 0, ["> 0"]),
     ("repetition_penalty", 101, ["between 0 and 100"]),
     ("prompt_logprobs", 21, ["between 0 and 20"]),
-    ("logit_bias", {"50256": -100}, ["not supported"]),
+    ("logit_bias", {"x": -100}, ["keys must be token ids"]),
+    ("logit_bias", {"5": 101}, ["values must be numbers in [-100, 100]", "token 5"]),
+    ("logit_bias", {"5": True}, ["values must be numbers"]),
+    ("logit_bias", {str(i): 1 for i in range(301)}, ["at most 300 tokens"]),
     # vLLM's fields for features we do not have: refused, not ignored
     ("length_penalty", 0.5, ["not supported", "only 1"]),
     ("use_beam_search", True, ["not supported"]),

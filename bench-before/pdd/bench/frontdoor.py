@@ -1,0 +1,352 @@
+"""What the front door carries: tokens and requests per second delivered against
+concurrency, for 1, 2, 4 ... routers, and what clients get past saturation.
+
+For each router count a cluster is started (`pdd up --routers N`, the built-in
+tiny model unless --model: the engine should not be what limits), and for each
+concurrency C, C streams run in a closed loop (each starts its next request
+when one ends) from --client-procs processes of aiohttp clients, for
+--duration seconds after --warmup. Reported per point: tokens/s and requests/s
+delivered in the window (a request's max_tokens, ignore_eos, spread over its
+SSE events: an event carries a token's text, and a token whose text is held
+back sends none), the routers' CPU per
+token (their processes' user + system time over the window, /proc), ITL p50/p99
+as the clients saw it against the workers' step time p50/p99 (the router's
+step histogram: what the router adds is the difference), TTFT p50/p99, and
+what clients got instead of tokens: 429s (with Retry-After), other statuses,
+connection errors (resets) and streams that ended in an error event.
+
+With --prefixes K the prompts share K prefixes (of --prompt-words words,
+each followed by a few words of its own), and the workers' prefix-cache hit
+rate over the window says whether affinity holds with N routers as with one.
+
+    pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
+    pdd bench frontdoor --routers 1,2 --workers 2 --prefixes 8 --prompt-words 400 --concurrency 64
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdd.bench.router_cost import cpu_seconds
+from pdd.lifetime import children, serving
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+GAP_SAMPLE = 20_000   # inter-token gaps kept per client process (a uniform sample)
+# What the routers say they refused or cut (their /metrics, summed by labels): who reset a client.
+GUARD_COUNTERS = ("pdd_requests_rejected_total", "pdd_http_connections_refused_total", "pdd_http_clients_cut_total",
+                  "pdd_http_errors_total")
+
+
+# ---------------------------------------------------------------- clients (each in a process of its own)
+
+async def _stream_loop(session, url: str, bodies: list[bytes], max_tokens: int, window: tuple[float, float],
+                       tally: dict) -> None:
+    t0, t1 = window
+    while time.time() < t1:
+        body = random.choice(bodies)
+        start = time.time()
+        try:
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    key = "429" if resp.status == 429 else f"status_{resp.status}"
+                    tally[key] = tally.get(key, 0) + 1
+                    await resp.read()
+                    await asyncio.sleep(float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5)
+                    continue
+                last, events, in_window, failed = None, 0, 0, False
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.time()
+                    if b'"error"' in line[:40]:
+                        tally["error_events"] += 1
+                        failed = True
+                        break
+                    events += 1
+                    if t0 <= now <= t1:
+                        in_window += 1
+                        if last is None:
+                            tally["ttft"].append(now - start)
+                        else:   # a uniform sample of every gap in the window (reservoir)
+                            tally["n_gaps"] += 1
+                            if len(tally["gaps"]) < GAP_SAMPLE:
+                                tally["gaps"].append(now - last)
+                            elif (j := random.randrange(tally["n_gaps"])) < GAP_SAMPLE:
+                                tally["gaps"][j] = now - last
+                    last = now
+                # An event is not a token: one whose text is held back (an incomplete
+                # UTF-8 character, a stop string's possible start) sends none. A request
+                # that ran to the end had max_tokens (ignore_eos): its share in the window.
+                if events and not failed:
+                    tally["tokens"] += max_tokens * in_window / events
+                if t0 <= time.time() <= t1:
+                    tally["requests"] += 1
+        except (OSError, asyncio.TimeoutError, Exception) as e:   # aiohttp's client errors: resets, cut streams
+            if time.time() < t1:
+                tally["connection_errors"] += 1
+                tally.setdefault("error_kinds", {}).setdefault(type(e).__name__, 0)
+                tally["error_kinds"][type(e).__name__] += 1
+                await asyncio.sleep(0.2)
+
+
+def _client_process(url: str, streams: int, bodies: list[bytes], max_tokens: int, window: tuple[float, float],
+                    out) -> None:
+    import aiohttp
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    tally = {"tokens": 0, "requests": 0, "error_events": 0, "connection_errors": 0, "ttft": [], "gaps": [],
+             "n_gaps": 0}
+
+    async def main():
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            await asyncio.gather(*(_stream_loop(session, url, bodies, max_tokens, window, tally)
+                                   for _ in range(streams)))
+    asyncio.run(main())
+    out.put(tally)
+
+
+def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
+    """One prompt of `prompt_words` words; or with `prefixes`, many prompts of
+    that many shared prefixes, each with a short suffix of its own."""
+    rng = random.Random(concurrency)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))   # noqa: E731
+    if not prefixes:
+        return [words(prompt_words)]
+    heads = [words(prompt_words) for _ in range(prefixes)]
+    return [f"{head} {words(6)}" for head in heads for _ in range(64)]
+
+
+def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
+              warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0,
+              router_urls: tuple[str, ...] = ()) -> dict:
+    """One point: `concurrency` streams against `url`; the steps and prefix-cache
+    lookups as `metrics_url` (one router: every worker reports to each) counts them."""
+    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                          "stream": True, "temperature": 0}).encode() for p in prompts(concurrency, prompt_words,
+                                                                                        prefixes)]
+    procs = max(1, min(procs, concurrency))
+    start = time.time() + 1.0   # the processes are up by then
+    window = (start + warmup_s, start + warmup_s + duration_s)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url + "/v1/completions", concurrency // procs +
+                                                         (i < concurrency % procs), bodies, max_tokens, window,
+                                                         out))
+               for i in range(procs)]
+    guards_before = _guards(router_urls)
+    for w in workers:
+        w.start()
+    # The CPU is read at the window's ends; /metrics (which a saturated router
+    # answers late) just before and after it: the steps and prefix lookups are
+    # rates over whatever interval those answers span.
+    steps_before, prefix_before = _scrape(metrics_url)
+    time.sleep(max(0.0, window[0] - time.time()))
+    cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
+    time.sleep(max(0.0, window[1] - time.time()))
+    cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
+    steps_after, prefix_after = _scrape(metrics_url)
+    steps = _histogram_delta(steps_before, steps_after)
+    hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
+    tallies = [out.get() for _ in workers]   # each process ends its streams soon after the window
+    for w in workers:
+        w.join(60)
+        if w.is_alive():
+            w.kill()
+    guards = {k: v - guards_before.get(k, 0.0) for k, v in _guards(router_urls).items()
+              if v - guards_before.get(k, 0.0)}
+    total = {k: sum(t[k] for t in tallies) for k in ("tokens", "requests", "error_events", "connection_errors")}
+    for t in tallies:
+        for k, v in t.items():
+            if k == "429" or k.startswith("status_"):
+                total[k] = total.get(k, 0) + v
+    kinds: dict[str, int] = {}
+    for t in tallies:
+        for k, v in t.get("error_kinds", {}).items():
+            kinds[k] = kinds.get(k, 0) + v
+    gaps = sorted(g for t in tallies for g in t["gaps"])
+    ttft = sorted(x for t in tallies for x in t["ttft"])
+    return {"concurrency": concurrency, **total, "error_kinds": kinds,
+            "tokens_s": round(total["tokens"] / duration_s, 1), "requests_s": round(total["requests"] / duration_s, 2),
+            "router_cpu_cores": round(cpu_s / duration_s, 3),
+            "router_us_per_token": round(1e6 * cpu_s / total["tokens"], 2) if total["tokens"] else None,
+            "itl_p50_ms": _ms(_q(gaps, 0.5)), "itl_p99_ms": _ms(_q(gaps, 0.99)),
+            "step_p50_ms": _ms(_histogram_q(steps, 0.5)), "step_p99_ms": _ms(_histogram_q(steps, 0.99)),
+            "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99)),
+            "prefix_hit_rate": round(hits / queries, 3) if queries else None, "router_guards": guards}
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+# ---------------------------------------------------------------- what the servers say
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system time of these processes so far (those gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += sum(cpu_seconds(pid))
+        except OSError:
+            continue
+    return total
+
+
+def _scrape(url: str) -> tuple[dict[float, float], tuple[float, float]]:
+    """From a router's /metrics: its engine-step histogram (upper bound ->
+    cumulative count, over every worker), and the workers' prefix-cache
+    (hit, looked-up) prompt tokens so far."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}, (0.0, 0.0)
+    steps, hits, queries = {}, 0.0, 0.0
+    for line in text.splitlines():
+        if line.startswith("pdd_scheduler_iteration_latency_seconds_bucket{"):
+            le = float(line.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf"))
+            steps[le] = steps.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdd_prefix_cache_hit_tokens_total{"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdd_prefix_cache_query_tokens_total{"):
+            queries += float(line.rsplit(" ", 1)[1])
+    return steps, (hits, queries)
+
+
+def _guards(urls) -> dict[str, float]:
+    """GUARD_COUNTERS of every router, summed by series (name and labels)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(GUARD_COUNTERS):
+                series, value = line.rsplit(" ", 1)
+                out[series] = out.get(series, 0.0) + float(value)
+    return out
+
+
+def _histogram_delta(before: dict, after: dict) -> dict:
+    return {le: after[le] - before.get(le, 0.0) for le in after}
+
+
+def _histogram_q(hist: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a cumulative histogram, linear within its bucket."""
+    bounds = sorted(hist)
+    if not bounds or hist[bounds[-1]] <= 0:
+        return None
+    want, prev_le, prev_n = q * hist[bounds[-1]], 0.0, 0.0
+    for le in bounds:
+        n = hist[le]
+        if n >= want:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((want - prev_n) / max(n - prev_n, 1e-9))
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+# ---------------------------------------------------------------- the cluster
+
+class Cluster:
+    """`pdd up --routers N` in a process of its own, stopped with SIGINT."""
+
+    def __init__(self, args, routers: int, run_dir: Path):
+        # -P: not the working directory first on sys.path, so that --server-path decides which pdd serves.
+        cmd = [sys.executable, "-P", "-m", "pdd.cli", "up", "--mode", args.mode, "--port", str(args.port),
+               "--run-dir", str(run_dir), *(["--routers", str(routers)] if routers > 1 else [])]
+        cmd += ["--workers", str(args.workers)] if args.mode == "colocated" else \
+            ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+        if args.model:
+            cmd += ["--model", args.model]
+        env = dict(os.environ)
+        if args.server_path:   # the cluster runs another pdd (before/after in one sitting)
+            env["PYTHONPATH"] = os.pathsep.join([args.server_path, *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, env=env)
+        for line in self.proc.stdout:
+            if "ready at" in line:
+                break
+        else:
+            raise RuntimeError(f"pdd up --routers {routers} did not start; logs in {run_dir}")
+        self.url = f"http://127.0.0.1:{args.port}"
+        from pdd.config_loader import load_cluster_config
+        cfg = load_cluster_config(run_dir / "cluster.toml")
+        # Each router's own port (one router: the port): router 0's step histogram, every router's guards.
+        self.router_urls = tuple(f"http://127.0.0.1:{p}" for p in cfg.router.http_ports) or (self.url,)
+        self.own_url = self.router_urls[0]
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
+            self.model = json.loads(r.read())["data"][0]["id"]
+        self.router_pids = _router_pids(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _router_pids(parent: int) -> list[int]:
+    """`pdd up`'s routers and their children (the tokenizer processes): what the router CPU is."""
+    routers = [pid for pid, argv in children(parent) if serving(argv, "router")]
+    return routers + [pid for r in routers for pid, _ in children(r)]
+
+
+def main(args) -> int:
+    routers = [int(x) for x in args.routers.split(",")]
+    points = [int(x) for x in args.concurrency.split(",")]
+    results = []
+    for n in routers:
+        run_dir = Path(args.run_dir) / f"routers-{n}"
+        cluster = Cluster(args, n, run_dir)
+        try:
+            for c in points:
+                r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
+                              args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
+                              cluster.router_urls)
+                r["routers"], r["server"] = n, args.server_path or "this pdd"
+                results.append(r)
+                print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "
+                      f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "
+                      f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms (steps {r['step_p50_ms']}/"
+                      f"{r['step_p99_ms']})  429s {r.get('429', 0)}  resets {r['connection_errors']}  "
+                      f"error events {r['error_events']}  prefix hits {r['prefix_hit_rate']}", flush=True)
+                if r["router_guards"] or r["error_kinds"]:
+                    print(f"    routers refused/cut: {r['router_guards']}; client errors: {r['error_kinds']}",
+                          flush=True)
+        finally:
+            cluster.stop()
+    summary = {"date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(), "args": vars(args) | {"func": None},
+               "points": results}
+    for n in routers:
+        mine = [r for r in results if r["routers"] == n]
+        peak = max(mine, key=lambda r: r["tokens_s"])
+        print(f"routers {n}: peak {peak['tokens_s']:,.0f} tok/s at {peak['concurrency']} streams; at the most "
+              f"streams {mine[-1]['tokens_s']:,.0f} ({100 * mine[-1]['tokens_s'] / max(peak['tokens_s'], 1):.0f}% "
+              "of peak)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0

@@ -1,0 +1,87 @@
+"""Streams written by the router in one callback per loop iteration.
+
+A streamed token used to cost the router, for each stream at every engine
+step, a wake-up of its handler (a future, a task step, the handler's async
+generators) and an awaited aiohttp write. A stream on the Relay has its
+request's events (RequestState.listener) marked due instead; once per loop
+iteration, after the step's TokenBatch was delivered, the Relay runs each due
+stream's flush, which turns its events into chunks and writes them to its
+connection at once (DirectWriter). Its handler wakes only to end the stream,
+for an error, or when its client fell behind (then its awaited write drains).
+
+DirectWriter writes the chunked-encoding frame aiohttp's writer would write,
+to the same transport, and only when the bytes can go out at once: not when
+the client is behind (the transport's buffer at its high-water mark, where
+aiohttp would wait in drain), the connection is closing, the handler is itself
+writing (`busy`: its bytes go first), aiohttp's writer would transform the
+body (compression, a declared length, hooks) or the headers are still unsent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+
+class DirectWriter:
+    def __init__(self, resp: web.StreamResponse):
+        self.writer = w = getattr(resp, "_payload_writer", None)
+        self.busy = False
+        self.usable = (w is not None and getattr(w, "chunked", False) is True
+                       and getattr(w, "_compress", None) is None and getattr(w, "length", None) is None
+                       and getattr(w, "_on_chunk_sent", None) is None and getattr(w, "on_body_write", None) is None
+                       and not getattr(w, "_headers_buf", None) and not getattr(w, "_eof", False))
+        self.transport = w.transport if self.usable else None
+        self.usable = self.transport is not None
+        # Where aiohttp's writer would wait in drain (the protocol pauses writing).
+        self.high_water = self.transport.get_write_buffer_limits()[1] if self.usable else 0
+
+    def can_write(self) -> bool:
+        t = self.transport
+        return (self.usable and not self.busy and not t.is_closing()
+                and t.get_write_buffer_size() < self.high_water)
+
+    def write(self, data: bytes) -> None:
+        """One chunk of the body (can_write() said so just before; nothing awaited since)."""
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        self.writer.output_size += len(frame)
+        self.transport.write(frame)
+
+
+class _Stream:
+    __slots__ = ("relay", "flush", "due")
+
+    def __init__(self, relay: Relay, flush: Callable[[], None]):
+        self.relay, self.flush, self.due = relay, flush, False
+
+    def __call__(self, _state) -> None:   # RequestState.listener: an event was posted
+        if not self.due:
+            self.due = True
+            self.relay._mark(self)
+
+
+class Relay:
+    def __init__(self):
+        self._due: list[_Stream] = []
+
+    def listener(self, flush: Callable[[], None]) -> Callable:
+        """A RequestState.listener that has `flush` run once in the loop iteration its events come in."""
+        return _Stream(self, flush)
+
+    def _mark(self, stream: _Stream) -> None:
+        if not self._due:
+            asyncio.get_running_loop().call_soon(self._run)
+        self._due.append(stream)
+
+    def _run(self) -> None:
+        due, self._due = self._due, []
+        for stream in due:
+            stream.due = False
+            try:
+                stream.flush()
+            except Exception:   # a flush catches its own; one that does not must not stop the others
+                log.exception("relay: a stream's flush failed")

@@ -1,0 +1,250 @@
+"""Tokenizer of a HF checkpoint: `tokenizer.json` through the `tokenizers`
+library, chat templates from `tokenizer_config.json` rendered with Jinja the
+way transformers renders them, and incremental detokenization for streaming.
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+from pdd.model.bpe import byte_alphabet
+from pdd.model.config import CheckpointError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = self.model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        try:
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default")
+        if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            self.chat_template = (model_dir / "chat_template.jinja").read_text()
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token = _token_str(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, read from its vocabulary entry: a piece
+        of a multi-byte character decodes to U+FFFD, which says nothing of its
+        bytes. Known for every token under a byte-level decoder (GPT-2's map of
+        bytes to characters: Llama 3, Qwen) and for byte-fallback tokens
+        ("<0xE6>": Llama 2, Mistral); None otherwise (its text says them)."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return None
+        if self._byte_decoding == "ByteLevel":
+            if all(ch in _BYTE_LEVEL_CHARS for ch in token):   # not an added token written as text
+                return bytes(_BYTE_LEVEL_CHARS[ch] for ch in token)
+        elif self._byte_decoding == "ByteFallback":
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    return bytes([int(token[3:5], 16)])
+                except ValueError:
+                    return None
+        return None
+
+    @cached_property
+    def _byte_decoding(self) -> str | None:
+        """"ByteLevel" or "ByteFallback" where the decoder (or a step of its
+        sequence) is one: how token_bytes reads a token; None otherwise."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return None
+        spec = json.loads(decoder.__getstate__())
+        steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+        kinds = [step.get("type") for step in steps]
+        return next((k for k in ("ByteLevel", "ByteFallback") if k in kinds), None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ONE_CACHE_SIZE = 1 << 16   # single-token texts kept, per skip_special_tokens
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), remembered: a stream decodes each of its tokens
+        alone once (IncrementalDetokenizer's prefix), and a few thousand ids make
+        most of any text."""
+        cache = self._one_cache[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+            if len(cache) < self.ONE_CACHE_SIZE:
+                cache[token_id] = text
+        return text
+
+    @cached_property
+    def _one_cache(self) -> dict[bool, dict[int, str]]:
+        return {True: {}, False: {}}
+
+    @cached_property
+    def _template(self):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **extra) -> str:
+        """continue_final_message: the text ends inside the last message (after its
+        content, before whatever the template closes it with), so the model goes on
+        writing it; as transformers does it."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **extra)
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise ValueError("continue_final_message: the template does not write the last "
+                                 "message's content as given")
+            text = text[:end + len(final)]
+        return text
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        # The template writes any special tokens itself (BOS included).
+        return self._tok.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                                add_special_tokens=False).ids
+
+
+# GPT-2's byte-level alphabet read backwards: symbol -> the byte it stands for.
+_BYTE_LEVEL_CHARS = {symbol: b for b, symbol in enumerate(byte_alphabet())}
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without ever emitting
+    half of a multi-byte character: a delta is released only once the decoded
+    window no longer ends in U+FFFD (an incomplete byte sequence).
+
+    The window starts in the prompt's last few tokens (`prompt_ids`): decoders
+    such as SentencePiece's strip the leading space of a sequence's first
+    token, so decoding the output alone would turn " Paris" into "Paris".
+
+    What is held back is bounded: a character is at most 4 bytes, so once
+    MAX_HELD_TOKENS tokens still end in U+FFFD, the bytes before the last
+    UTF8_TAIL_TOKENS tokens can never complete one (the model emits invalid
+    bytes) and go out as U+FFFD. Else the window, decoded again at every
+    token, would grow with the output: work quadratic in its length on the
+    router's event loop, and no text for the client until the end."""
+
+    PROMPT_CONTEXT = 6    # tokens: enough for any decoder's look-back seen, cheap to re-decode
+    MAX_HELD_TOKENS = 8   # more than any character needs (4 bytes; a skipped special token may sit between)
+    UTF8_TAIL_TOKENS = 3  # an unfinished character's lead byte is in one of these (at least a byte each)
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids=()):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT:])
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids = []   # a prompt ending inside a character: its bytes would be released twice
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self._decode_one = getattr(tokenizer, "decode_one", None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        if self.read_offset - self.prefix_offset == 1 and self._decode_one is not None:   # a token at a time
+            prefix = self._decode_one(self.ids[self.prefix_offset], self.skip_special_tokens)
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            return self._release(window[len(prefix):], len(self.ids))
+        if len(self.ids) - self.read_offset >= self.MAX_HELD_TOKENS:   # invalid bytes: they stay so
+            # The last token boundary before the tail that cuts no character:
+            # the text up to it is the start of the window's.
+            for end in range(len(self.ids) - self.UTF8_TAIL_TOKENS, self.read_offset, -1):
+                settled = self._decode(self.ids[self.prefix_offset:end])
+                if len(settled) > len(prefix) and window.startswith(settled):
+                    return self._release(settled[len(prefix):], end)
+        return ""
+
+    def _release(self, delta: str, read_to: int) -> str:
+        """`delta`: the text of the tokens up to `read_to`, after what went out already."""
+        self.prefix_offset, self.read_offset = self.read_offset, read_to
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back (even if broken)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        delta = window[len(prefix):] if len(window) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def write_word_tokenizer(model_dir: str | Path, vocab_size: int) -> Path:
+    """A stand-in tokenizer.json for a config-only checkpoint (dummy weights):
+    token i is the word "t<i>", so text and token ids map one to one. For
+    tests and benchmarks of shapes whose real tokenizer is not at hand."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(model_dir) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def servable_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """`model_dir` if it has a tokenizer; else `out_dir` holding its config.json
+    and a word tokenizer (write_word_tokenizer), which the router can serve."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        return model_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = (model_dir / "config.json").read_text()
+    (out_dir / "config.json").write_text(config)
+    write_word_tokenizer(out_dir, json.loads(config)["vocab_size"])
+    return out_dir

@@ -1,0 +1,241 @@
+"""KV-cache, decoder-layer and sampling ops, dispatched by device.
+
+Every op has a torch reference (`reference.py`) that defines its semantics and
+runs on any device. On CUDA the Triton kernels are used when they are
+available; `PDD_OPS=reference` forces the reference everywhere (debugging,
+kernel bisection).
+
+Linear layers (`linear`, `linear_silu_mul`) at decode sizes on CUDA run as one
+weight-only GEMV launch (pdd.ops.triton_gemv) where that measured faster
+(`use_gemv`); `PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B runs).
+Elsewhere, the CPU included, a linear is exactly the layer's own call.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+
+import torch
+
+from pdd.ops import reference
+from pdd.ops.metadata import AttentionMetadata
+
+GEMV_MAX_M = 16   # rows (tokens of a step) up to which a linear runs as the GEMV
+
+__all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
+           "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
+           "rotary", "rotary_store_kv", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
+           "warm_up_attention", "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul",
+           "warm_up_gemv"]
+
+_triton: ModuleType | None = None
+_triton_checked = False
+_compiles_reported = 0
+_compiles_lock = threading.Lock()
+
+
+def _load_triton() -> ModuleType | None:
+    global _triton, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        if os.environ.get("PDD_OPS", "").lower() != "reference":
+            try:
+                from pdd.ops import triton_ops
+                _triton = triton_ops
+            except ImportError:
+                _triton = None
+    return _triton
+
+
+def report_compiles(report) -> bool:
+    """From now on, call report(kernel) for each Triton kernel compiled in this
+    process (`kernel`: its name and argument specialization). After the warm-up
+    each one is a stall of every request on the worker (seconds on a cold
+    cache), and which argument made a new variant says how to avoid it. False
+    when Triton is not used or has no compile hook."""
+    if _load_triton() is None:
+        return False
+    import triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+
+    def hook(**kw) -> None:
+        global _compiles_reported
+        with _compiles_lock:   # any thread may launch (an engine's, a sender's)
+            _compiles_reported += 1
+        # repr: the kernel and its options; key: the argument specialization (which
+        # argument's alignment, divisibility or constexpr value made this variant)
+        report(f"{kw.get('repr')} key={kw.get('key')}")
+
+    runtime.jit_post_compile_hook = hook
+    return True
+
+
+def compiles_reported() -> int:
+    """Kernels compiled since report_compiles() was first called in this process
+    (a worker calls it after its warm-up: each one is a compile in service)."""
+    return _compiles_reported
+
+
+def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> int:
+    """Compile the sampling kernels' variants for every batch of 1..max_rows rows
+    (what a worker's warm-up steps do not all reach); how many, 0 off the GPU."""
+    backend = _load_triton() if device.type == "cuda" else None
+    return backend.warm_up_argmax(vocab, max_rows, device) if backend is not None else 0
+
+
+def warm_up_attention(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Compile attention's split merge for every split count it can pick with
+    contexts up to max_seq_len (what a worker's warm-up steps do not all
+    reach); how many, 0 off the GPU."""
+    backend = _load_triton() if device.type == "cuda" else None
+    if backend is None:
+        return 0
+    return backend.warm_up_merges(num_heads, kv_heads, head_dim, dtype, max_seq_len, device)
+
+
+def warm_up_split_prefill(num_heads: int, kv_layer: torch.Tensor, dtype: torch.dtype, max_seq_len: int,
+                          kv_scale=reference.UNIT_SCALE) -> int:
+    """Compile the prefill kernel's split-keys variant (a short chunk deep in
+    its prompt), whatever max_model_len lets the warm-up steps reach; 0 off the GPU."""
+    backend = _load_triton() if kv_layer.device.type == "cuda" else None
+    if backend is None:
+        return 0
+    return backend.warm_up_split_prefill(num_heads, kv_layer, dtype, max_seq_len, kv_scale)
+
+
+def backend_for(t: torch.Tensor) -> ModuleType:
+    if t.is_cuda:
+        return _load_triton() or reference
+    return reference
+
+
+def store_kv(key, value, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE) -> None:
+    """kv_scale: (k_scale, v_scale) of an FP8 cache (pdd.kv.scales); unused by others."""
+    backend_for(kv_layer).store_kv(key, value, kv_layer, slot_mapping, kv_scale)
+
+
+def paged_attention(q, kv_layer, meta: AttentionMetadata, scale: float,
+                    kv_scale=reference.UNIT_SCALE) -> torch.Tensor:
+    return backend_for(q).paged_attention(q, kv_layer, meta, scale, kv_scale)
+
+
+def gather_blocks(kv_layer, block_ids) -> torch.Tensor:
+    return backend_for(kv_layer).gather_blocks(kv_layer, block_ids)
+
+
+def scatter_blocks(kv_layer, block_ids, pages) -> None:
+    backend_for(kv_layer).scatter_blocks(kv_layer, block_ids, pages)
+
+
+def copy_blocks(src_layer, dst_layer, src_ids, dst_ids) -> None:
+    backend_for(dst_layer).copy_blocks(src_layer, dst_layer, src_ids, dst_ids)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    return backend_for(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    return backend_for(x).add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x) -> torch.Tensor:
+    return backend_for(x).silu_and_mul(x)
+
+
+def rotary(positions, q, k, cos, sin):
+    return backend_for(q).rotary(positions, q, k, cos, sin)
+
+
+def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE):
+    """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
+    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale)
+
+
+def argmax(logits) -> torch.Tensor:
+    """[B, V] logits -> int64 [B], as torch.argmax(dim=-1)."""
+    return backend_for(logits).argmax(logits)
+
+
+# ---------------------------------------------------------------------------
+# Linear layers: the weight-only GEMV at decode sizes
+# ---------------------------------------------------------------------------
+
+def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears of `dtype` activations on `device` may take the GEMV at
+    all. fp32 stays on the layer's GEMM, as on the CPU (an fp32 GPU engine is
+    the CPU engine's reference)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("PDD_GEMV", "on").lower() != "off")
+
+
+def use_gemv(device: torch.device, rows: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether a linear of `rows` rows goes to the GEMV: where it measured faster
+    on H200 (docs/benchmarks.md, "The decode GEMV"). Half-precision weights at
+    1..16 rows (one row: each 8B layer 0.9-1.1x cuBLAS's time, 7% less a layer
+    in all, no split-K reduce; 2..16: level, SiLU-and-mul fused into gate_up);
+    FP8 weights at one row (no activation quantization, no padded rows: 1.2-1.6x
+    the scaled_mm path; from 2 rows scaled_mm is faster)."""
+    if not gemv_enabled(device, dtype) or not 1 <= rows <= GEMV_MAX_M:
+        return False
+    return rows == 1 or weight_dtype != torch.float8_e4m3fn
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+         silu: bool = False) -> torch.Tensor | None:
+    """x [M, K] @ weight^T (+ bias) (silu: silu(gate) * up of it) through the
+    GEMV when it applies to these operands, else None: the caller's own path."""
+    if not use_gemv(x.device, x.shape[0], x.dtype, weight.dtype) or _load_triton() is None:
+        return None
+    from pdd.ops import triton_gemv
+    if not triton_gemv.supports(x, weight, block, silu):
+        return None
+    return triton_gemv.gemv(x, weight, scale, block, bias, silu)
+
+
+def _layer_gemv(x: torch.Tensor, layer: torch.nn.Module, silu: bool) -> torch.Tensor | None:
+    # An nn.Linear, or an Fp8Linear (pdd.model.fp8) with its scales and block shape.
+    x2 = x.reshape(-1, x.shape[-1])
+    out = gemv(x2, layer.weight, getattr(layer, "weight_scale", None), getattr(layer, "block", None),
+               layer.bias, silu)
+    return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """layer(x), as one GEMV launch at decode sizes on the GPU."""
+    out = _layer_gemv(x, layer, False)
+    return layer(x) if out is None else out
+
+
+def linear_silu_mul(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """silu_and_mul(layer(x)) of a [gate; up] layer; one GEMV launch at decode
+    sizes on the GPU (no [M, 2I] intermediate)."""
+    out = _layer_gemv(x, layer, True)
+    return silu_and_mul(layer(x)) if out is None else out
+
+
+def warm_up_gemv(sites, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile the GEMV variants of each (linear layer, whether its output goes
+    through SiLU-and-mul) for 1 row and for GEMV_MAX_M rows (every row count
+    shares one of those two); how many distinct layers ran, 0 where the GEMV
+    is not used. M is no specialization key, and each variant depends only on
+    the layer's shape, dtypes and scales: one layer of each kind suffices."""
+    if not gemv_enabled(device, dtype) or _load_triton() is None:
+        return 0
+    seen = set()
+    for layer, silu in sites:
+        scale = getattr(layer, "weight_scale", None)
+        key = (tuple(layer.weight.shape), layer.weight.dtype, None if scale is None else tuple(scale.shape),
+               getattr(layer, "block", None), layer.bias is None, silu)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in (1, GEMV_MAX_M):
+            x = torch.zeros(rows, layer.in_features, dtype=dtype, device=device)
+            (linear_silu_mul if silu else linear)(x, layer)
+    return len(seen)

@@ -1,0 +1,731 @@
+"""Every request's state machine, and the worker events that drive it.
+
+All that can happen to a request in flight is in this file. Each method is
+one event — a submission, a client leaving, a worker's message, a timer, a
+worker lost — and runs to completion without awaiting: it changes state and
+queues messages through `send` (which never blocks; pdd.router.router
+delivers them in order and reports an unreachable peer back as a lost
+worker). Nothing here runs on its own: no task per request.
+
+Placement (pdd.router.placement.place) decides where a request goes. Each
+placement starts a new epoch: every message to a worker carries it, and a
+worker's message about an older epoch, or from a worker that does not own the
+phase it speaks of, is dropped. Epochs are numbered across all requests, not
+per request: a client may send a request id again (X-Request-Id) once the
+request that had it ended, and what the workers still send about that one
+must not pass for the new one's. Before a request is placed again its old
+owners are sent an Abort, ahead of anything of the new epoch on the same
+socket, so a stale copy never outlives its placement.
+
+Disaggregated (DESIGN.md, "Request lifecycle"):
+
+    reserving   decode <- Reserve and prefill <- Prefill, at once (the prompt
+                computes while the decode worker reserves); timer reserve_timeout_s
+                   FirstToken   -> streamed at once
+                   Reserved ok  -> prefill <- KVTarget (block ids, lease), prefilling
+                   refused / no answer / PrefillFailed -> placed again, prefilled where it decodes
+    prefilling  timer kv_lease_ttl_s (the decode worker's lease)
+                   FirstToken   -> streamed at once (the pages may still be in flight)
+                   TokenBatch from the decode worker -> decoding: the data plane's last
+                                message (after the last page) started it, with the
+                                first token; no message from here is needed
+                   PrefillDone  -> decoding (it came first; the decode worker runs
+                                anyway); after the decode worker's tokens: its figures only
+                   PrefillFailed, prefill worker lost -> decode <- PrefillLocally, decoding
+                   no answer    -> placed again
+    decoding    TokenBatch      -> streamed; the last one retires the request. Each item
+                says where its tokens stand in the output: a token the client has
+                is dropped (the first token can come from both workers); a gap
+                places the request again from what the client has.
+Any phase: its decode worker lost -> placed again with prompt + tokens so far
+(same seed: it continues exactly); a retriable RequestFailed -> placed again;
+otherwise -> failed.
+
+Which workers are registered, and when one is lost or hung, is
+pdd.router.membership's; what that does to the requests it held is here
+(`_orphaned`, `_hung`).
+
+n > 1 (submit_choices): n requests share the prompt. The first is placed as
+any; the others stay queued, on no worker, until a TokenBatch of the first
+comes from its decode worker — which then holds the prompt's full blocks in
+its prefix cache — and are placed beside it, where they compute only the
+block holding the prompt's last token. The first failing fails them; its client leaving
+drops them; its ending otherwise (a stop string in the first token) places
+them as any request.
+
+Counters are exact: `WorkerInfo.inflight` is the number of requests with a
+phase owned by that worker, changed only in `_own`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from pdd import security
+from pdd.api import INT64_MAX, SamplingParams
+from pdd.config import RouterConfig
+from pdd.kv.hashing import block_hashes
+from pdd.logs import request_context
+from pdd.metrics import RouterMetrics
+from pdd.protocol import messages as m
+from pdd.router.breaker import ADMIN, Breakers
+from pdd.router.estimator import Estimator
+from pdd.router.membership import Membership
+from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
+                                  transfer_backend)
+from pdd.router.registry import WorkerRegistry
+from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
+from pdd.router.timers import Timers
+from pdd.router.traces import TraceStore, is_choice_of, matches
+from pdd.tracing import requests as spans
+from pdd.tracing.context import SpanContext
+
+log = logging.getLogger(__name__)
+
+
+ABORTED_BY_OPERATOR = "aborted by the operator (pdd admin abort)"
+
+
+class Unavailable(Exception):
+    """No worker can take the request now (HTTP 503)."""
+
+
+class Overloaded(Unavailable):
+    """Too many requests wait for their first token (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+Send = Callable[[str, m.Message], None]
+
+
+class ControlPlane:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics, send: Send,
+                 clock: Callable[[], float] = time.monotonic, step_timeout_s: float = 60.0,
+                 traces: TraceStore | None = None):
+        self.cfg = cfg
+        self.step_timeout_s = step_timeout_s
+        self.registry = registry
+        self.metrics = metrics
+        self.send = send
+        self.clock = clock
+        self.requests: dict[str, RequestState] = {}
+        self.traces = traces if traces is not None else TraceStore()   # timelines of finished requests
+        self.breakers = Breakers(cfg.breaker, self._breaker_moved)
+        self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
+        self.policy = policy_for(cfg)                # what place() decides by (router.mode)
+        self._timers = Timers()
+        self._epochs = itertools.count(1)
+        self.num_queued = 0          # requests in flight without a token yet (admission control)
+        self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
+        self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
+                                     step_timeout_s, orphaned=self._orphaned, hung=self._hung)
+        members = self.membership
+        self._handlers = {
+            m.Register: members.on_register, m.Heartbeat: members.on_heartbeat, m.Goodbye: members.on_goodbye,
+            m.TokenBatch: self.on_tokens, m.RequestFailed: self.on_request_failed,
+            m.Reserved: self.on_reserved, m.FirstToken: self.on_first_token,
+            m.PrefillDone: self.on_prefill_done, m.PrefillFailed: self.on_prefill_failed,
+        }
+
+    # ------------------------------------------------------------------ from HTTP
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
+               hashes: list[int] | None = None, span: SpanContext | None = None) -> RequestState:
+        """`hashes`: the prompt's block hashes if the caller computed them (off the event loop).
+        An id already in flight (two clients sent the same X-Request-Id) gets `#2`, `#3`, ...:
+        the id of record is unique, and still starts with what the client sent.
+        `span`: its root span's context when traced (pdd.tracing.incoming)."""
+        if request_id in self.requests:
+            n = 2
+            while f"{request_id}#{n}" in self.requests:
+                n += 1
+            request_id = f"{request_id}#{n}"
+        self.check_admission()
+        if hashes is None:
+            hashes = self.prompt_hashes(prompt_token_ids)
+        now = self.clock()
+        state = RequestState(request_id, list(prompt_token_ids), sampling, hashes, arrival=now, span=span)
+        state.mark("queued", f"{len(prompt_token_ids)} prompt tokens", at=now)
+        plan = self._first_plan(state)
+        if plan is None:
+            self.metrics.rejected.labels("no_worker").inc()
+            raise Unavailable("no worker is available" if self.cfg.mode != "disagg"
+                              else "no prefill + decode pair is available (router.mode = disagg)")
+        self._hold(state)
+        # A policy that reads estimates prefills locally by choice; for the static ones it is a fallback.
+        if plan.kind == "local_prefill" and not self.policy.needs_estimates or plan.reason == "no_decode_worker":
+            log.info("request %s prefills on %s, where it decodes: %s", request_id, plan.decode,
+                     plan.note or plan.reason)
+        if plan.reason == "breaker_open":
+            self.metrics.fallbacks.labels("breaker_open").inc()
+        self._start(state, plan)
+        return state
+
+    def check_admission(self) -> None:
+        """Overloaded when router.max_queued_requests requests wait for their first
+        token: this router's, or with several routers the cluster's, as the
+        workers last said (each counts what every router queued on it)."""
+        limit = self.cfg.max_queued_requests
+        queued = self.num_queued
+        if limit and len(self.cfg.routers) > 1:
+            queued = max(queued, sum(w.load.waiting for w in self.registry.workers.values() if w.load))
+        if limit and queued >= limit:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise Overloaded(f"the server is overloaded: {queued} requests wait for their first "
+                             f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
+
+    def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
+                       hashes: list[int] | None = None, span: SpanContext | None = None) -> list[RequestState]:
+        """The n choices of one request (n > 1), ids "<request_id>-<index>" (all
+        suffixed `#2`, `#3`, ... while one of them is in flight already, as
+        `submit` suffixes a repeated id): choice i
+        samples with seed + i (mod 2**63), as vLLM, so that they differ and a
+        seeded request still repeats. The first is placed now, the others
+        follow it (see the module's docstring). Only the first computes the
+        prompt's logprobs (they are the same for all): the others may take
+        the prompt from the prefix cache."""
+        if n == 1:
+            return [self.submit(prompt_token_ids, sampling, request_id, hashes, span)]
+        ids = [f"{request_id}-{i}" for i in range(n)]
+        repeat = 2
+        while any(rid in self.requests for rid in ids):   # the id in flight already: as submit, `#2`, ...
+            ids = [f"{request_id}-{i}#{repeat}" for i in range(n)]
+            repeat += 1
+        first = self.submit(prompt_token_ids, sampling, ids[0], hashes, span)
+        for i, rid in enumerate(ids[1:], 1):
+            seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
+            follower = RequestState(rid, first.prompt_token_ids,
+                                    dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
+                                    first.block_hashes, arrival=first.arrival, leader=first,
+                                    span=span.sibling() if span is not None else None)
+            self._hold(follower)
+            first.followers.append(follower)
+        return [first, *first.followers]
+
+    def _hold(self, state: RequestState) -> None:
+        """Take a new request in: counted, timed; not placed yet."""
+        self.requests[state.request_id] = state
+        self.num_queued += 1
+        self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
+        self.metrics.inflight.inc()
+        if self.cfg.request_timeout_s:
+            state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, state.request_id)
+
+    def _first_plan(self, state: RequestState, beside: str = "") -> Plan | None:
+        """Where a request not placed before goes (`beside`: see PlaceRequest)."""
+        now = self.clock()
+        request = PlaceRequest(state.block_hashes, num_tokens=len(state.prompt_token_ids),
+                               max_tokens=state.sampling.max_tokens,
+                               prompt_logits=state.sampling.prompt_logprobs is not None, beside=beside)
+        return self._place(request, pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
+
+    def _release_followers(self, state: RequestState, beside: str = "") -> None:
+        """The first choice's prompt is cached on `beside` (or the first choice
+        ended): its waiting choices are placed."""
+        followers, state.followers = state.followers, []
+        for follower in followers:
+            follower.leader = None
+            plan = self._first_plan(follower, beside)
+            if plan is None:
+                self._fail(follower, "no worker is available")
+            else:
+                self._start(follower, plan)
+
+    def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
+        workers, layout = self.registry.workers.values(), self.registry.layout
+        estimates = None
+        if self.policy.needs_estimates and not (request.colocated_only or request.prompt_logits):
+            now = self.clock()
+            if self.policy.balances_roles:
+                self.estimator.rebalance(workers, now)
+            estimates = self.estimator.estimates(workers, layout, now)
+        view = ClusterView.of(workers, exclude, estimates=estimates, block_size=layout.block_size if layout else 16,
+                              **kw)
+        return place(request, view, self.policy)
+
+    def prompt_hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        layout = self.registry.layout
+        return block_hashes(prompt_token_ids, layout.block_size) if layout else []
+
+    def abort(self, state: RequestState, reason: str = "abort") -> None:
+        """The client went away (or a stop string matched: `reason` "stop"): stop
+        the work, free its blocks. A client gone takes the choices waiting on it."""
+        if self.requests.get(state.request_id) is not state:
+            return
+        if reason == "abort":
+            followers, state.followers = state.followers, []
+            for follower in followers:
+                self.abort(follower)
+        if not state.finished:
+            state.finished, state.finish_reason = True, reason
+        self._abort_owners(state)
+        self._retire(state)
+
+    def operator_abort(self, request_id: str) -> list[str]:
+        """`pdd admin abort ID`: the request with this id (an id sent twice: each;
+        n > 1: its choices, ID-0, ID-1, ...) ends with an error that says the
+        operator aborted it, and its workers free its blocks. The ids ended."""
+        found = [s for rid, s in self.requests.items() if matches(rid, request_id)]
+        if not found:
+            found = [s for rid, s in self.requests.items() if is_choice_of(rid, request_id)]
+        ended = []
+        for state in found:
+            if self.requests.get(state.request_id) is state:   # not gone with its first choice
+                ended.append(state.request_id)
+                self._fail(state, ABORTED_BY_OPERATOR)
+        return ended
+
+    def can_place(self) -> bool:
+        """Whether a new request would be placed now, read only: the policy, the
+        workers that take work and the breakers `submit` places by, asked for a
+        one-token prompt (`/ready`)."""
+        now, workers, layout = self.clock(), self.registry.workers.values(), self.registry.layout
+        estimates = self.estimator.estimates(workers, layout, now) if self.policy.needs_estimates else None
+        view = ClusterView.of(workers, estimates=estimates, block_size=layout.block_size if layout else 16,
+                              pair_allowed=lambda p, d: self.breakers.would_allow(p, d, now))
+        return place(PlaceRequest([], num_tokens=1, max_tokens=1), view, self.policy) is not None
+
+    def fail_all(self, why: str) -> None:
+        for state in list(self.requests.values()):
+            if self.requests.get(state.request_id) is state:   # a waiting choice fails with its first
+                self._fail(state, why)
+
+    # ------------------------------------------------------------------ from workers
+
+    def handle(self, peer: str, msg: m.Message) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("router: ignoring %s from %s", msg.TYPE, peer)
+            return
+        if getattr(msg, "worker_id", peer) != peer:
+            log.warning("router: %s from %s claims to be %s; dropped", msg.TYPE, peer, msg.worker_id)
+            return
+        rid = getattr(msg, "request_id", None)
+        if type(msg) not in (m.Register, m.Heartbeat) and peer not in self.registry.workers:
+            # Not registered (lost, or from before a router restart): whatever it
+            # holds is nobody's; it re-registers on its next heartbeat.
+            if rid is not None:
+                self.send(peer, m.Abort([rid]))
+            return
+        if type(msg) is not m.Register:   # (a Register may be another process's, under its id)
+            self.membership.heard(peer)
+        with request_context(rid):   # what it logs carries the request's id
+            handler(peer, msg)
+
+    def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
+        now = self.clock()   # the step's tokens all arrived now
+        for item in msg.items:
+            state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
+            if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
+                continue
+            if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
+                self._kv_landed(state)
+            if state.followers:     # its decode worker has run the prompt: its cache holds it
+                self._release_followers(state, peer)
+            event = self._unseen(state, item)
+            if event is not None:
+                self._deliver(state, event, now)
+
+    def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | None:
+        """The part of `item` the client has not had. The first token can come
+        twice (from the prefill worker, and from the decode worker that started
+        on the KV); a gap means a worker lost tokens: the request goes on
+        elsewhere from what the client has."""
+        seen = len(state.output_token_ids) - item.position
+        if seen < 0:
+            log.error("tokens of %s from %s start at %d, but the client has %d", state.request_id,
+                      state.decode_worker, item.position, len(state.output_token_ids))
+            self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
+            return None
+        if seen == 0:   # the common case: all of it is new
+            return TokenEvent(item.token_ids, item.finished, item.finish_reason, item.logprobs,
+                              item.num_cached_tokens, item.prompt_logprobs)
+        tokens = item.token_ids[seen:]
+        if not tokens and not item.finished:
+            return None
+        return TokenEvent(tokens, item.finished, item.finish_reason,
+                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
+
+    def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
+        if state is None:
+            return
+        log.warning("worker %s failed request %s: %s", peer, msg.request_id, msg.error)
+        if msg.retriable:  # not the request's fault (lease expired, no room): another try
+            self._place_again(state, "worker_refused", f"{peer}: {msg.error}")
+        else:
+            self._fail(state, msg.error, status=400 if msg.invalid else 500)
+
+    def on_reserved(self, peer: str, msg: m.Reserved) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, RESERVING, owner="decode")
+        if state is None:
+            return
+        if not msg.ok:
+            reason = "no_decode_room" if "KV blocks" in msg.error else "reserve_refused"
+            self._place_again(state, reason, f"{peer} refused the reservation: {msg.error}")
+            return
+        self.metrics.disagg_phase.labels("reserve").observe(self.clock() - state.placed_at)
+        state.lease_id, state.num_cached_tokens = msg.lease_id, msg.num_cached_tokens
+        prefill = self._prefill_for(state)
+        if prefill is None:
+            self._prefill_locally(state, "prefill_worker_lost")
+            return
+        if state.prompt_at != prefill:   # the planned prefill worker left: another one computes it
+            self._send_prompt(state, prefill)
+        decode = self.registry.workers[peer]
+        skip = msg.num_cached_tokens // self.registry.layout.block_size
+        self._enter(state, PREFILLING, self.cfg.kv_lease_ttl_s)
+        self.send(prefill, m.KVTarget(state.request_id, state.epoch, peer, decode.data_addr, msg.block_ids, skip,
+                                      msg.lease_id, decode.public_key, spans.phase_traceparent(state)))
+
+    def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
+        # Often while the decode worker still reserves: the prompt went to both at once.
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        if state is None or state.output_token_ids or state.phase not in (RESERVING, PREFILLING):
+            return
+        self.metrics.disagg_phase.labels("first_token").observe(self.clock() - state.placed_at)
+        self._deliver(state, TokenEvent([msg.token], False, None, msg.logprobs, msg.num_cached_tokens))
+
+    def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
+        landed = self.requests.get(msg.request_id)
+        if landed is None:   # the decode worker, started by the data plane, has streamed it all
+            ended = self.traces.late(msg.request_id, TraceEvent(self.clock(), "transfer", msg.epoch, None, peer,
+                                                                _transfer_note(peer, msg.transfer)))
+            if ended is not None:   # its last placement's transfer: counted as any other
+                self.metrics.observe_transfer(peer, ended.served_by()[1] or "", msg.transfer)
+            return
+        if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
+                and landed.prompt_at == peer and landed.prefill_worker is None):
+            # The decode worker started on the KV (and told us) before this came.
+            self._mark(landed, "transfer", _transfer_note(peer, msg.transfer))
+            self.metrics.observe_transfer(peer, landed.decode_worker or "", msg.transfer)
+            self.estimator.transferred(landed.transfer_backend, msg.transfer)
+            return
+        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
+        if state is None:
+            return
+        self._mark(state, "transfer", _transfer_note(peer, msg.transfer))
+        self.metrics.observe_transfer(peer, state.decode_worker or "", msg.transfer)
+        self.estimator.transferred(state.transfer_backend, msg.transfer)
+        self._kv_landed(state)
+        if not state.output_token_ids:  # no FirstToken came ahead of it
+            self._deliver(state, TokenEvent([msg.first_token], False, None, msg.logprobs, msg.num_cached_tokens))
+        # (The decode worker started on the data plane's last message: nothing to send it.)
+
+    def _kv_landed(self, state: RequestState) -> None:
+        """The prompt's KV is on the decode worker: the prefill phase is over."""
+        self.metrics.disagg_phase.labels("prefill").observe(self.clock() - state.placed_at)
+        self.breakers.record(state.prefill_worker, state.decode_worker, True, self.clock())
+        self.registry.workers[state.prefill_worker].note_hashes(state.block_hashes)
+        self._mark(state, "kv_landed")
+        self._own(state, state.decode_worker, None)
+        self._enter(state, DECODING)
+
+    def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
+        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        if state is None or state.phase not in (RESERVING, PREFILLING):
+            return
+        if state.phase == RESERVING:   # before any reservation: nothing for the decode worker to fill
+            self._place_again(state, "prefill_failed", f"prefill on {peer} failed: {msg.error}")
+            return
+        log.warning("prefill of %s on %s failed (%s); its decode worker prefills it", msg.request_id, peer,
+                    msg.error)
+        self.metrics.transfer_failures.inc()
+        self.breakers.record(peer, state.decode_worker, False, self.clock())
+        self._prefill_locally(state, "transfer_failed")
+
+    # ------------------------------------------------------------------ workers lost or hung
+
+    def _orphaned(self, worker_id: str, why: str) -> None:
+        """The process registered as `worker_id` is gone (a new one may hold the
+        id already): each request it held a phase of continues elsewhere, or
+        fails, now. Its inflight count went with its registry entry."""
+        held = [s for s in self.requests.values() if worker_id in s.owners]
+        log.warning("worker %s lost (%s); %d request(s) to move", worker_id, why, len(held))
+        for state in held:
+            lost_decode = state.decode_worker == worker_id
+            if lost_decode:
+                state.decode_worker = None
+            if state.prefill_worker == worker_id:
+                state.prefill_worker = None
+            if lost_decode:
+                self.metrics.migrations.inc()
+                self._place_again(state, None, f"worker {worker_id} was lost ({why})")
+            elif state.phase == PREFILLING:
+                self._prefill_locally(state, "prefill_worker_lost")
+            elif state.prompt_at == worker_id:
+                # reserving: a prefill worker is picked at Reserved. The prompt sent
+                # here went with that process: the one registered under the id by
+                # then (restarted, or re-registered after dropping all it held)
+                # must be sent it again, or it ignores the KVTarget.
+                state.prompt_at = None
+
+    def _hung(self, worker_id: str, running_s: float) -> None:
+        """An engine step that never ends, while the worker's loop still answers:
+        its requests move as for a lost worker."""
+        held = [s for s in self.requests.values() if worker_id in s.owners]
+        log.error("worker %s is hung: its engine step has run %.1fs (worker.step_timeout_s = %g); "
+                  "%d request(s) move", worker_id, running_s, self.step_timeout_s, len(held))
+        for state in held:
+            if state.decode_worker == worker_id:
+                self.metrics.migrations.inc()
+                self._place_again(state, None, f"worker {worker_id} is hung", exclude=frozenset([worker_id]))
+            elif state.phase == PREFILLING:
+                self._prefill_locally(state, "prefill_worker_hung")
+            else:
+                self._own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        return self._timers.next_deadline()
+
+    def router_stalled(self, seconds: float) -> None:
+        """The router itself did not run for `seconds` (stopped, starved, swapped
+        out, a long GC): what the workers sent meanwhile waits unread, so that
+        time counts against no worker's liveness, no request's timer and no
+        departed worker's time to be forgotten."""
+        self._timers.postpone(seconds)
+        self.membership.router_stalled(seconds)
+
+    def fire_timers(self) -> None:
+        now = self.clock()
+        for seq, rid in self._timers.due(now):
+            state = self.requests.get(rid)
+            if state is not None and state.deadline_seq == seq:
+                self.metrics.rejected.labels("deadline").inc()
+                self._fail(state, f"the request did not finish within router.request_timeout_s = "
+                                  f"{self.cfg.request_timeout_s:g}s")
+                continue
+            if state is None or state.timer_seq != seq:
+                continue  # its phase is over
+            state.timer_seq = 0
+            if state.prefill_worker is not None:   # the pair failed to get the KV across in time
+                self.breakers.record(state.prefill_worker, state.decode_worker, False, now)
+            if state.phase == RESERVING:
+                self._place_again(state, "reserve_timeout", f"no answer to Reserve from {state.decode_worker} "
+                                                            f"in {self.cfg.reserve_timeout_s:g}s",
+                                  exclude=frozenset([state.decode_worker]))
+            elif state.phase == PREFILLING:
+                self._place_again(state, "prefill_timeout", f"no PrefillDone from {state.prefill_worker} "
+                                                            f"in {self.cfg.kv_lease_ttl_s:g}s")
+
+    # ------------------------------------------------------------------ transitions
+
+    def _start(self, state: RequestState, plan: Plan) -> None:
+        """A new placement: a new epoch, its owners, its first message."""
+        state.epoch = next(self._epochs)
+        state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
+        self._own(state, plan.decode, plan.prefill)
+        state.placed_at, state.prompt_at = self.clock(), None
+        self._mark(state, "placed", f"{plan.kind} ({plan.reason})" + (f" over {plan.backend}" if plan.backend else ""))
+        self.metrics.placements.labels(plan.kind, plan.reason).inc()
+        self.estimator.placed(plan.prefill or plan.decode, plan.decode,
+                              plan.prefill_tokens or len(state.prompt_token_ids) + len(state.output_token_ids),
+                              state.placed_at)
+        if plan.disaggregated:
+            # Both at once: the prompt computes while the decode worker reserves;
+            # the block ids follow in KVTarget, long before the first page is due.
+            self.breakers.placed(plan.prefill, plan.decode, state.placed_at, state.request_id)
+            self._enter(state, RESERVING, self.cfg.reserve_timeout_s)
+            self.send(plan.decode, m.Reserve(state.request_id, state.epoch, state.prompt_token_ids,
+                                             state.sampling, self.cfg.kv_lease_ttl_s, state.block_hashes,
+                                             spans.phase_traceparent(state)))
+            self._send_prompt(state, plan.prefill)
+            return
+        self._enter(state, DECODING)
+        tokens = state.prompt_token_ids + state.output_token_ids
+        hashes = state.hashes_of(tokens, self.registry.layout.block_size) if self.registry.layout else []
+        self.send(plan.decode, m.Admit(state.request_id, state.epoch, tokens, state.sampling,
+                                       len(state.output_token_ids), hashes, plan.prefill_chunk,
+                                       spans.phase_traceparent(state)))
+
+    def _place_again(self, state: RequestState, reason: str | None, why: str,
+                     exclude: frozenset[str] = frozenset()) -> None:
+        """Its current placement cannot go on: stop it, then prefill (prompt +
+        tokens so far) and decode on one worker."""
+        if reason is not None:
+            self.metrics.fallbacks.labels(reason).inc()
+        self._mark(state, "fallback", f"{reason or 'migrated'}: {why}")
+        self.breakers.release(state.request_id)
+        self._abort_owners(state)
+        self._own(state, None, None)
+        plan = self._place(PlaceRequest(state.block_hashes, colocated_only=True), exclude)
+        if plan is None:
+            self._fail(state, f"{why}, and no other worker can take the request")
+            return
+        state.num_migrations += 1
+        log.info("request %s placed again on %s after %d tokens: %s", state.request_id, plan.decode,
+                 len(state.output_token_ids), why)
+        self._start(state, plan)
+
+    def _send_prompt(self, state: RequestState, prefill: str) -> None:
+        state.prompt_at = prefill
+        self.send(prefill, m.Prefill(state.request_id, state.epoch, state.prompt_token_ids, state.sampling,
+                                     state.transfer_backend, state.block_hashes, spans.phase_traceparent(state)))
+
+    def _prefill_locally(self, state: RequestState, reason: str) -> None:
+        """The KV will not come: the decode worker computes the prompt in the
+        blocks it holds, after the first token if the client already has it."""
+        self.metrics.fallbacks.labels(reason).inc()
+        self._mark(state, "fallback", f"{reason}: its decode worker prefills it")
+        self.breakers.release(state.request_id)
+        if state.prefill_worker in self.registry.workers:
+            self.send(state.prefill_worker, m.Abort([state.request_id]))
+        self._own(state, state.decode_worker, None)
+        self._enter(state, DECODING)
+        first = state.output_token_ids[0] if state.output_token_ids else None
+        self.send(state.decode_worker, m.PrefillLocally(state.request_id, state.epoch, state.lease_id, first,
+                                                        spans.phase_traceparent(state)))
+
+    def _prefill_for(self, state: RequestState) -> str | None:
+        """The prefill worker planned at placement, or another one if it left meanwhile."""
+        workers = self.registry.workers
+        planned = workers.get(state.prefill_worker) if state.prefill_worker else None
+        if planned is not None and planned.serving:   # a suspect one computes the prompt it was sent
+            return planned.worker_id
+        decode = workers[state.decode_worker]
+        now = self.clock()
+        choices = [w for w in workers.values() if prefills_for_others(w) and w.accepting and w is not decode
+                   and transfer_backend(w, decode) is not None
+                   and self.breakers.allows(w.worker_id, decode.worker_id, now)]
+        chosen = pick_worker(choices, state.block_hashes)
+        self._own(state, state.decode_worker, chosen.worker_id if chosen else None)
+        if chosen is not None:
+            state.transfer_backend = transfer_backend(chosen, decode)
+            self.breakers.placed(chosen.worker_id, decode.worker_id, now, state.request_id)
+        return state.prefill_worker
+
+    def _deliver(self, state: RequestState, event: TokenEvent, now: float | None = None) -> None:
+        if now is None:
+            now = self.clock()
+        if state.last_token_at is not None or event.token_ids:
+            self.metrics.observe_tokens(state, now)
+        self.metrics.generation_tokens.inc(len(event.token_ids))
+        if event.token_ids and not state.output_token_ids:
+            self.num_queued -= 1
+            self._mark(state, "first_token")
+        state.deliver(event)
+        if event.finished:
+            self.metrics.cached_tokens.inc(state.num_cached_tokens)
+            self._retire(state)
+        elif state.buffered_tokens > self.cfg.max_buffered_tokens:   # its client is not reading
+            self.metrics.rejected.labels("client_not_reading").inc()
+            security.count("http.buffer_limit")
+            self._fail(state, f"the client did not read its stream: {state.buffered_tokens} tokens waited for "
+                              f"it (router.max_buffered_tokens = {self.cfg.max_buffered_tokens})")
+
+    def _fail(self, state: RequestState, error: str, status: int = 500) -> None:
+        """`status`: 400 when the request itself is at fault, else 500."""
+        log.warning("request %s failed: %s", state.request_id, error)
+        self._mark(state, "error", error)
+        followers, state.followers = state.followers, []
+        for follower in followers:     # the same request: it fails whole
+            self._fail(follower, error, status)
+        self._abort_owners(state)
+        state.fail(error, status)
+        self._retire(state)
+
+    def _retire(self, state: RequestState) -> None:
+        del self.requests[state.request_id]
+        self._mark(state, "end", state.finish_reason or "")
+        if state.leader is not None:      # a waiting choice that ends before it was placed
+            state.leader.followers = [f for f in state.leader.followers if f is not state]
+            state.leader = None
+        self.breakers.release(state.request_id)
+        if not state.output_token_ids:
+            self.num_queued -= 1
+        decode = self.registry.workers.get(state.decode_worker)
+        if decode is not None and state.output_token_ids and self.registry.layout is not None:
+            # That worker now caches this conversation: its next turn should go there.
+            decode.note_hashes(state.cached_block_hashes(self.registry.layout.block_size))
+        self.metrics.observe_finished(state)
+        self._own(state, None, None)
+        state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
+        self.metrics.inflight.dec()
+        spans.export(state.span, self.traces.finished(state, self.clock()))
+        if state.followers:      # it ended before its decode worker said a word (a stop string in the first token)
+            self._release_followers(state)
+
+    def _abort_owners(self, state: RequestState) -> None:
+        for wid in state.owners:
+            if wid in self.registry.workers:
+                self.send(wid, m.Abort([state.request_id]))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _breaker_moved(self, key: tuple[str, str], old: str, new: str, cause: str) -> None:
+        prefill, decode = key
+        (log.warning if new == "open" else log.info)("circuit breaker %s -> %s: %s -> %s%s", prefill, decode,
+                                                     old, new, " (by an operator)" if cause == ADMIN else "")
+        self.metrics.breaker_moved(prefill, decode, new, cause)
+
+    def show_breakers(self) -> None:
+        """pdd_breaker_state as placement reads it now: an open breaker past its
+        cool-down is half-open without a transition (until a request tries it)."""
+        now = self.clock()
+        for (prefill, decode), b in self.breakers.breakers.items():
+            self.metrics.show_breaker(prefill, decode, b.effective(now))
+
+    def _own(self, state: RequestState, decode: str | None, prefill: str | None) -> None:
+        """Set the phase owners; the only place per-worker inflight counts change."""
+        for wid, delta in ((state.decode_worker, -1), (state.prefill_worker, -1), (decode, 1), (prefill, 1)):
+            w = self.registry.workers.get(wid) if wid is not None else None
+            if w is not None:
+                w.inflight += delta
+        state.decode_worker, state.prefill_worker = decode, prefill
+
+    def _enter(self, state: RequestState, phase: str, timeout_s: float | None = None) -> None:
+        state.phase, state.phase_since, state.timer_seq = phase, self.clock(), 0
+        state.mark(phase, at=state.phase_since)
+        if timeout_s is not None:
+            state.timer_seq = self._add_timer(state.phase_since + timeout_s, state.request_id)
+
+    def _mark(self, state: RequestState, what: str, note: str = "") -> None:
+        state.mark(what, note, at=self.clock())
+
+    def _add_timer(self, deadline: float, request_id: str) -> int:
+        seq = self._timers.add(deadline, request_id)
+        self.on_timer_change()
+        return seq
+
+    def _current(self, peer: str, request_id: str, epoch: int, phase: str | None, owner: str
+                 ) -> RequestState | None:
+        """The request a worker's message speaks of, if that message is current:
+        same epoch, the sender owns the phase. A worker that holds a request it
+        does not own (any more) is told to drop it."""
+        state = self.requests.get(request_id)
+        owns = state is not None and (
+            (owner in ("decode", "any") and state.decode_worker == peer)
+            or (owner in ("prefill", "any") and state.prefill_worker == peer))
+        if state is not None and owns and state.epoch == epoch and (phase is None or state.phase == phase):
+            return state
+        if state is None or peer not in state.owners:
+            # Unknown (finished, aborted, from before a restart) or placed elsewhere:
+            # its copy there is nobody's. (An owner of the current epoch with a
+            # stale message was sent an Abort before this epoch began.)
+            self.send(peer, m.Abort([request_id]))
+        return None
+
+    def check_invariants(self) -> None:
+        """Every count exact (tests call this after every event)."""
+        for w in self.registry.workers.values():
+            owned = sum(s.owners.count(w.worker_id) for s in self.requests.values())
+            assert w.inflight == owned, f"{w.worker_id}: inflight {w.inflight}, owns {owned}"
+        queued = sum(1 for s in self.requests.values() if not s.output_token_ids)
+        assert self.num_queued == queued, f"num_queued {self.num_queued}, without a token {queued}"
+        for s in self.requests.values():
+            assert not s.finished, f"{s.request_id} finished but still held"
+            assert all(w in self.registry.workers for w in s.owners), f"{s.request_id}: owner not registered"
+
+
+def _transfer_note(peer: str, stats: dict) -> str:
+    """A transfer's figures as its prefill worker measured them."""
+    return (f"from {peer}: {float(stats.get('seconds', 0.0)):.4f}s, {int(stats.get('bytes', 0))} bytes, "
+            f"{int(stats.get('blocks_sent', 0))} blocks sent, {int(stats.get('blocks_skipped', 0))} skipped")

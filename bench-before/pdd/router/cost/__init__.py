@@ -1,0 +1,2 @@
+"""The cost model adaptive placement prices options with, one concern per module
+(pdd.router.estimator feeds them and hands placement a frozen snapshot)."""

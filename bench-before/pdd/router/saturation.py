@@ -1,0 +1,112 @@
+"""The router's own limits: new requests are refused while the router itself is
+saturated, whatever its workers' queues say, so that the streams it holds keep
+their pace instead of all slowing down together.
+
+One probe on the router's loop, every PROBE_INTERVAL_S, takes two readings:
+
+    loop_lag        how late the probe ran. Saturated when each of the last
+                    PROBES readings is over router.max_loop_lag_s: a loop busy
+                    all the time, not one stall (a GC pause, a SIGSTOP, a
+                    starved host) that is over once it is seen.
+    loop_busy       the share of the last PROBES intervals the loop's thread
+                    spent on a CPU: over router.max_loop_busy, the router's
+                    core is spent, and a request more would slow every stream
+                    it relays (the lag only grows once it is too late).
+    buffered_bytes  what the HTTP connections hold that the kernel has not
+                    taken yet, all together, over router.max_buffered_bytes.
+
+Admission reads the last probe's verdict (a new request costs no scan of the
+connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
+shape, counted in pdd_requests_rejected_total{reason}. Nothing already
+admitted is touched.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import Counter
+
+from pdd.router.control import Overloaded
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 0.1
+PROBES = 5                 # readings of the loop's lag that must all be over the limit
+RETRY_AFTER_S = 1
+LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES = "loop_lag", "loop_busy", "buffered_bytes"
+
+
+class Saturation:
+    def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
+                 max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time):
+        """cpu_clock: the CPU time of the thread `run` runs on (the loop's)."""
+        self.max_loop_lag_s = max_loop_lag_s
+        self.max_buffered_bytes = max_buffered_bytes
+        self.max_loop_busy = max_loop_busy
+        self.rejected = rejected
+        self.cpu_clock = cpu_clock
+        for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES):   # their series from the start, at 0
+            rejected.labels(reason)
+        self.lags: deque[float] = deque(maxlen=PROBES)
+        self.clocks: deque[tuple[float, float]] = deque(maxlen=PROBES + 1)   # (wall, the loop thread's CPU)
+        self.busy = 0.0
+        self.buffered_bytes = 0
+        self.reason: str | None = None     # why new requests are refused now, or None
+        self._sources: list[Callable[[], int]] = []
+
+    def watch(self, buffered_bytes: Callable[[], int]) -> None:
+        """Count what `buffered_bytes()` reports (an HTTP server's unsent bytes) at each probe."""
+        self._sources.append(buffered_bytes)
+
+    async def run(self) -> None:
+        """The probe, until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + PROBE_INTERVAL_S
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            self.probe(loop.time() - due, loop.time(), self.cpu_clock())
+
+    def probe(self, lag_s: float, now: float | None = None, cpu_s: float | None = None) -> None:
+        self.lags.append(lag_s)
+        if now is not None and cpu_s is not None:
+            self.clocks.append((now, cpu_s))
+            (t0, c0), (t1, c1) = self.clocks[0], self.clocks[-1]
+            self.busy = (c1 - c0) / (t1 - t0) if len(self.clocks) > PROBES and t1 > t0 else 0.0
+        self.buffered_bytes = sum(source() for source in self._sources)
+        reason = self._verdict()
+        if reason != self.reason:
+            if reason is None:
+                log.info("router: no longer saturated; new requests are admitted again")
+            else:
+                log.warning("router: saturated (%s); new requests get 429 until it passes", self._why(reason))
+            self.reason = reason
+
+    def _verdict(self) -> str | None:
+        if self.max_loop_lag_s and len(self.lags) == PROBES and min(self.lags) > self.max_loop_lag_s:
+            return LOOP_LAG
+        if self.max_loop_busy and self.busy > self.max_loop_busy:
+            return LOOP_BUSY
+        if self.max_buffered_bytes and self.buffered_bytes > self.max_buffered_bytes:
+            return BUFFERED_BYTES
+        return None
+
+    def _why(self, reason: str) -> str:
+        if reason == LOOP_LAG:
+            return (f"its event loop ran {min(self.lags):.2f}s late or more at each of its last {PROBES} probes; "
+                    f"router.max_loop_lag_s = {self.max_loop_lag_s:g}")
+        if reason == LOOP_BUSY:
+            return (f"its event loop was on a CPU {100 * self.busy:.0f}% of the last "
+                    f"{PROBES * PROBE_INTERVAL_S:g}s; router.max_loop_busy = {self.max_loop_busy:g}")
+        return (f"its HTTP connections hold {self.buffered_bytes} bytes not yet sent; "
+                f"router.max_buffered_bytes = {self.max_buffered_bytes}")
+
+    def check(self) -> None:
+        """Overloaded (429) while the router is saturated."""
+        if self.reason is not None:
+            self.rejected.labels(self.reason).inc()
+            raise Overloaded(f"the router is saturated: {self._why(self.reason)}; retry later",
+                             retry_after_s=RETRY_AFTER_S)
