@@ -79,13 +79,24 @@ _REASONING_RULES = {
     "qwen3": ['start: (reasoning GAP?)? @answer', 'reasoning[lazy]: /\\s*<think>(?s:.*)<\\/think>/'],
 }
 _GAP_RULE = 'GAP: /\\n\\n?/'
+# The same, for a tokenizer whose <think> and </think> are tokens of their own
+# (Qwen3's, DeepSeek-R1's): llguidance takes such added tokens as special, never
+# as text, so the grammar names them by id (<[id]>) around the free text.
+_REASONING_TOKEN_RULES = {
+    "deepseek_r1": ['start: reasoning GAP? @answer', 'reasoning: thought* <[{close}]>',
+                    'thought: THOUGHT | <[{open}]>', 'THOUGHT: /(?s:.+)/'],
+    "qwen3": ['start: (reasoning GAP?)? @answer', 'reasoning: SPACE? <[{open}]> THOUGHT? <[{close}]>',
+              'THOUGHT: /(?s:.+)/', 'SPACE: /\\s+/'],
+}
+THINK_MARKS = ("<think>", "</think>")
 
 
-def grammar_for(so: StructuredOutput) -> str:
+def grammar_for(so: StructuredOutput, marks: tuple[int, int] | None = None) -> str:
     """llguidance's grammar text for a spec (after a reasoning part when
-    `so.reasoning` names a format); InvalidRequest naming what is wrong when
-    the spec cannot even be read (the grammar's own errors show when it is
-    compiled: `check`)."""
+    `so.reasoning` names a format; `marks`: the ids of <think> and </think>
+    where the tokenizer has them as tokens); InvalidRequest naming what is
+    wrong when the spec cannot even be read (the grammar's own errors show
+    when it is compiled: `check`)."""
     constraint = _constraint(so)
     if not so.reasoning:
         return constraint
@@ -93,7 +104,11 @@ def grammar_for(so: StructuredOutput) -> str:
     # reasoning's Lark grammar refers to (llguidance's grammar lists).
     answer = (json.loads(constraint)["grammars"][0] if constraint.startswith("{")
               else {"lark_grammar": constraint})
-    rules = "\n".join([*_REASONING_RULES[so.reasoning], _GAP_RULE])
+    if marks is None:
+        rules = "\n".join([*_REASONING_RULES[so.reasoning], _GAP_RULE])
+    else:
+        rules = "\n".join([r.format(open=marks[0], close=marks[1]) for r in _REASONING_TOKEN_RULES[so.reasoning]]
+                          + [_GAP_RULE])
     return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": rules}, {**answer, "name": "answer"}]})
 
 
@@ -270,6 +285,7 @@ class GrammarCompiler:
         known = _num_tokens(tokenizer_json)
         eos = [t for t in eos_token_ids if t < known] or None
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, known), eos_token=eos)
+        self.think_marks = _added_token_ids(tokenizer_json, THINK_MARKS)
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
         self.executor = llg.LLExecutor()
@@ -365,7 +381,7 @@ class GrammarCompiler:
         """(A pool thread.) The grammar and its first mask: the costly part
         (the lexer's states over the vocabulary), never in an engine step."""
         before = _heap_bytes()
-        grammar = grammar_for(so)
+        grammar = grammar_for(so, self.think_marks)
         pristine = _llg().LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
         if not pristine.is_error():
             mask = np.empty(self.words, dtype=np.int32)
@@ -417,6 +433,13 @@ def _heap_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _added_token_ids(tokenizer_json: str, contents: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The ids of these added tokens, in order, if the tokenizer has every one; else None."""
+    ids = {t.get("content"): t.get("id") for t in json.loads(tokenizer_json).get("added_tokens") or []}
+    found = tuple(ids.get(c) for c in contents)
+    return found if all(isinstance(i, int) for i in found) else None
 
 
 def _num_tokens(tokenizer_json: str) -> int:

@@ -54,12 +54,15 @@ def byte_alphabet() -> list[str]:
     return symbols
 
 
-def tokenizer_json(vocab: dict[str, int], merges: list[Pair], specials: dict[str, int]) -> dict[str, Any]:
-    """A tokenizer.json document; specials are added tokens (and in the vocab, to pin their ids)."""
+def tokenizer_json(vocab: dict[str, int], merges: list[Pair], specials: dict[str, int],
+                   texts: dict[str, int] | None = None) -> dict[str, Any]:
+    """A tokenizer.json document; specials are added tokens (and in the vocab, to pin their ids);
+    `texts` too, but not special: decoded as the text they stand for (a reasoning model's <think>)."""
+    texts = texts or {}
     added = [
         {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
-        for tok, i in specials.items()
+         "normalized": False, "special": tok in specials}
+        for tok, i in {**specials, **texts}.items()
     ]
     return {
         "version": "1.0",
@@ -79,7 +82,7 @@ def tokenizer_json(vocab: dict[str, int], merges: list[Pair], specials: dict[str
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": False,
-            "vocab": {**vocab, **specials},
+            "vocab": {**vocab, **specials, **texts},
             # "a b" strings (not pairs) are readable by every tokenizers >= 0.19;
             # byte-level symbols never contain a literal space.
             "merges": [f"{a} {b}" for a, b in merges],

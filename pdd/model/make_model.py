@@ -156,6 +156,10 @@ THINKING_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "thinking": THINKING_CHAT_TEMPLATE}
+# A reasoning checkpoint's markers are tokens of their own, as Qwen3's and
+# DeepSeek-R1's are (added, not special: they decode as their text), after the
+# tokenizer's other ids.
+THINK_TOKENS = ("<think>", "</think>")
 
 _CORPUS = Path(__file__).with_name("corpus.txt")
 _VOCAB_ALIGN = 64  # embedding rows are padded to this, as real checkpoints do
@@ -178,16 +182,26 @@ def _special_ids(preset: str) -> dict[str, int]:
     return {tok: base + i for i, tok in enumerate(SPECIAL_TOKENS)}
 
 
-def _tokenizer_json(preset: str) -> dict[str, Any]:
+def _text_token_ids(preset: str, chat_template: str) -> dict[str, int]:
+    """The added tokens that are text (THINK_TOKENS for the thinking template), id -> past the others."""
+    if chat_template != "thinking":
+        return {}
+    base = PRESETS[preset]["tokenizer_vocab_size"]
+    return {tok: base + i for i, tok in enumerate(THINK_TOKENS)}
+
+
+def _tokenizer_json(preset: str, chat_template: str = "chatml") -> dict[str, Any]:
     vocab, merges = _learn_tokenizer(PRESETS[preset]["tokenizer_vocab_size"])
-    return tokenizer_json({tok: i for i, tok in enumerate(vocab)}, list(merges), _special_ids(preset))
+    return tokenizer_json({tok: i for i, tok in enumerate(vocab)}, list(merges), _special_ids(preset),
+                          _text_token_ids(preset, chat_template))
 
 
 def _tokenizer_config(preset: str, chat_template: str = "chatml") -> dict[str, Any]:
+    specials = _special_ids(preset)
     decoder = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for tok, i in _special_ids(preset).items()
+                 "single_word": False, "special": tok in specials}
+        for tok, i in {**specials, **_text_token_ids(preset, chat_template)}.items()
     }
     return {
         "add_bos_token": False,  # Qwen-style: the BOS string exists but is never prepended
@@ -223,13 +237,13 @@ def _special_tokens_map() -> dict[str, Any]:
 # --------------------------------------------------------------------------- config
 
 
-def _padded_vocab(preset: str) -> int:
-    n = PRESETS[preset]["tokenizer_vocab_size"]
+def _padded_vocab(preset: str, extra_tokens: int = 0) -> int:
+    n = PRESETS[preset]["tokenizer_vocab_size"] + extra_tokens
     return -(-n // _VOCAB_ALIGN) * _VOCAB_ALIGN
 
 
-def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
-    """The config.json contents for (preset, arch)."""
+def model_config(preset: str = "tiny", arch: str = "llama", chat_template: str = "chatml") -> dict[str, Any]:
+    """The config.json contents for (preset, arch); a thinking template's tokens get rows too."""
     _check(preset, arch)
     p, ids = PRESETS[preset], _special_ids(preset)
     cfg: dict[str, Any] = {
@@ -238,7 +252,7 @@ def model_config(preset: str = "tiny", arch: str = "llama") -> dict[str, Any]:
                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps")
     }
     cfg.update(
-        vocab_size=_padded_vocab(preset),
+        vocab_size=_padded_vocab(preset, len(_text_token_ids(preset, chat_template))),
         hidden_act="silu",
         attention_dropout=0.0,
         initializer_range=0.02,
@@ -424,13 +438,13 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
             raise ValueError(f"unknown KV scale naming {kv_scale_naming!r}; choose from {tuple(NAMINGS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(preset, arch)
+    cfg = model_config(preset, arch, chat_template)
     if fp8 is not None:
         cfg.update(dtype="bfloat16", torch_dtype="bfloat16",
                    quantization_config=fp8_quantization_config(fp8, kv_scales is not None))
 
     # tokenizer.json keeps its own key order (the vocab must stay in id order).
-    tok_json = _json_bytes(_tokenizer_json(preset), sort_keys=False)
+    tok_json = _json_bytes(_tokenizer_json(preset, chat_template), sort_keys=False)
     Tokenizer.from_str(tok_json.decode("utf-8"))  # fail here, not in a loader, if the format is wrong
     files = {
         "tokenizer.json": tok_json,

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from pdd.model.make_model import make_model
+from pdd.model.tokenizer import Tokenizer
 from tests.e2e.cluster import UpCluster
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -103,6 +104,28 @@ def test_a_constraint_applies_after_the_reasoning(cluster):
     assert call.message.reasoning_content == whole.message.reasoning_content and not call.message.tool_calls
     plain = ai.chat.completions.create(**{**ask, "max_tokens": 32}, extra_body=NO_THINKING).choices[0].message
     assert json.loads(plain.content)["answer"] in ("yes", "no")
+
+
+
+def test_a_reasoning_that_ends_is_split_from_its_constrained_answer(cluster, thinking_model):
+    """</think> is one token of this checkpoint (as of Qwen3's): biased in, the
+    reasoning ends at the first token, and the answer after it is the schema's,
+    whole and streamed, a forced call the call."""
+    ai, model = client(cluster), cluster.model_name
+    (close,) = Tokenizer(thinking_model).encode("</think>", add_special_tokens=False)
+    ask = {"model": model, "messages": [{"role": "user", "content": "Think"}], "max_tokens": 32,
+           "temperature": 0, "logit_bias": {str(close): 100}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    whole = ai.chat.completions.create(**ask, response_format=fmt).choices[0]
+    assert not whole.message.reasoning_content and json.loads(whole.message.content)["answer"] in ("yes", "no")
+    deltas = [c.choices[0].delta for c in ai.chat.completions.create(**ask, response_format=fmt, stream=True)
+              if c.choices]
+    assert "".join(d.content or "" for d in deltas) == whole.message.content
+    call = ai.chat.completions.create(**{**ask, "max_tokens": 128}, tools=[{"type": "function", "function": {
+        "name": TOOL["name"], "parameters": TOOL["parameters"]}}],
+        tool_choice={"type": "function", "function": {"name": TOOL["name"]}}).choices[0]
+    assert [c.function.name for c in call.message.tool_calls] == [TOOL["name"]], call
+    assert call.finish_reason == "tool_calls" and json.loads(call.message.tool_calls[0].function.arguments)["city"] in ("Paris", "Oslo")
 
 
 def test_a_reasoning_models_answer_is_its_reasoning_and_enable_thinking_false_is_content(cluster):
