@@ -108,19 +108,22 @@ def test_a_constraint_applies_after_the_reasoning(cluster):
 
 
 def test_a_reasoning_that_ends_is_split_from_its_constrained_answer(cluster, thinking_model):
-    """</think> is one token of this checkpoint (as of Qwen3's): biased in, the
-    reasoning ends at the first token, and the answer after it is the schema's,
-    whole and streamed, a forced call the call."""
+    """</think> is one token of this checkpoint (as of Qwen3's): biased up (by
+    10: this random checkpoint's greedy reasoning then ends after two tokens),
+    the reasoning ends, and the answer after it is the schema's, whole and
+    streamed, a forced call the call."""
     ai, model = client(cluster), cluster.model_name
     (close,) = Tokenizer(thinking_model).encode("</think>", add_special_tokens=False)
     ask = {"model": model, "messages": [{"role": "user", "content": "Think"}], "max_tokens": 32,
-           "temperature": 0, "logit_bias": {str(close): 100}}
+           "temperature": 0, "logit_bias": {str(close): 10}}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
     whole = ai.chat.completions.create(**ask, response_format=fmt).choices[0]
-    assert not whole.message.reasoning_content and json.loads(whole.message.content)["answer"] in ("yes", "no")
+    assert whole.message.reasoning_content and "think>" not in whole.message.reasoning_content
+    assert json.loads(whole.message.content)["answer"] in ("yes", "no")
     deltas = [c.choices[0].delta for c in ai.chat.completions.create(**ask, response_format=fmt, stream=True)
               if c.choices]
     assert "".join(d.content or "" for d in deltas) == whole.message.content
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.message.reasoning_content
     call = ai.chat.completions.create(**{**ask, "max_tokens": 128}, tools=[{"type": "function", "function": {
         "name": TOOL["name"], "parameters": TOOL["parameters"]}}],
         tool_choice={"type": "function", "function": {"name": TOOL["name"]}}).choices[0]
