@@ -231,4 +231,7 @@ def configure_from(cfg, process: str, level: str | None = None) -> None:
 
 def _flush_installed() -> None:
     if _installed is not None:
-        _installed[1].flush()
+        handler, repeats = _installed
+        if getattr(handler.stream, "closed", False):   # a stream closed before exit (a test's capture)
+            return
+        repeats.flush()
