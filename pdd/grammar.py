@@ -282,10 +282,11 @@ class GrammarCompiler:
         smaller: rows past it are padding, never allowed)."""
         llg = _llg()
         # EOS ids the tokenizer does not have (a stand-in tokenizer's) cannot be named to it.
-        known = _num_tokens(tokenizer_json)
+        spec = json.loads(tokenizer_json)   # read once: a real one is megabytes
+        known = _num_tokens(spec)
         eos = [t for t in eos_token_ids if t < known] or None
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, known), eos_token=eos)
-        self.think_marks = _added_token_ids(tokenizer_json, THINK_MARKS)
+        self.think_marks = _added_token_ids(spec, THINK_MARKS)
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
         self.executor = llg.LLExecutor()
@@ -435,16 +436,15 @@ def _heap_bytes() -> int:
         return 0
 
 
-def _added_token_ids(tokenizer_json: str, contents: tuple[str, ...]) -> tuple[int, ...] | None:
-    """The ids of these added tokens, in order, if the tokenizer has every one; else None."""
-    ids = {t.get("content"): t.get("id") for t in json.loads(tokenizer_json).get("added_tokens") or []}
+def _added_token_ids(spec: dict, contents: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The ids of these added tokens of a tokenizer.json document, in order, if it has every one; else None."""
+    ids = {t.get("content"): t.get("id") for t in spec.get("added_tokens") or []}
     found = tuple(ids.get(c) for c in contents)
     return found if all(isinstance(i, int) for i in found) else None
 
 
-def _num_tokens(tokenizer_json: str) -> int:
-    """The ids a tokenizer.json defines: its model's vocabulary and added tokens."""
-    spec = json.loads(tokenizer_json)
+def _num_tokens(spec: dict) -> int:
+    """The ids a tokenizer.json document defines: its model's vocabulary and added tokens."""
     vocab = spec.get("model", {}).get("vocab") or {}
     ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
     ids += [t.get("id", 0) for t in spec.get("added_tokens") or []]
