@@ -8,7 +8,8 @@ iteration, after the step's TokenBatch was delivered, the Relay runs each due
 stream's flush, which turns its events into chunks and writes them to its
 connection at once (DirectWriter). With router.stream_interval_ms the flushes
 run at most once in that interval, so each write carries the tokens of the
-steps between (fewer writes: the send is most of what a token costs). Its handler wakes only to end the stream,
+steps between (fewer writes: the send is most of what a token costs). Its
+handler wakes only to end the stream,
 for an error, or when its client fell behind (then its awaited write drains).
 
 DirectWriter writes the chunked-encoding frame aiohttp's writer would write,
@@ -83,7 +84,7 @@ class Relay:
     def _mark(self, stream: _Stream) -> None:
         if not self._due:
             loop = asyncio.get_running_loop()
-            wait = self._next_run - loop.time() if self.interval_s else 0.0
+            wait = self._next_run - loop.time()   # never > 0 without an interval
             if wait > 0:
                 loop.call_later(wait, self._run)
             else:
@@ -91,8 +92,7 @@ class Relay:
         self._due.append(stream)
 
     def _run(self) -> None:
-        if self.interval_s:
-            self._next_run = asyncio.get_running_loop().time() + self.interval_s
+        self._next_run = asyncio.get_running_loop().time() + self.interval_s
         due, self._due = self._due, []
         for stream in due:
             stream.due = False
