@@ -318,12 +318,14 @@ class RouterConfig:
     # busy loop; docs/benchmarks.md, "The front door").
     max_loop_busy: float = 0.0
     max_buffered_bytes: int = 256 * 2**20
-    # A stream is written at most once in this many milliseconds: the tokens of
-    # the steps between go out in one write, which costs the router about what
-    # one token's write costs (the send system call is most of a token's price).
-    # 0: each stream written in the loop turn its tokens arrive in; a router
-    # that fell behind then writes several steps' tokens at once by itself.
-    stream_interval_ms: float = 0.0
+    # While the router's loop is busy (more than half the time on a CPU), a
+    # stream is written at most once per interval, growing with the load up to
+    # this many milliseconds: the tokens of the steps between go out in one
+    # write, which costs the router about what one token's write costs (the
+    # send system call is most of a token's price). An idle router writes each
+    # step's tokens at once. 0: always at once (a router that falls behind then
+    # writes several steps' tokens at once by itself, later).
+    stream_interval_ms: float = 20.0
     # `pdd admin faults set|clear` may inject faults into workers at run time
     # (pdd.faults). Off: those commands are refused. For test and staging clusters.
     allow_fault_injection: bool = False

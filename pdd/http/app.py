@@ -79,8 +79,10 @@ class OpenAIServer:
         self.off_loop = OffLoopTokenizer(tokenizer)
         self.tool_format = tool_format(router.cfg.router.tool_call_parser, tokenizer)
         self.reasoning_format = reasoning_format(router.cfg.router.reasoning_parser, tokenizer)
-        # Writes single-choice streams' chunks, once per loop turn or per router.stream_interval_ms.
-        self.relay = Relay(router.cfg.router.stream_interval_ms / 1000)
+        # Writes single-choice streams' chunks, once per loop turn, or spaced up to
+        # router.stream_interval_ms apart as the router's loop gets busy.
+        saturation = router.saturation
+        self.relay = Relay(router.cfg.router.stream_interval_ms / 1000, lambda: saturation.busy)
         # Stored responses (GET, previous_response_id), their ids naming this router.
         self.response_store = stored_responses.ResponseStore(router=router.cfg.router.index)
 
@@ -447,10 +449,10 @@ class OpenAIServer:
             return chunks.chunk(i, delta, reason, frag, so_far(), stop)
 
         def emit(i: int, pieces: list[tuple]) -> bytes:
-            if len(pieces) == 1:   # the common case: one token's
+            if len(pieces) == 1:   # the common case while the router keeps up: one token's
                 delta, frag, reason = pieces[0]
                 return chunk(i, delta, reason, frag) if delta or frag or reason else b""
-            return b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in pieces
+            return b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in _joined(pieces)
                              if delta or frag or reason])
 
         # Each choice's text goes through its own tool-call reader (chat with tools).
@@ -561,6 +563,29 @@ def _stop_reason(req: s.GenerateRequest, c: Choice) -> str | int | None:
     sequence and for any other end."""
     on = c.text.stopped_on if c.text is not None else None
     return on if isinstance(on, str) or (on is not None and on in req.sampling.stop_token_ids) else None
+
+
+def _joined(pieces: list[tuple]) -> list[tuple]:
+    """Several tokens' pieces as few chunks: the text of those without logprobs
+    goes out as one delta (with the finish reason of the last, when it ends
+    the choice), as vLLM streams the tokens of one engine iteration. A token
+    with its logprobs keeps a chunk of its own: its text is what they describe."""
+    out, text = [], []
+    for delta, frag, reason in pieces:
+        if frag is not None:
+            if text:
+                out.append(("".join(text), None, None))
+                text = []
+            out.append((delta, frag, reason))
+        elif reason is not None:
+            text.append(delta)
+            out.append(("".join(text), None, reason))
+            text = []
+        else:
+            text.append(delta)
+    if text:
+        out.append(("".join(text), None, None))
+    return out
 
 
 def _flat(groups: list[list[Choice]]) -> list[Choice]:

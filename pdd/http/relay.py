@@ -6,11 +6,18 @@ generators) and an awaited aiohttp write. A stream on the Relay has its
 request's events (RequestState.listener) marked due instead; once per loop
 iteration, after the step's TokenBatch was delivered, the Relay runs each due
 stream's flush, which turns its events into chunks and writes them to its
-connection at once (DirectWriter). With router.stream_interval_ms the flushes
-run at most once in that interval, so each write carries the tokens of the
-steps between (fewer writes: the send is most of what a token costs). Its
-handler wakes only to end the stream,
+connection at once (DirectWriter). Its handler wakes only to end the stream,
 for an error, or when its client fell behind (then its awaited write drains).
+
+The send system call is most of what a streamed token costs the router, and
+it costs about as much for several tokens as for one. So when the router is
+busy the flushes are spaced: with the loop's thread on a CPU more than
+COALESCE_FROM of the time (pdd.router.saturation's reading) the relay runs at
+most once per interval, growing with the load up to router.stream_interval_ms
+at FULL_LOAD; each write then carries the tokens of the steps between. An idle
+router writes every step's tokens at once (nothing to save, latency to lose);
+a loaded one trades the smoothness of its streams for the CPU that keeps all
+of them at pace, instead of falling behind on every one.
 
 DirectWriter writes the chunked-encoding frame aiohttp's writer would write,
 to the same transport, and only when the bytes can go out at once: not when
@@ -67,15 +74,27 @@ class _Stream:
             self.relay._mark(self)
 
 
-class Relay:
-    """Runs the due streams' flushes once per loop iteration, or with
-    `interval_s` at most once in that long (the tokens of the steps between
-    then go out in one write per stream)."""
+COALESCE_FROM = 0.5   # the loop's busy share from which flushes are spaced
+FULL_LOAD = 0.9       # ... and at which they are max_interval_s apart
 
-    def __init__(self, interval_s: float = 0.0):
+
+class Relay:
+    """Runs the due streams' flushes once per loop iteration, or, while
+    `load()` (the loop's busy share, 0..1) is over COALESCE_FROM, at most once
+    per interval, up to `max_interval_s` at FULL_LOAD (the tokens of the
+    steps between then go out in one write per stream)."""
+
+    def __init__(self, max_interval_s: float = 0.0, load: Callable[[], float] = lambda: 1.0):
         self._due: list[_Stream] = []
-        self.interval_s = interval_s
-        self._next_run = 0.0   # loop time before which an interval relay does not run again
+        self.max_interval_s = max_interval_s
+        self.load = load
+        self._next_run = 0.0   # loop time before which the relay does not run again
+
+    @property
+    def interval_s(self) -> float:
+        """How far apart the flushes are now."""
+        share = (self.load() - COALESCE_FROM) / (FULL_LOAD - COALESCE_FROM)
+        return self.max_interval_s * min(1.0, share) if share > 0 else 0.0
 
     def listener(self, flush: Callable[[], None]) -> Callable:
         """A RequestState.listener that has `flush` run once in the loop iteration its events come in."""
@@ -84,7 +103,7 @@ class Relay:
     def _mark(self, stream: _Stream) -> None:
         if not self._due:
             loop = asyncio.get_running_loop()
-            wait = self._next_run - loop.time()   # never > 0 without an interval
+            wait = self._next_run - loop.time()   # never > 0 while the interval is 0
             if wait > 0:
                 loop.call_later(wait, self._run)
             else:

@@ -69,6 +69,39 @@ class Tokenizer:
                     return None
         return None
 
+    def plain_piece(self, token_id: int) -> str | None:
+        """The text `token_id` adds after any other tokens' text, when that is
+        its own and fixed: a vocabulary token (not an added one) whose bytes are
+        whole UTF-8 characters, under a decoder that is only GPT-2's byte-level
+        map (its decode is the tokens' bytes joined, then read as UTF-8: Llama
+        3, Qwen). None otherwise, where the text of the tokens decoded together
+        says it (a piece of a character, an added or special token, a decoder
+        that strips or joins). Remembered: streams decode each token this way."""
+        pieces = self._plain_pieces
+        if pieces is None:
+            return None
+        piece = pieces.get(token_id, False)
+        if piece is False:
+            raw = None if token_id in self._added_ids else self.token_bytes(token_id)
+            try:
+                piece = raw.decode() if raw is not None else None
+            except UnicodeDecodeError:   # a piece of a character
+                piece = None
+            if len(pieces) < self.ONE_CACHE_SIZE * 4:
+                pieces[token_id] = piece
+        return piece
+
+    @cached_property
+    def _plain_pieces(self) -> dict[int, str | None] | None:
+        """plain_piece's memory, or None where no token has a plain piece."""
+        spec = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
+        steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+        return {} if steps and all(step.get("type") == "ByteLevel" for step in steps) else None
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
     @cached_property
     def _byte_decoding(self) -> str | None:
         """"ByteLevel" or "ByteFallback" where the decoder (or a step of its
@@ -208,11 +241,18 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.released = GrowingText()
         self._decode_one = getattr(tokenizer, "decode_one", None)
+        self._plain_piece = getattr(tokenizer, "plain_piece", None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
+        if len(token_ids) == 1 and self.read_offset == len(self.ids) and self._plain_piece is not None:
+            # Nothing held back, and a token whose text is its own: no decode.
+            piece = self._plain_piece(token_ids[0])
+            if piece is not None:
+                self.ids.append(token_ids[0])
+                return self._release(piece, len(self.ids))
         self.ids.extend(token_ids)
         if self.read_offset - self.prefix_offset == 1 and self._decode_one is not None:   # a token at a time
             prefix = self._decode_one(self.ids[self.prefix_offset], self.skip_special_tokens)

@@ -608,7 +608,7 @@ class ControlPlane:
         if event.token_ids and not state.output_token_ids:
             self.num_queued -= 1
             self._mark(state, "first_token")
-        state.deliver(event)
+        state.deliver(event, now)
         if event.finished:
             self.metrics.cached_tokens.inc(state.num_cached_tokens)
             self._retire(state)

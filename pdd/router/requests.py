@@ -146,12 +146,14 @@ class RequestState:
         self.trace.append(TraceEvent(time.monotonic() if at is None else at, what, self.epoch,
                                      self.decode_worker, self.prefill_worker, note))
 
-    def deliver(self, event: TokenEvent) -> None:
+    def deliver(self, event: TokenEvent, now: float | None = None) -> None:
+        """`now`: when it arrived (monotonic; the caller's clock reading for a whole step's tokens)."""
         self.output_token_ids.extend(event.token_ids)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
         self.last_token_at = now

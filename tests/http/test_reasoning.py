@@ -9,6 +9,7 @@ runs the tiny random-weight reasoning checkpoint (`pdd make-model
 and reasoning_effort."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 
@@ -142,27 +143,36 @@ def thinking_model(tmp_path_factory):
 
 
 class ScriptedRouter(StubRouter):
-    """Answers every request with the given output text's tokens, one event a token."""
+    """Answers every request with the given output text's tokens, one event a
+    token, each once the one before was taken (as a worker's steps come: the
+    stream has a chunk per token, not the whole text in one)."""
 
     def __init__(self, tokenizer: Tokenizer, output: str):
         super().__init__(load_cluster_config(env={}), max_model_len=4096)
         self.token_ids = tokenizer.encode(output, add_special_tokens=False)
         self.prompts: list[list[int]] = []
+        self._tasks: dict[str, asyncio.Task] = {}   # request id -> what delivers its tokens
 
     async def submit_choices(self, prompt_token_ids, sampling: SamplingParams, request_id: str, n: int,
                              span=None) -> list[RequestState]:
         self.prompts.append(list(prompt_token_ids))
-        states = []
-        for i in range(n):
-            state = RequestState(f"{request_id}-{i}", list(prompt_token_ids), sampling, [])
-            for k, tok in enumerate(self.token_ids):
-                last = k == len(self.token_ids) - 1
-                state.deliver(TokenEvent([tok], last, "stop" if last else None, None, 0))
-            states.append(state)
+        states = [RequestState(f"{request_id}-{i}", list(prompt_token_ids), sampling, []) for i in range(n)]
+        for state in states:
+            self._tasks[state.request_id] = asyncio.create_task(self._deliver(state))
         return states
 
+    async def _deliver(self, state: RequestState) -> None:
+        for k, tok in enumerate(self.token_ids):
+            while state.events:   # the one before is not taken yet
+                await asyncio.sleep(0)
+            last = k == len(self.token_ids) - 1
+            state.deliver(TokenEvent([tok], last, "stop" if last else None, None, 0))
+
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
-        """Every request has finished by the time the app sees it."""
+        """Its tokens stop (a client gone, or its text complete)."""
+        task = self._tasks.pop(state.request_id, None)
+        if task is not None:
+            task.cancel()
 
 
 async def _serve(router, model_dir):

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from pdd.http import responses as r
-from pdd.http.relay import DirectWriter, Relay
+from pdd.http.relay import COALESCE_FROM, FULL_LOAD, DirectWriter, Relay
 
 
 @pytest.mark.parametrize("kind,include_usage", list(itertools.product(["completion", "chat"], [False, True])))
@@ -63,12 +63,13 @@ def test_direct_writes_reach_the_client_between_awaited_ones_in_order():
     assert asyncio.run(main()) == b"one two three four"
 
 
-def test_an_interval_relay_writes_the_tokens_of_several_turns_at_once():
-    """router.stream_interval_ms: events that come in several loop turns within
-    the interval are flushed together, once the interval since the last flush is over."""
+def test_a_busy_relay_writes_the_tokens_of_several_turns_at_once():
+    """A loaded router (its loop's busy share at FULL_LOAD): events that come in
+    several loop turns within router.stream_interval_ms are flushed together,
+    once the interval since the last flush is over."""
     async def run():
         loop = asyncio.get_running_loop()
-        relay = Relay(interval_s=1.0)
+        relay = Relay(max_interval_s=1.0, load=lambda: FULL_LOAD)
         taken, flushed = [], asyncio.Queue()
         pending = []
 
@@ -87,6 +88,17 @@ def test_an_interval_relay_writes_the_tokens_of_several_turns_at_once():
             await asyncio.sleep(0)
         second = await flushed.get()
         assert taken == [[1], [2, 3]]
-        assert second >= first + relay.interval_s
+        assert second >= first + relay.max_interval_s
 
     asyncio.run(run())
+
+
+def test_the_flushes_are_spaced_by_the_load_only():
+    load = [0.0]
+    relay = Relay(max_interval_s=0.02, load=lambda: load[0])
+    spacing = []
+    for share in (0.0, COALESCE_FROM, (COALESCE_FROM + FULL_LOAD) / 2, FULL_LOAD, 1.0):
+        load[0] = share
+        spacing.append(relay.interval_s)
+    assert spacing == [0.0, 0.0, pytest.approx(0.01), 0.02, 0.02]
+    assert Relay(max_interval_s=0.0, load=lambda: 1.0).interval_s == 0.0

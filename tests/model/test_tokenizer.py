@@ -203,3 +203,30 @@ def test_invalid_bytes_go_out_as_they_come_and_the_window_stays_bounded(tok):
     pieces.append(detok.flush())
     assert "".join(pieces) == tok.decode(ids)   # the characters after them whole, as decoded at once
     assert "🙂" in "".join(pieces[200:])
+
+
+def test_plain_pieces_give_the_text_the_tokens_decode_to_together(tok):
+    """The detokenizer's shortcut (a token's own text where nothing is held
+    back) releases what the window decode releases, token for token, over text
+    that splits characters across tokens, special tokens and invalid bytes."""
+    import random
+
+    class WindowOnly:   # the same tokenizer without the shortcut
+        def __getattr__(self, name):
+            if name == "plain_piece":
+                raise AttributeError(name)
+            return getattr(tok, name)
+
+    assert [tok.plain_piece(t) for t in tok.encode("ok!")] == [tok.decode([t]) for t in tok.encode("ok!")]
+    assert any(tok.plain_piece(t) is None for t in tok.encode("日本語"))   # pieces of characters
+    stray = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    special = sorted(tok._added_ids)
+    rng = random.Random(0)
+    base = tok.encode(TEXT)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.choice(base + special + [stray]) if rng.random() < 0.3 else t for t in base * 2]
+            fast, slow = IncrementalDetokenizer(tok, skip), IncrementalDetokenizer(WindowOnly(), skip)
+            assert [fast.add([t]) for t in ids] == [slow.add([t]) for t in ids]
+            assert fast.flush() == slow.flush()
+            assert fast.text == tok.decode(ids, skip)
