@@ -318,6 +318,10 @@ class RouterConfig:
     # busy loop; docs/benchmarks.md, "The front door").
     max_loop_busy: float = 0.0
     max_buffered_bytes: int = 256 * 2**20
+    # max_inbound_lag_s: its workers' messages have waited for it this long
+    # without a break (it relays tokens slower than they make them: every
+    # stream and every first token waits in its queue that long).
+    max_inbound_lag_s: float = 0.5
     # While the router's loop is busy (more than half the time on a CPU), a
     # stream is written at most once per interval, growing with the load up to
     # this many milliseconds: the tokens of the steps between go out in one
@@ -439,6 +443,8 @@ class RouterConfig:
         if not 0 <= self.max_loop_busy <= 1:
             raise ConfigError(f"router.max_loop_busy: a share of one core, 0 to 1 (0 = no limit), "
                               f"got {self.max_loop_busy}")
+        if not 0 <= self.max_inbound_lag_s < float("inf"):
+            raise ConfigError(f"router.max_inbound_lag_s: seconds, >= 0 (0 = no limit), got {self.max_inbound_lag_s}")
         if not 0 <= self.max_loop_lag_s < float("inf") or self.max_buffered_bytes < 0:
             raise ConfigError(f"router.max_loop_lag_s and router.max_buffered_bytes: must be >= 0 (0 = no limit), "
                               f"got {self.max_loop_lag_s} and {self.max_buffered_bytes}")

@@ -75,6 +75,10 @@ class RouterChannel:
                 self.dropped += 1
                 log.warning("control: dropped a malformed message from %s: %s", peer, e)
 
+    def waiting(self) -> bool:
+        """Whether a message can be received at once."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     async def send(self, peer: str, msg: Message) -> bool:
         """False if the peer is not connected (the message is not delivered)."""
         try:

@@ -604,7 +604,7 @@ class ControlPlane:
             now = self.clock()
         if state.last_token_at is not None or event.token_ids:
             self.metrics.observe_tokens(state, now)
-        self.metrics.generation_tokens.inc(len(event.token_ids))
+        self.metrics.streamed_tokens += len(event.token_ids)
         if event.token_ids and not state.output_token_ids:
             self.num_queued -= 1
             self._mark(state, "first_token")

@@ -61,7 +61,7 @@ class Router:
                                     traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
         self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected,
-                                     rc.max_loop_busy)
+                                     rc.max_loop_busy, max_inbound_lag_s=rc.max_inbound_lag_s)
         self.operations = Operations(cfg, self.registry, self.control, self._post)
         self.accepting = True
         self.started_at = time.time()
@@ -228,12 +228,17 @@ class Router:
             await asyncio.sleep(0.01)
 
     async def _recv_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             conn, msg = await self.chan.recv()
             try:
                 self._received(conn, msg)
             except Exception:
                 log.exception("router: error handling %s from %s", msg.TYPE, conn)
+            if self.chan.waiting():   # how long the workers' messages have waited (saturation)
+                self.saturation.behind(loop.time())
+            else:
+                self.saturation.caught_up()
             # A receive that finds a message waiting completes without yielding to
             # the loop: while the workers send faster than this loop handles (a
             # step's TokenBatch of a thousand streams costs milliseconds), it would

@@ -14,6 +14,15 @@ One probe on the router's loop, every PROBE_INTERVAL_S, takes two readings:
                     it relays (the lag only grows once it is too late).
     buffered_bytes  what the HTTP connections hold that the kernel has not
                     taken yet, all together, over router.max_buffered_bytes.
+    inbound_lag     how long the workers' messages have been waiting for the
+                    router without a break: since its control socket was last
+                    found empty after a message (the receive loop reports it,
+                    `caught_up` / `behind`). Over router.max_inbound_lag_s the
+                    workers make tokens faster than it relays them: every
+                    stream's tokens and every new request's first token wait
+                    that long in the queue, and a request more lengthens the
+                    wait for all (the loop itself is not late: it takes one
+                    message a turn and serves the streams between).
 
 Admission reads the last probe's verdict (a new request costs no scan of the
 connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
@@ -37,26 +46,39 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.1
 PROBES = 5                 # readings of the loop's lag that must all be over the limit
 RETRY_AFTER_S = 1
-LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES = "loop_lag", "loop_busy", "buffered_bytes"
+LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buffered_bytes", "inbound_lag"
 
 
 class Saturation:
     def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
-                 max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time):
+                 max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time,
+                 max_inbound_lag_s: float = 0.0):
         """cpu_clock: the CPU time of the thread `run` runs on (the loop's)."""
         self.max_loop_lag_s = max_loop_lag_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_loop_busy = max_loop_busy
+        self.max_inbound_lag_s = max_inbound_lag_s
         self.rejected = rejected
         self.cpu_clock = cpu_clock
-        for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES):   # their series from the start, at 0
+        for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG):   # their series from the start, at 0
             rejected.labels(reason)
+        self.behind_since: float | None = None   # monotonic; None: the socket was empty at the last look
+        self.inbound_lag = 0.0
         self.lags: deque[float] = deque(maxlen=PROBES)
         self.clocks: deque[tuple[float, float]] = deque(maxlen=PROBES + 1)   # (wall, the loop thread's CPU)
         self.busy = 0.0
         self.buffered_bytes = 0
         self.reason: str | None = None     # why new requests are refused now, or None
         self._sources: list[Callable[[], int]] = []
+
+    def behind(self, now: float) -> None:
+        """The receive loop found another message waiting after one."""
+        if self.behind_since is None:
+            self.behind_since = now
+
+    def caught_up(self) -> None:
+        """... or none: the router has taken everything its workers sent."""
+        self.behind_since = None
 
     def watch(self, buffered_bytes: Callable[[], int]) -> None:
         """Count what `buffered_bytes()` reports (an HTTP server's unsent bytes) at each probe."""
@@ -77,6 +99,7 @@ class Saturation:
             (t0, c0), (t1, c1) = self.clocks[0], self.clocks[-1]
             self.busy = (c1 - c0) / (t1 - t0) if len(self.clocks) > PROBES and t1 > t0 else 0.0
         self.buffered_bytes = sum(source() for source in self._sources)
+        self.inbound_lag = now - self.behind_since if now is not None and self.behind_since is not None else 0.0
         reason = self._verdict()
         if reason != self.reason:
             if reason is None:
@@ -92,6 +115,8 @@ class Saturation:
             return LOOP_BUSY
         if self.max_buffered_bytes and self.buffered_bytes > self.max_buffered_bytes:
             return BUFFERED_BYTES
+        if self.max_inbound_lag_s and self.inbound_lag > self.max_inbound_lag_s:
+            return INBOUND_LAG
         return None
 
     def _why(self, reason: str) -> str:
@@ -101,6 +126,9 @@ class Saturation:
         if reason == LOOP_BUSY:
             return (f"its event loop was on a CPU {100 * self.busy:.0f}% of the last "
                     f"{PROBES * PROBE_INTERVAL_S:g}s; router.max_loop_busy = {self.max_loop_busy:g}")
+        if reason == INBOUND_LAG:
+            return (f"its workers' messages have waited for it without a break for {self.inbound_lag:.2f}s; "
+                    f"router.max_inbound_lag_s = {self.max_inbound_lag_s:g}")
         return (f"its HTTP connections hold {self.buffered_bytes} bytes not yet sent; "
                 f"router.max_buffered_bytes = {self.max_buffered_bytes}")
 

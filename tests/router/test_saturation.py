@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from pdd.http.app import build_app, serve_http
 from pdd.model.tokenizer import Tokenizer
@@ -158,4 +159,32 @@ def test_a_loop_on_its_cpu_all_the_time_is_saturated_and_one_that_idles_is_not()
         wall, cpu = wall + PROBE_INTERVAL_S, cpu + PROBE_INTERVAL_S / 2
         sat.probe(0.001, wall, cpu)
     assert sat.reason is None
+    sat.check()
+
+
+def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_router_admits_again():
+    """The receive loop found a message waiting after each one for longer than
+    router.max_inbound_lag_s: refused (every stream's tokens and every first
+    token wait in that queue); an empty socket ends it at once."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import INBOUND_LAG, Saturation
+    rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
+    sat = Saturation(0.5, 0, rejected, max_inbound_lag_s=0.5)
+    sat.behind(10.0)
+    sat.behind(10.3)            # still behind: the wait counts from the first
+    sat.probe(0.001, 10.4, 0.0)
+    assert sat.reason is None and sat.inbound_lag == pytest.approx(0.4)
+    sat.probe(0.001, 10.6, 0.0)
+    assert sat.reason == INBOUND_LAG
+    try:
+        sat.check()
+        raise AssertionError("admitted while saturated")
+    except Overloaded as e:
+        assert "router.max_inbound_lag_s" in str(e)
+    assert rejected.labels(INBOUND_LAG)._value.get() == 1
+    sat.caught_up()
+    sat.probe(0.001, 10.7, 0.0)
+    assert sat.reason is None and sat.inbound_lag == 0.0
     sat.check()
