@@ -32,9 +32,9 @@ import time
 import torch
 
 from benchmarks.cli import run_as_main
-from pdd.bench.commands import add_json_arg, add_kv_shape_args, write_json
-from pdd.bench.decode_side import RemoteDecode, make_pool
-from pdd.bench.transfer import kv_layout
+from benchmarks.decode_side import RemoteDecode, make_pool
+from benchmarks.transfer import add_kv_shape_args, kv_layout
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.transfer.base import TransferTarget
 from pdd.transfer.cuda_ipc import CudaIpcSender
 

@@ -5,7 +5,7 @@
     pdd admin COMMAND                          operate a running cluster (pdd admin --help)
     pdd make-model --preset tiny --out DIR     random-weight HF checkpoint, no download
     pdd generate --prompt TEXT [--model DIR]   offline generation with the engine
-    pdd bench serve|sweep|chaos|gpu|...        load tests, fault scenarios, GPU and KV benchmarks
+    pdd bench serve|chaos|frontdoor|gpu        load tests, fault scenarios, router capacity, GPU steps
     pdd keys generate DIR                      CURVE keys of a cluster (router, worker, admin)
 
 Each subcommand imports what it needs lazily so `pdd admin` and the router

@@ -4,7 +4,9 @@ Set at process start with `PDD_FAULTS="transfer.fail_rate=1,decode.hang_after_st
 (every process of `pdd up` inherits it), or at run time through the router
 (`pdd admin faults set NAME=VALUE [WORKER]`, only with
 router.allow_fault_injection = true), which forwards them to the workers
-over the control bus (SetFaults). Unset, every query costs a dict lookup.
+over the control bus (SetFaults). The request path asks nothing here until a
+fault is first set: its seams put their fault-injecting wrappers in then
+(`when_armed`; pdd.transfer.injected, pdd.worker.injected).
 
 Known faults (each acts in the roles named; elsewhere it is inert):
   transfer.fail_rate=P      prefill   that share of KV transfers fails: the last message
@@ -38,6 +40,8 @@ import os
 import random
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -150,7 +154,44 @@ def _get() -> _Registry:
         with _init_lock:
             if _registry is None:
                 _registry = _Registry(_from_env(os.environ))
+        _arm(_registry.values)
     return _registry
+
+
+# ---------------------------------------------------------------- the seams' wrappers, put in once
+
+_armed = False     # a fault has been set in this process
+_unarmed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # owner -> its install, until armed
+_arm_lock = threading.Lock()
+
+
+def when_armed(owner, install: Callable) -> None:
+    """`install(owner)` once a fault is set in this process: now if one has
+    been, else when load_env or apply first sets one. A seam on the request
+    path puts its fault-injecting wrapper in this way, so that a process no
+    fault was ever set in runs no fault check there. A wrapper stays in once
+    put in: a transfer result it holds back must still come out after its
+    fault is cleared. `owner` is held weakly (a seam that goes is forgotten)."""
+    _get()   # PDD_FAULTS, if nothing read it yet
+    with _arm_lock:
+        if not _armed:
+            _unarmed[owner] = install
+            return
+    install(owner)
+
+
+def _arm(values: dict[str, float]) -> None:
+    global _armed
+    if not values:
+        return
+    with _arm_lock:
+        if _armed:
+            return
+        _armed = True
+        pending = list(_unarmed.items())
+        _unarmed.clear()
+    for owner, install in pending:
+        install(owner)
 
 
 def _from_env(environ) -> dict[str, float]:
@@ -170,6 +211,7 @@ def load_env(environ=None) -> dict[str, float]:
     if values:
         log.warning("fault injection on (PDD_FAULTS): %s", format_values(values))
     _set_hang_state(_registry)
+    _arm(values)
     return values
 
 
@@ -191,6 +233,7 @@ def apply(values: dict[str, float], clear: bool = False) -> dict[str, float]:
     if any(k.endswith(".gil_hold_s") for k in values):
         r.gil_held = False
     _set_hang_state(r)
+    _arm(new)
     log.warning("fault injection: now %s", format_values(new) or "none")
     return dict(new)
 
@@ -209,7 +252,7 @@ def _set_hang_state(r: _Registry) -> None:
         r.released.set()
 
 
-# ---------------------------------------------------------------- queries (one line at each call site)
+# ---------------------------------------------------------------- queries (from the wrappers)
 
 def get(name: str) -> float:
     return _get().values.get(name, 0.0)

@@ -8,7 +8,7 @@ import importlib
 import json
 from pathlib import Path
 
-from pdd.bench.serve_args import add_serve_parser, add_sweep_parser
+from pdd.bench.serve_args import add_serve_parser
 from pdd.engine.args import add_kv_cache_dtype_arg
 
 
@@ -40,25 +40,8 @@ def add_tiny_model_arg(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
 
 
-def add_kv_shape_args(b: argparse.ArgumentParser) -> None:
-    """The KV layout pages move in (pdd.bench.transfer.kv_layout): a named shape, any dimension overridden."""
-    b.add_argument("--shape", default="8b", choices=["8b", "tiny"],
-                   help="KV shape: 8b = Llama-3.1-8B (32 layers x 8 KV heads x 128, bf16); tiny = the built-in "
-                        "model (4 x 2 x 32, float32 as on a CPU worker)")
-    b.add_argument("--layers", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
-    b.add_argument("--dtype", default=None, help="instead of the shape's")
-    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-
-
 def add_bench_parsers(sub, add_engine_args) -> None:
     add_serve_parser(sub, _runner)
-    add_sweep_parser(sub, _runner)
-
-    b = _bench_parser(sub, "gaps", "a saved serve result's token gaps: first (hand-over) vs later (decode) gaps")
-    b.add_argument("files", nargs="+", help="result JSON files written by `pdd bench serve` or `sweep`")
-    b.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
 
     b = _bench_parser(sub, "frontdoor", "tokens/s and requests/s the routers deliver against concurrency, for 1, 2, "
                       "4 routers; router CPU per token; what clients get past saturation (429s, resets)")
@@ -102,37 +85,11 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--run-dir", default="/tmp/pdd-bench-chaos", help="each scenario's `pdd up` logs go here")
     add_json_arg(b)
 
-    b = _bench_parser(sub, "transfer", "KV page transfer of one request per backend (nixl, cuda_ipc, tcp, local), "
-                                        "layer by layer as the data plane sends it")
-    b.add_argument("--backends", "--backend", default="auto",
-                   help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process, no socket: "
-                        "on a GPU the copy ceiling); auto: every one that runs here")
-    b.add_argument("--tokens", default="16384", help="comma list: tokens of the request")
-    b.add_argument("--sizes", default=None, help="comma list: MiB of pages per request, instead of --tokens")
-    add_kv_shape_args(b)
-    b.add_argument("--device", default="cpu", help="where the source pool lives: cpu, cuda, cuda:N")
-    b.add_argument("--peer-device", default=None, help="where the decode pool lives (default: --device)")
-    b.add_argument("--ucx-tls", default=None,
-                   help="UCX_TLS for both ends of nixl (e.g. tcp: UCX over the same loopback as the tcp backend; "
-                        "default: the environment's, else UCX's choice)")
-    b.add_argument("--blocks", default="scattered", choices=["scattered", "contiguous", "descending", "shuffled"],
-                   help="destination blocks: scattered (no two neighbours in the pool, as after a long churn), "
-                        "contiguous (ascending ids), descending or shuffled (one range of the pool, in the "
-                        "order a pool that served requests hands it out)")
-    b.add_argument("--contiguous", action="store_const", const="contiguous", dest="blocks",
-                   help="the same as --blocks contiguous")
-    b.add_argument("--nixl-landing", default="on", choices=["on", "off"],
-                   help="nixl: the decode side's landing region (on: a layer's pages land contiguously, two "
-                        "descriptors, and are copied into the blocks there; off: written straight into the "
-                        "blocks, two descriptors per run of neighbouring blocks)")
-    b.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
-    b.add_argument("--receiver-thread", action="store_true",
-                   help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")
-    b.add_argument("--zmq-ceilings", action="store_true",
-                   help="also time plain ZeroMQ on the same loopback (tcp rows): one buffer, and N acked messages")
-    add_json_arg(b)
+    add_gpu_args(_bench_parser(sub, "gpu", "decode and prefill step times against the H200 roofline"))
 
-    b = _bench_parser(sub, "gpu", "decode and prefill step times against the H200 roofline")
+
+def add_gpu_args(b: argparse.ArgumentParser) -> None:
+    """`pdd bench gpu`'s flags (benchmarks.gpu_steps takes them too, beside its own)."""
     b.add_argument("--model", default="conf/models/llama-3.1-8b",
                    help="checkpoint (config-only is enough with dummy weights)")
     b.add_argument("--load-format", default="dummy", help="dummy: random weights of the checkpoint's shapes")
@@ -142,15 +99,9 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--steps", type=int, default=60, help="decode steps timed per batch size")
     b.add_argument("--prefill", default="4096,16384", help="comma list of prompt lengths timed")
     b.add_argument("--prefill-reps", type=int, default=3, help="timed prefills per length")
-    b.add_argument("--mixed-chunks", default="", help="comma list of chunk sizes: a prompt computed in chunks "
-                   "beside --mixed-batch decodes, step time by depth (e.g. 128,256,512)")
-    b.add_argument("--mixed-batch", type=int, default=64, help="decodes beside the chunked prompt")
-    b.add_argument("--mixed-prompt", type=int, default=16384, help="prompt tokens of the mixed run")
     b.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     b.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next")
     b.add_argument("--warm-up", action="store_true",
                    help="run the engine's warm-up first, as a worker does, and print each kernel compiled after it")
-    b.add_argument("--profile", action="store_true",
-                   help="also print where a decode step's time goes (GPU kernels, host gaps)")
     add_json_arg(b)

@@ -15,7 +15,6 @@ does, including flags added later: --layout-args adds any for one layout.
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shlex
@@ -25,8 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 # What turns adaptive placement on for `pdd up` (router.mode = adaptive; its
 # colocated workers also prefill for others). A layout without it is static.
@@ -41,11 +38,6 @@ class Layout:
     name: str                                   # as given: "disagg:1p1d"
     up_args: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def slug(self) -> str:
-        """The name as a file name."""
-        return re.sub(r"[^A-Za-z0-9_.-]+", "-", self.name)
 
 
 def parse_layouts(text: str, extra_args: list[str] = (), extra_env: list[str] = ()) -> list[Layout]:
@@ -139,21 +131,6 @@ class UpProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def worker_estimates(self) -> dict[str, dict]:
-        """What the router's placement estimates of each worker now (`pdd admin
-        status`: the fitted step model, queue, leaning), by worker id; empty if
-        the admin socket does not answer."""
-        from pdd.admin.client import call_with_config
-        from pdd.config_loader import load_cluster_config
-
-        try:
-            cfg = load_cluster_config(self.run_dir / "cluster.toml")
-            status = call_with_config(cfg, "status", timeout_s=10.0)
-        except Exception as e:   # a diagnostic: the sweep goes on without it
-            log.warning("no worker estimates from %s: %s", self.run_dir, e)
-            return {}
-        return {w["worker_id"]: w.get("estimate", {}) for w in status.get("workers", [])}
 
     def stop(self) -> int:
         """As Ctrl-C would: the router drains, then the workers stop."""

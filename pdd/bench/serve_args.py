@@ -1,4 +1,4 @@
-"""Arguments of `pdd bench serve` and `pdd bench sweep`, named after
+"""Arguments of `pdd bench serve` (and of benchmarks.sweep), named after
 `vllm bench serve` where it has the flag. Only argparse here: building the CLI
 parser must not import aiohttp, numpy or matplotlib."""
 from __future__ import annotations
@@ -89,25 +89,3 @@ def add_serve_parser(sub, runner) -> None:
     b.add_argument("--result-filename", default=None, help="default: serve-DATASET-RATEqps-TIME.json")
     b.set_defaults(func=runner("serve"))
 
-
-def add_sweep_parser(sub, runner) -> None:
-    b = sub.add_parser("sweep", help="bench serve over request rates, for each pdd up layout")
-    b.add_argument("--layouts", default="colocated:2,disagg:1p1d",
-                   help="comma list: colocated:N, disagg:PpDd, adaptive:N, adaptive:PpDd or threshold:PpDd")
-    b.add_argument("--layout-args", action="append", default=[], metavar="LAYOUT=ARGS",
-                   help="more `pdd up` arguments for one layout, e.g. 'adaptive:2=--some-flag' (repeatable)")
-    b.add_argument("--layout-env", action="append", default=[], metavar="LAYOUT=KEY=VALUE",
-                   help="an environment variable for one layout's cluster, e.g. a PDD_TABLE__KEY override")
-    b.add_argument("--rates", default="4,8,12", help="comma list of request rates (requests/s)")
-    b.add_argument("--until-fail", action="store_true",
-                   help="after --rates, add --rate-step until each layout misses its SLOs for >1%% of requests")
-    b.add_argument("--rate-step", type=float, default=None, help="default: the last gap in --rates")
-    b.add_argument("--max-rate", type=float, default=256.0, help="--until-fail stops here")
-    b.add_argument("--model", dest="checkpoint", default=None,
-                   help="checkpoint for `pdd up` (default: its built-in tiny model); the served name is asked")
-    b.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a cluster to start")
-    add_endpoint_args(b)
-    add_workload_args(b)
-    add_load_args(b)
-    add_report_args(b)
-    b.set_defaults(num_warmups=2, func=runner("sweep"))

@@ -51,7 +51,7 @@ comes from its decode worker — which then holds the prompt's full blocks in
 its prefix cache — and are placed beside it, where they compute only the
 block holding the prompt's last token. The first failing fails them; its client leaving
 drops them; its ending otherwise (a stop string in the first token) places
-them as any request.
+them as any request (who waits on whom: pdd.router.followers).
 
 Counters are exact: `WorkerInfo.inflight` is the number of requests with a
 phase owned by that worker, changed only in `_own`.
@@ -73,6 +73,7 @@ from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import ADMIN, Breakers
 from pdd.router.estimator import Estimator
+from pdd.router.followers import Followers
 from pdd.router.membership import Membership
 from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
                                   transfer_backend)
@@ -122,6 +123,7 @@ class ControlPlane:
         self._timers = Timers()
         self._epochs = itertools.count(1)
         self.num_queued = 0          # requests in flight without a token yet (admission control)
+        self.followers = Followers(self._place_choice)   # n > 1: the choices waiting on their first
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
         self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
                                      step_timeout_s, orphaned=self._orphaned, hung=self._hung)
@@ -205,8 +207,8 @@ class ControlPlane:
                                     first.block_hashes, arrival=first.arrival,
                                     span=span.sibling() if span is not None else None)
             self._hold(follower)
-            first.add_follower(follower)
-        return [first, *first.followers]
+            self.followers.follow(first, follower)
+        return [first, *self.followers.of(first)]
 
     def _hold(self, state: RequestState) -> None:
         """Take a new request in: counted, timed; not placed yet."""
@@ -225,15 +227,13 @@ class ControlPlane:
                                prompt_logits=state.sampling.prompt_logprobs is not None, beside=beside)
         return self._place(request, pair_allowed=lambda p, d: self.breakers.allows(p, d, now))
 
-    def _release_followers(self, state: RequestState, beside: str = "") -> None:
-        """The first choice's prompt is cached on `beside` (or the first choice
-        ended): its waiting choices are placed."""
-        for follower in state.take_followers():
-            plan = self._first_plan(follower, beside)
-            if plan is None:
-                self._fail(follower, "no worker is available")
-            else:
-                self._start(follower, plan)
+    def _place_choice(self, choice: RequestState, beside: str) -> None:
+        """A choice that waited on its first (pdd.router.followers), placed now."""
+        plan = self._first_plan(choice, beside)
+        if plan is None:
+            self._fail(choice, "no worker is available")
+        else:
+            self._start(choice, plan)
 
     def _place(self, request: PlaceRequest, exclude: frozenset[str] = frozenset(), **kw) -> Plan | None:
         workers, layout = self.registry.workers.values(), self.registry.layout
@@ -257,7 +257,7 @@ class ControlPlane:
         if self.requests.get(state.request_id) is not state:
             return
         if reason == "abort":
-            for follower in state.take_followers():
+            for follower in self.followers.take(state):
                 self.abort(follower)
         if not state.finished:
             state.finished, state.finish_reason = True, reason
@@ -323,8 +323,7 @@ class ControlPlane:
                 continue
             if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
                 self._kv_landed(state)
-            if state.followers:     # its decode worker has run the prompt: its cache holds it
-                self._release_followers(state, peer)
+            self.followers.release(state, peer)   # its decode worker has run the prompt: its cache holds it
             event = self._unseen(state, item)
             if event is not None:
                 self._deliver(state, event, now)
@@ -622,7 +621,7 @@ class ControlPlane:
         """`status`: 400 when the request itself is at fault, else 500."""
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
-        for follower in state.take_followers():     # the same request: it fails whole
+        for follower in self.followers.take(state):     # the same request: it fails whole
             self._fail(follower, error, status)
         self._abort_owners(state)
         state.fail(error, status)
@@ -631,7 +630,7 @@ class ControlPlane:
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
         self._mark(state, "end", state.finish_reason or "")
-        state.stop_following()
+        self.followers.forget(state)
         self.breakers.release(state.request_id)
         if not state.output_token_ids:
             self.num_queued -= 1
@@ -644,8 +643,8 @@ class ControlPlane:
         state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
         self.metrics.inflight.dec()
         spans.export(state.span, self.traces.finished(state, self.clock()))
-        if state.followers:      # it ended before its decode worker said a word (a stop string in the first token)
-            self._release_followers(state)
+        # Still waited on: it ended before its decode worker said a word (a stop string in the first token).
+        self.followers.release(state)
 
     def _abort_owners(self, state: RequestState) -> None:
         for wid in state.owners:

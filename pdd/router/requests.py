@@ -103,11 +103,6 @@ class RequestState:
     # bounds `buffered_tokens` (router.max_buffered_tokens).
     events: list = field(default_factory=list)
     buffered_tokens: int = 0            # tokens in `events`
-    # n > 1: the request's other choices, queued (no worker) until this first
-    # choice's decode worker has their shared prompt in its prefix cache; and
-    # such a waiting choice's first one.
-    followers: list[RequestState] = field(default_factory=list, repr=False, compare=False)
-    leader: RequestState | None = field(default=None, repr=False, compare=False)
     # Told of each posted event instead of waking the handler, when set:
     # pdd.http.app's relay, which writes the chunks of every stream with events
     # in one callback per loop iteration (take_now) rather than waking each
@@ -119,25 +114,6 @@ class RequestState:
     @property
     def owners(self) -> tuple[str, ...]:
         return tuple(w for w in (self.decode_worker, self.prefill_worker) if w is not None)
-
-    # n > 1: `followers` and `leader` change only in these three.
-    def add_follower(self, choice: RequestState) -> None:
-        """`choice` waits on this first choice."""
-        choice.leader = self
-        self.followers.append(choice)
-
-    def take_followers(self) -> list[RequestState]:
-        """The choices waiting on this one, waiting no more (to be placed, aborted or failed)."""
-        followers, self.followers = self.followers, []
-        for choice in followers:
-            choice.leader = None
-        return followers
-
-    def stop_following(self) -> None:
-        """A waiting choice that ends before it was placed: its first choice forgets it."""
-        if self.leader is not None:
-            self.leader.followers = [f for f in self.leader.followers if f is not self]
-            self.leader = None
 
     def mark(self, what: str, note: str = "", at: float | None = None) -> None:
         """One event of its timeline, with the current epoch and owners."""

@@ -21,11 +21,13 @@ backend name (the interface is pdd.transfer.base).
     local.py         both engines in one process (tests only)
     connector.py     which pages of which request go out after each layer (prefill engine)
     plan.py          a worker's data plane at its start: backends, the receiver and what it sets aside, the sender
+    injected.py      the data plane's faults (pdd.faults), put in once one is set
 """
 from __future__ import annotations
 
 import torch
 
+from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import KVReceiver, KVSender, TransferResult, TransferTarget
 from pdd.transfer.leases import LeaseTable
@@ -63,8 +65,11 @@ def make_sender(backend: str, layout: KVLayout, security=None, **kw) -> KVSender
     """A sender for `backend`; `kw` go to its constructor (e.g. timeout_s).
     `security` (pdd.security.data_security) for the backends with sockets."""
     if backend == "tcp":
+        from pdd.transfer.injected import hold_pages
         from pdd.transfer.tcp import TcpSender
-        return TcpSender(layout, security=security, **kw)
+        sender = TcpSender(layout, security=security, **kw)
+        faults.when_armed(sender, hold_pages)   # transfer.send_delay_s
+        return sender
     if backend == "local":
         from pdd.transfer.local import LocalSender
         return LocalSender(layout, **kw)
@@ -87,18 +92,23 @@ def make_receiver(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases
     plaintext) applies to the socket; the local backend has none.
     `nixl_landing_bytes`: nixl's landing region beside the pool (0: none;
     pdd.transfer.nixl_landing)."""
+    from pdd.transfer.injected import refuse_pages
+
     if backend in ("tcp", "cuda_ipc", "nixl", "auto"):
         from pdd.transfer.receiver import DataSocket
         controls = []
         if backend == "nixl":
             from pdd.transfer.nixl_control import NixlControl
             controls.append(lambda *pool: NixlControl(*pool, landing_bytes=nixl_landing_bytes))
-        return DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
-                          controls=controls)
-    if backend == "local":
+        receiver = DataSocket(kv_cache, layout, leases, addr or "tcp://127.0.0.1:0", security=security,
+                              controls=controls)
+    elif backend == "local":
         from pdd.transfer.local import LocalReceiver
-        return LocalReceiver(kv_cache, layout, leases, addr or "local://")
-    raise _unknown(backend)
+        receiver = LocalReceiver(kv_cache, layout, leases, addr or "local://")
+    else:
+        raise _unknown(backend)
+    faults.when_armed(receiver.writer, refuse_pages)   # transfer.reject
+    return receiver
 
 
 class MultiSender(KVSender):

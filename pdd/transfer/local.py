@@ -40,8 +40,8 @@ class LocalReceiver(KVReceiver):
         if not addr.startswith(_PREFIX):
             raise ValueError(f"local receiver address must start with {_PREFIX!r}, got {addr!r}")
         self.address = addr if addr != _PREFIX else _PREFIX + uuid.uuid4().hex[:12]
-        self._writer = PageWriter(kv_cache, layout, leases)
-        self.stats = self._writer.stats
+        self.writer = PageWriter(kv_cache, layout, leases)
+        self.stats = self.writer.stats
 
     def start(self) -> None:
         with _registry_lock:
@@ -51,7 +51,7 @@ class LocalReceiver(KVReceiver):
             _registry[self.address] = self
 
     def warm_up(self) -> None:
-        self._writer.warm_up()
+        self.writer.warm_up()
 
     def close(self) -> None:
         with _registry_lock:
@@ -62,7 +62,7 @@ class LocalReceiver(KVReceiver):
         """Check and write one pages message (`pages` None: the done message);
         None if accepted, else the refusal."""
         try:
-            return (self._writer.complete(header) if pages is None else self._writer.accept(header, pages))[1]
+            return (self.writer.complete(header) if pages is None else self.writer.accept(header, pages))[1]
         except Exception as e:  # a bug here must fail the transfer, not the sender's caller
             return f"receiver error: {type(e).__name__}: {e}"
 

@@ -14,11 +14,12 @@ from typing import NamedTuple
 
 import torch
 
+from pdd import faults
 from pdd.config import WorkerConfig
 from pdd.kv.layout import KVLayout
 from pdd.transfer import MultiSender, make_receiver, make_sender, offered_backends
 from pdd.transfer.base import KVReceiver
-from pdd.transfer.injected import FaultInjectingSender
+from pdd.transfer.injected import inject_transfer_faults
 from pdd.transfer.leases import LeaseTable
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 from pdd.transfer.nixl_landing import landing_size
@@ -66,11 +67,13 @@ def open_receiver(plan: ReceiverPlan, kv_cache: torch.Tensor, layout: KVLayout, 
 def open_sender(backends: list[str], wc: WorkerConfig, layout: KVLayout, device: torch.device,
                 security=None) -> MultiSender:
     """A prefill worker's sender: one per backend it offers, each as wc sets
-    it, with the transfer faults in it (pdd.transfer.injected)."""
+    it, with the transfer faults in it once one is set (pdd.transfer.injected)."""
     ipc = {"device": device, "layer_group": wc.ipc_layers_per_copy}
-    return FaultInjectingSender({b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
-                                       **(ipc if b == "cuda_ipc" else {}))
-                        for b in backends})
+    sender = MultiSender({b: make_sender(b, layout, security=security, timeout_s=wc.transfer_timeout_s,
+                                         **(ipc if b == "cuda_ipc" else {}))
+                          for b in backends})
+    faults.when_armed(sender, inject_transfer_faults)
+    return sender
 
 
 def receiver_counts(receiver: KVReceiver, leases: LeaseTable) -> dict:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from pdd import faults, ops
+from pdd import ops
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, KVReceiver, ReceiverStats
 from pdd.transfer.ipc import IpcControl
@@ -86,10 +86,8 @@ class PageWriter:
         except WireError as e:
             return None, self.reject(f"malformed header: {e}")
         err = self._check(header, payload)
-        if err is None and faults.get("transfer.reject"):
-            err = "refused by fault injection (PDD_FAULTS transfer.reject)"
         if err is None:
-            err = self._write(header, payload)
+            err = self.write(header, payload)
         if err is not None:
             return header, self.reject(err)
         self.stats.messages += 1
@@ -148,7 +146,9 @@ class PageWriter:
             return f"payload is {memoryview(payload).nbytes} bytes, header implies {expected}"
         return None
 
-    def _write(self, h: dict, payload) -> str | None:
+    def write(self, h: dict, payload) -> str | None:
+        """Pages that passed the checks, written under their lease; why not, or
+        None. pdd.transfer.injected wraps it once a fault is set (transfer.reject)."""
         dst = h["dst_block_ids"]
         pages = payload if isinstance(payload, torch.Tensor) else \
             bytes_to_tensor(payload, self.kv_cache.dtype, h["shape"])
@@ -219,8 +219,8 @@ class DataSocket(KVReceiver):
                  addr: str = "tcp://127.0.0.1:0", security=None, controls: Sequence[ControlFactory] = ()):
         self._bind_addr = addr
         self.security = security
-        self._writer = PageWriter(kv_cache, layout, leases)
-        self.stats = self._writer.stats
+        self.writer = PageWriter(kv_cache, layout, leases)
+        self.stats = self.writer.stats
         self.ipc = IpcControl(kv_cache, layout, leases, self.stats)
         self._controls: dict[str, OneSidedControl] = {"ipc": self.ipc}
         for make in controls:
@@ -243,7 +243,7 @@ class DataSocket(KVReceiver):
             raise ValueError(f"kv receiver cannot bind {self._bind_addr}: {self._start_error}")
 
     def warm_up(self) -> None:
-        self._writer.warm_up()
+        self.writer.warm_up()
         for control in self._controls.values():
             control.warm_up()
 
@@ -311,7 +311,7 @@ class DataSocket(KVReceiver):
             header, err = self._accept(body)
         except Exception as e:  # e.g. a scatter failing: refuse, keep serving
             log.exception("kv receiver: write failed")
-            header, err = None, self._writer.reject(f"receiver error: {type(e).__name__}: {e}")
+            header, err = None, self.writer.reject(f"receiver error: {type(e).__name__}: {e}")
         if header is not None:
             rid, seq = header["request_id"], header["seq"]
         else:
@@ -320,10 +320,10 @@ class DataSocket(KVReceiver):
 
     def _accept(self, body: list[zmq.Frame]) -> tuple[dict | None, str | None]:
         if len(body) == 2:
-            return self._writer.accept(body[0].buffer, body[1].buffer)
+            return self.writer.accept(body[0].buffer, body[1].buffer)
         if len(body) == 1:
-            return self._writer.complete(body[0].buffer)
-        return None, self._writer.reject(f"malformed message: {len(body)} frames, expected 2 (pages) "
+            return self.writer.complete(body[0].buffer)
+        return None, self.writer.reject(f"malformed message: {len(body)} frames, expected 2 (pages) "
                                          "or 1 (done, control)")
 
     @staticmethod

@@ -13,7 +13,8 @@ A request whose messages go unacknowledged for `timeout_s` after its last
 progress fails (pdd.transfer.progress.Progress: the clock runs only while a
 message awaits its ack, and each ack restarts it, so a slow but moving
 transfer goes on). The I/O thread keeps that clock, so it must not block:
-an injected send delay holds the message, not the thread. With
+an injected send delay (pdd.transfer.injected) holds the message, not the
+thread. With
 `security`, each DEALER is a CURVE client of the key the decode worker
 registered: a handshake that fails (wrong or unauthorized key) fails that
 destination's requests at once, with the reason, instead of by a timeout.
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdd import faults
 from pdd.kv.layout import KVLayout
 from pdd.transfer.base import Handoff, TransferTarget
 from pdd.transfer.dest import HANDSHAKE_FAILED, Dest, DestKey, Outgoing, handshake_refused
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Msg(Outgoing):
+class TcpMessage(Outgoing):
     """One message of a request's stream (a layer's pages, or the done), from
     send_layer()/finish() to its ack."""
 
@@ -47,15 +47,13 @@ class _Msg(Outgoing):
     dst: list[int]
     staged: Staged | None   # the pages (None: the done message); referenced until acked: zmq sends from it
     t_enq: float
-    not_before: float | None = None   # set once at the head of its queue (the injected send delay)
+    landed: bool = False    # its pages are in host memory (waited for once, at the head of its queue)
 
     def ready(self) -> float | None:
-        if self.staged is None:
-            return None
-        if self.not_before is None:
+        if self.staged is not None and not self.landed:
             self.staged.wait()  # CUDA: the device->host copy must have landed
-            self.not_before = time.perf_counter() + faults.get("transfer.send_delay_s")
-        return self.not_before if time.perf_counter() < self.not_before else None
+            self.landed = True
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +66,7 @@ class _Req:
     progress: Progress
     target: TransferTarget
     next_seq: int = 0
-    outstanding: dict[int, _Msg] = field(default_factory=dict)  # seq order = send order
+    outstanding: dict[int, TcpMessage] = field(default_factory=dict)  # seq order = send order
     finished: bool = False
     blocks_skipped: int = 0
 
@@ -78,6 +76,7 @@ class TcpSender(RequestTable, IoSender):
     thread_name = "kv-tcp-sender"
     decode_answer = staticmethod(decode_ack)
     request_class = _Req
+    message_class = TcpMessage   # pdd.transfer.injected's holds pages back once a fault is set
 
     def __init__(self, layout: KVLayout, timeout_s: float = 30.0, security=None):
         self._reqs: dict[str, _Req] = {}
@@ -129,9 +128,9 @@ class TcpSender(RequestTable, IoSender):
         header = encode_pages_header(request_id=rid, lease_id=target.lease_id, layer=layer, dst_block_ids=dst,
                                      dtype=staged.pages.dtype, shape=list(staged.pages.shape),
                                      layout=self.layout_dict, seq=req.next_seq)
-        self._send(req, _Msg(rid, [header, tensor_bytes(staged.pages)], req.next_seq, dst, staged, t_enq))
+        self._send(req, self.message_class(rid, [header, tensor_bytes(staged.pages)], req.next_seq, dst, staged, t_enq))
 
-    def _send(self, req: _Req, msg: _Msg) -> None:
+    def _send(self, req: _Req, msg: TcpMessage) -> None:
         req.next_seq += 1
         req.outstanding[msg.seq] = msg
         req.progress.owe(msg.t_enq)
@@ -143,7 +142,7 @@ class TcpSender(RequestTable, IoSender):
         # that each of them was written.
         done = encode_done(request_id=rid, lease_id=req.target.lease_id, seq=req.next_seq,
                            handoff=handoff.to_dict() if handoff is not None else None)
-        self._send(req, _Msg(rid, [done], req.next_seq, [], None, time.perf_counter()))
+        self._send(req, self.message_class(rid, [done], req.next_seq, [], None, time.perf_counter()))
 
     def _on_answer(self, dest: Dest, ack: dict) -> None:
         req = self._reqs.get(ack["request_id"])

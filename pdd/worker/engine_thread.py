@@ -46,6 +46,7 @@ from pdd.protocol import messages as m
 from pdd.security import data_security
 from pdd.transfer.plan import receiver_plan, set_aside
 from pdd.worker.disagg import DecodeSide, PrefillSide, admit, step_messages
+from pdd.worker.injected import inject_step_faults
 from pdd.worker.records import PlacementTable, engine_id
 from pdd.worker.stats import EngineSnapshot, EngineStats
 
@@ -127,6 +128,9 @@ class EngineThread(threading.Thread):
         self.prefill_side: PrefillSide | None = None
         self.placements: PlacementTable | None = None   # made with the engine
         self.stats = EngineStats()
+        # One engine step: the seam pdd.worker.injected wraps once a fault is set.
+        self.run_step = self._run_step
+        faults.when_armed(self, inject_step_faults)
 
     # ------------------------------------------------------------ any thread
 
@@ -339,15 +343,13 @@ class EngineThread(threading.Thread):
         return [m.RequestFailed(self.worker_id, msg.request_id, msg.epoch,
                                 f"the worker failed to apply {msg.TYPE}: {type(e).__name__}: {e}")]
 
+    def _run_step(self) -> list:
+        self.step_started_at = time.monotonic()   # cleared by _step once it ended
+        return self.engine.step()
+
     def _step(self) -> None:
-        delay = faults.get(f"{self.role}.step_delay_s")
-        if delay:
-            time.sleep(delay)
-        self.step_started_at = time.monotonic()
-        faults.hang(self.role, self.stats.steps_completed)   # injected: blocks while heartbeats go on
-        faults.hold_interpreter(self.role)                   # injected: blocks the heartbeats too
         try:
-            outputs = self.engine.step()
+            outputs = self.run_step()
         except Exception as e:
             self._replies += self._step_failed(e)
             return

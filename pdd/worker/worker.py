@@ -42,6 +42,7 @@ from pdd.worker.links import Outgoing, RouterLink, into_namespace, make_links
 from pdd.security import control_security, worker_public_key
 from pdd.transfer.ipc import host_id
 from pdd.worker.engine_thread import EngineInfo, EngineThread
+from pdd.worker.injected import drop_reserves
 from pdd.worker.stats import HeartbeatReader
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class Worker:
         self.exit_code = 0
         self.info: EngineInfo | None = None
         self.engine_thread: EngineThread | None = None
+        # A router's command for the engine: the seam pdd.worker.injected wraps once a fault is set.
+        self.to_engine = self._to_engine
+        faults.when_armed(self, drop_reserves)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,10 +233,8 @@ class Worker:
         while True:
             msg = await link.chan.recv()
             self._heard(link)
-            if isinstance(msg, m.Reserve) and faults.should_fail("reserve"):
-                log.warning("fault injection (reserve.drop_rate): dropped the Reserve of %s", msg.request_id)
-            elif isinstance(msg, ENGINE_COMMANDS):
-                self.engine_thread.submit(into_namespace(link, msg))
+            if isinstance(msg, ENGINE_COMMANDS):
+                self.to_engine(link, msg)
             elif isinstance(msg, m.HeartbeatAck):
                 pass   # its arrival is what counts (_heard)
             elif isinstance(msg, m.RegisterReply):
@@ -256,6 +258,9 @@ class Worker:
                 self.begin_drain() if msg.drain else self.stopping.set()
             else:
                 log.warning("worker: ignoring unexpected %s message", msg.TYPE)
+
+    def _to_engine(self, link: RouterLink, msg: m.Message) -> None:
+        self.engine_thread.submit(into_namespace(link, msg))
 
     def _forget(self, link: RouterLink) -> None:
         """Drop what `link`'s router placed here, and every message about it not

@@ -1,4 +1,4 @@
-"""`pdd bench serve` and `pdd bench sweep` against real `pdd up` clusters of
+"""`pdd bench serve` and `python -m benchmarks.sweep` against real `pdd up` clusters of
 the tiny random-weight model (CPU, loopback): few prompts, small lengths."""
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from benchmarks import sweep
+from benchmarks.cli import run
 from pdd.bench.workloads import WorkloadConfig, build_workload
 from pdd.cli import main
 from tests.e2e.cluster import UpCluster
@@ -53,7 +55,7 @@ def test_multi_turn_chat(cluster, tmp_path):
 
 
 def test_sweep_of_one_layout(tiny_model, tmp_path):
-    assert main(["bench", "sweep", "--model", str(tiny_model), "--layouts", "colocated:1", "--rates", "5,10",
+    assert run(sweep, ["--model", str(tiny_model), "--layouts", "colocated:1", "--rates", "5,10",
                  "--num-prompts", "4", "--input-len", "8:16", "--output-len", "4", "--goodput", "ttft:600000",
                  "--num-warmups", "1", "--ready-timeout", "150", "--result-dir", str(tmp_path),
                  "--disable-tqdm"]) == 0

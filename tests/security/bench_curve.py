@@ -81,8 +81,8 @@ async def _bus(cfg, messages: int, pings: int) -> dict:
 def _transfer(cfg, sizes: str, repeats: int) -> dict:
     """The cipher's cost on the data plane's bytes: raw ZeroMQ, each size as 32
     acked messages (the tcp backend's pattern), with `cfg`'s data-plane keys or
-    none. (`pdd bench transfer` itself runs without keys.)"""
-    from pdd.bench import transfer
+    none. (`python -m benchmarks.transfer` itself runs without keys.)"""
+    from benchmarks import transfer
 
     sec = data_security(cfg)
     out = {}

@@ -1,6 +1,6 @@
 """KV page transfer of one request, backend by backend, as the data plane sends it.
 
-    pdd bench transfer [--backends nixl,cuda_ipc,tcp,local] [--tokens 16384,...] [--shape 8b|tiny]
+    python -m benchmarks.transfer [--backends nixl,cuda_ipc,tcp,local] [--tokens 16384,...] [--shape 8b|tiny]
                        [--device cpu|cuda[:N]] [--peer-device cuda:M] [--ucx-tls TLS]
                        [--blocks scattered|contiguous|descending|shuffled] [--nixl-landing on|off] [--repeats 5]
                        [--receiver-thread] [--sizes MiB,... --zmq-ceilings] [--json FILE]
@@ -61,14 +61,57 @@ import time
 import torch
 import zmq
 
-from pdd.bench.commands import write_json
-from pdd.bench.decode_side import LocalDecode, RemoteDecode, make_pool
+from benchmarks.cli import run_as_main
+from benchmarks.decode_side import LocalDecode, RemoteDecode, make_pool
+from pdd.bench.commands import add_json_arg, write_json
 from pdd.kv.layout import KVLayout
 from pdd.transfer import make_sender
 from pdd.transfer.base import TransferTarget
 
 MiB = 2**20
 BACKENDS = ("nixl", "cuda_ipc", "tcp", "local")
+
+
+def add_args(p) -> None:
+    p.add_argument("--backends", "--backend", default="auto",
+                   help="comma list of nixl, cuda_ipc (GPU), tcp, local (both ends in this process, no socket: "
+                        "on a GPU the copy ceiling); auto: every one that runs here")
+    p.add_argument("--tokens", default="16384", help="comma list: tokens of the request")
+    p.add_argument("--sizes", default=None, help="comma list: MiB of pages per request, instead of --tokens")
+    add_kv_shape_args(p)
+    p.add_argument("--device", default="cpu", help="where the source pool lives: cpu, cuda, cuda:N")
+    p.add_argument("--peer-device", default=None, help="where the decode pool lives (default: --device)")
+    p.add_argument("--ucx-tls", default=None,
+                   help="UCX_TLS for both ends of nixl (e.g. tcp: UCX over the same loopback as the tcp backend; "
+                        "default: the environment's, else UCX's choice)")
+    p.add_argument("--blocks", default="scattered", choices=["scattered", "contiguous", "descending", "shuffled"],
+                   help="destination blocks: scattered (no two neighbours in the pool, as after a long churn), "
+                        "contiguous (ascending ids), descending or shuffled (one range of the pool, in the "
+                        "order a pool that served requests hands it out)")
+    p.add_argument("--contiguous", action="store_const", const="contiguous", dest="blocks",
+                   help="the same as --blocks contiguous")
+    p.add_argument("--nixl-landing", default="on", choices=["on", "off"],
+                   help="nixl: the decode side's landing region (on: a layer's pages land contiguously, two "
+                        "descriptors, and are copied into the blocks there; off: written straight into the "
+                        "blocks, two descriptors per run of neighbouring blocks)")
+    p.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
+    p.add_argument("--receiver-thread", action="store_true",
+                   help="the decode side in a thread of this process instead of its own (not for cuda_ipc)")
+    p.add_argument("--zmq-ceilings", action="store_true",
+                   help="also time plain ZeroMQ on the same loopback (tcp rows): one buffer, and N acked messages")
+    add_json_arg(p)
+
+
+def add_kv_shape_args(p) -> None:
+    """The KV layout pages move in (kv_layout): a named shape, any dimension overridden."""
+    p.add_argument("--shape", default="8b", choices=["8b", "tiny"],
+                   help="KV shape: 8b = Llama-3.1-8B (32 layers x 8 KV heads x 128, bf16); tiny = the built-in "
+                        "model (4 x 2 x 32, float32 as on a CPU worker)")
+    p.add_argument("--layers", type=int, default=None, help="instead of the shape's")
+    p.add_argument("--kv-heads", type=int, default=None, help="instead of the shape's")
+    p.add_argument("--head-dim", type=int, default=None, help="instead of the shape's")
+    p.add_argument("--dtype", default=None, help="instead of the shape's")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
 def _shape(name: str) -> tuple[int, int, int, str]:
@@ -362,3 +405,7 @@ def _report(results: dict, layout: KVLayout) -> str:
                  "cuda_ipc: commit; local: synchronous); send_layer ms: engine-thread time; "
                  "descs: NIXL descriptors one request named.")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

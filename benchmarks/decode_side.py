@@ -1,5 +1,5 @@
-"""The decode end of the transfer benchmarks (`pdd bench transfer`, `pdd bench
-ipc`): a KV pool, its lease table and a receiver, in a process of its own as a
+"""The decode end of the transfer benchmarks (benchmarks.transfer,
+benchmarks.ipc): a KV pool, its lease table and a receiver, in a process of its own as a
 decode worker runs it, or in this process (the local backend; a thread for the
 others).
 

@@ -5,14 +5,14 @@ import pytest
 
 from pdd.bench import layouts
 from pdd.bench.layouts import parse_layouts
-from pdd.bench.sweep import SweepPoint, climb, highest_passing, markdown, parse_rates
+from benchmarks.sweep import SweepPoint, climb, highest_passing, markdown, parse_rates, slug
 
 
 def test_layouts_become_pdd_up_arguments():
     colo, dis = parse_layouts("colocated:2, disagg:1p3d")
     assert colo.up_args == ("--mode", "colocated", "--workers", "2") and colo.env == {}
     assert dis.up_args == ("--mode", "disagg", "--prefill", "1", "--decode", "3")
-    assert dis.slug == "disagg-1p3d"
+    assert slug(dis) == "disagg-1p3d"
     (lay,) = parse_layouts("colocated:1", ["colocated:1=--config conf/colocated.toml"],
                            ["colocated:1=PDD_ENGINE__MAX_NUM_SEQS=8"])
     assert lay.up_args[-2:] == ("--config", "conf/colocated.toml")
@@ -84,7 +84,7 @@ def test_report_table():
 def test_sweep_plot_is_written(tmp_path):
     from dataclasses import asdict
 
-    from pdd.bench.plots import sweep_lines
+    from benchmarks.sweep import sweep_lines
     pts = [asdict(point(4, 1.0)), asdict(point(8, None)), asdict(point(4, 1.0, "disagg:1p1d"))]
     pts[1]["goodput"] = None   # no SLOs given: that panel has a gap, not an error
     path = sweep_lines(pts, tmp_path / "s.png", "title")
@@ -95,7 +95,7 @@ def test_placement_counts_read_the_routers_metrics():
     import http.server
     import threading
 
-    from pdd.bench.sweep import placement_counts
+    from benchmarks.sweep import placement_counts
 
     text = ('# HELP pdd_placement_total Placement decisions\n# TYPE pdd_placement_total counter\n'
             'pdd_placement_total{kind="disagg",reason="cost"} 12.0\n'

@@ -1,4 +1,4 @@
-"""`pdd bench transfer` as a user runs it: a small request of the tiny KV shape
+"""`python -m benchmarks.transfer` as a user runs it: a small request of the tiny KV shape
 through every backend that runs on the CPU (the decode side a process of its
 own), a row of figures for each, the pages checked; bad arguments refused with
 an error that names them (before anything starts)."""
@@ -11,14 +11,15 @@ import sys
 
 import pytest
 
-from pdd import cli
+from benchmarks import transfer
+from benchmarks.cli import run
 from pdd.transfer.nixl_agent import unavailable as nixl_unavailable
 
 NIXL = nixl_unavailable() is None
 
 
 def bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdd.cli", "bench", "transfer", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "benchmarks.transfer", *args], capture_output=True,
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -95,5 +96,5 @@ def test_block_orders_name_the_descriptors_a_pool_of_that_shape_costs(tmp_path):
     (["--repeats", "0"], "--repeats"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says, capsys):
-    assert cli.main(["bench", "transfer", "--shape", "tiny", "--tokens", "64", *args]) == 2
+    assert run(transfer, ["--shape", "tiny", "--tokens", "64", *args]) == 2
     assert says in capsys.readouterr().err

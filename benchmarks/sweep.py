@@ -1,7 +1,7 @@
-"""`pdd bench sweep`: `bench serve` at each request rate, for each cluster
+"""`pdd bench serve` at each request rate, for each cluster
 layout, into one report.
 
-    pdd bench sweep --layouts colocated:2,disagg:1p1d --rates 4,8,12 \\
+    python -m benchmarks.sweep --layouts colocated:2,disagg:1p1d --rates 4,8,12 \\
         --dataset mixed --num-prompts 200 --goodput ttft:500 tpot:50 --result-dir sweep/
 
 For each layout: `pdd up` (layouts.py), warm-up requests, `bench serve` at every
@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdd.bench.gaps import anatomy
+from benchmarks.cli import run_as_main
+from benchmarks.gaps import anatomy
 from pdd.bench.layouts import Layout, UpProcess, parse_layouts
 from pdd.bench.scrape import metric_lines
+from pdd.bench.serve_args import add_endpoint_args, add_load_args, add_report_args, add_workload_args
 from pdd.bench.serve import ServeConfig, ServeResult, command_line, config_from_args, run, save, summary
 from pdd.model.tokenizer import servable_copy
+
+log = logging.getLogger(__name__)
 
 PASS_FRACTION = 0.99    # a rate is met when at least this share of its requests meet every SLO
 
@@ -46,7 +51,7 @@ class SweepPoint:
     slo_attainment: float | None
     result_file: str = ""
     placements: dict[str, int] = dataclasses.field(default_factory=dict)   # "kind/reason" -> decisions at this rate
-    # First gaps (hand-overs) vs later ones, and the ITL tail's share of each (pdd.bench.gaps)
+    # First gaps (hand-overs) vs later ones, and the ITL tail's share of each (benchmarks.gaps)
     gaps: dict = dataclasses.field(default_factory=dict)
     # What placement estimated of each worker at the rate's end (fitted step model, leaning)
     estimates: dict = dataclasses.field(default_factory=dict)
@@ -137,10 +142,10 @@ def _sweep_layout(layout: Layout, up: UpProcess, base: ServeConfig, args, out: P
         result = run(dataclasses.replace(cfg, workload=workload, load=dataclasses.replace(cfg.load, request_rate=rate)))
         cfg = dataclasses.replace(result.config, num_warmups=0)   # warm once per cluster; the model name is known
         runs += 1
-        path = save(result, out / layout.slug, f"rate-{rate:g}.json", plots=False)
+        path = save(result, out / slug(layout), f"rate-{rate:g}.json", plots=False)
         placed = _since(placement_counts(url), placed_before)
         point = SweepPoint.of(layout.name, rate, result, path, placed)
-        point.estimates = up.worker_estimates()
+        point.estimates = worker_estimates(up)
         g = point.gaps
         print(f"\n[{layout.name} at {rate:g} req/s]\n{summary(result)}" + (f"\nplacements: {placed}" if placed else "")
               + f"\nfirst gaps p50/p90/max {g['first_median_ms']}/{g['first_p90_ms']}/{g['first_max_ms']} ms, "
@@ -151,6 +156,49 @@ def _sweep_layout(layout: Layout, up: UpProcess, base: ServeConfig, args, out: P
     rates = parse_rates(args.rates)
     step = args.rate_step or (rates[-1] - rates[-2] if len(rates) > 1 else rates[-1])
     return climb(rates, run_at, args.until_fail, step, args.max_rate)
+
+
+def slug(layout: Layout) -> str:
+    """The layout's name as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", layout.name)
+
+
+def worker_estimates(up: UpProcess) -> dict[str, dict]:
+    """What the router's placement estimates of each worker now (`pdd admin
+    status`: the fitted step model, queue, leaning), by worker id; empty if
+    the admin socket does not answer."""
+    from pdd.admin.client import call_with_config
+    from pdd.config_loader import load_cluster_config
+
+    try:
+        cfg = load_cluster_config(up.run_dir / "cluster.toml")
+        status = call_with_config(cfg, "status", timeout_s=10.0)
+    except Exception as e:   # a diagnostic: the sweep goes on without it
+        log.warning("no worker estimates from %s: %s", up.run_dir, e)
+        return {}
+    return {w["worker_id"]: w.get("estimate", {}) for w in status.get("workers", [])}
+
+
+def add_args(p) -> None:
+    p.add_argument("--layouts", default="colocated:2,disagg:1p1d",
+                   help="comma list: colocated:N, disagg:PpDd, adaptive:N, adaptive:PpDd or threshold:PpDd")
+    p.add_argument("--layout-args", action="append", default=[], metavar="LAYOUT=ARGS",
+                   help="more `pdd up` arguments for one layout, e.g. 'adaptive:2=--some-flag' (repeatable)")
+    p.add_argument("--layout-env", action="append", default=[], metavar="LAYOUT=KEY=VALUE",
+                   help="an environment variable for one layout's cluster, e.g. a PDD_TABLE__KEY override")
+    p.add_argument("--rates", default="4,8,12", help="comma list of request rates (requests/s)")
+    p.add_argument("--until-fail", action="store_true",
+                   help="after --rates, add --rate-step until each layout misses its SLOs for >1%% of requests")
+    p.add_argument("--rate-step", type=float, default=None, help="default: the last gap in --rates")
+    p.add_argument("--max-rate", type=float, default=256.0, help="--until-fail stops here")
+    p.add_argument("--model", dest="checkpoint", default=None,
+                   help="checkpoint for `pdd up` (default: its built-in tiny model); the served name is asked")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a cluster to start")
+    add_endpoint_args(p)
+    add_workload_args(p)
+    add_load_args(p)
+    add_report_args(p)
+    p.set_defaults(num_warmups=2)
 
 
 def main(args) -> int:
@@ -165,7 +213,7 @@ def main(args) -> int:
     checkpoint = args.checkpoint and str(servable_copy(args.checkpoint, out / "model"))
     points: list[SweepPoint] = []
     for layout in layouts:
-        up = UpProcess(layout, out / layout.slug, checkpoint, args.api_key, args.ready_timeout)
+        up = UpProcess(layout, out / slug(layout), checkpoint, args.api_key, args.ready_timeout)
         with up:
             points += _sweep_layout(layout, up, base, args, out)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(), "config": base.to_json(),
@@ -178,8 +226,35 @@ def main(args) -> int:
     table = markdown(points, base.slos_ms)
     (out / "sweep.md").write_text(table)
     if not args.no_plots:
-        from pdd.bench.plots import sweep_lines
         names = ", ".join(lo.name for lo in layouts)
         sweep_lines(report["points"], out / "sweep.png", f"{base.workload.dataset}: {names}")
     print("\n" + table + f"\nreport: {out / 'sweep.md'}, {out / 'sweep.json'}")
     return 0
+
+
+def sweep_lines(points: list[dict], path: Path, title: str) -> Path:
+    """p99 TTFT, p99 ITL and goodput against the request rate, one line per layout.
+    `points`: dicts with layout, rate, ttft_p99_ms, itl_p99_ms, goodput."""
+    from pdd.bench.plots import pyplot
+
+    plt = pyplot()
+    panels = (("ttft_p99_ms", "p99 TTFT (ms)"), ("itl_p99_ms", "p99 ITL (ms)"), ("goodput", "goodput (req/s)"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    layouts = list(dict.fromkeys(p["layout"] for p in points))
+    for ax, (key, label) in zip(axes, panels):
+        for layout in layouts:
+            xy = sorted((p["rate"], p[key]) for p in points if p["layout"] == layout and p[key] is not None)
+            if xy:
+                ax.plot(*zip(*xy), marker="o", label=layout)
+        ax.set(xlabel="request rate (req/s)", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

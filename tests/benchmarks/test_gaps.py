@@ -1,8 +1,9 @@
-"""`pdd bench gaps` on constructed request records: which gaps are first gaps, and the tail's share."""
+"""`python -m benchmarks.gaps` on constructed request records: which gaps are first gaps, and the tail's share."""
 import json
 
-from pdd.bench.gaps import anatomy
-from pdd.cli import main as cli_main
+from benchmarks import gaps
+from benchmarks.cli import run
+from benchmarks.gaps import anatomy
 
 
 def _record(itl_ms, success=True):
@@ -35,7 +36,7 @@ def test_no_samples_gives_empty_figures():
 def test_the_cli_reads_saved_results(tmp_path, capsys):
     path = tmp_path / "rate-12.json"
     path.write_text(json.dumps({"requests": [_record([30.0, 10.0, 10.0])]}))
-    assert cli_main(["bench", "gaps", str(path), "--json"]) == 0
+    assert run(gaps, [str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[str(path)]["first_median_ms"] == 30.0
     assert out[str(path)]["later_median_ms"] == 10.0

@@ -1,4 +1,4 @@
-"""Where a run's token-gap tail comes from: `pdd bench gaps rate-12.json ...` reads the
+"""Where a run's token-gap tail comes from: `python -m benchmarks.gaps rate-12.json ...` reads the
 per-request records `pdd bench serve` saves and splits the ITL samples into each
 request's first gap (first token -> second: in a disaggregated request, the hand-over
 from the prefill worker to the decode worker) and the later ones (decode steps), and
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from benchmarks.cli import run_as_main
 from pdd.bench.metrics_calc import latency_stats
 
 
@@ -47,7 +48,14 @@ def anatomy(records: list[dict]) -> GapAnatomy:
                       tail_gaps=len(tail), tail_first_share=round(tail_first / len(tail), 3) if tail else None)
 
 
+def add_args(p) -> None:
+    p.add_argument("files", nargs="*", help="result JSON files written by `pdd bench serve` or benchmarks.sweep")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+
+
 def main(args) -> int:
+    if not args.files:
+        raise ValueError("no result files: name the JSON files `pdd bench serve` wrote")
     rows = []
     for path in args.files:
         with open(path) as f:
@@ -64,3 +72,7 @@ def main(args) -> int:
         print(f"| {path} | {a.requests} | {a.itl_p99_ms} | {a.first_median_ms} / {a.first_p90_ms} / "
               f"{a.first_max_ms} | {a.later_median_ms} / {a.later_p99_ms} | {a.tail_gaps} | {share} |")
     return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)

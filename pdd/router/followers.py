@@ -1,0 +1,59 @@
+"""n > 1: the choices of a request that wait on its first choice.
+
+The first choice is placed as any request; the others are held on no worker
+until its decode worker has the shared prompt in its prefix cache (its first
+TokenBatch), and are then placed beside it. pdd.router.control says when
+(`release` at that batch, or when the first choice ends before it; `take`
+when the first choice fails or its client leaves, so that they go with it);
+this table is only who waits on whom, so the state machine reads as one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdd.router.requests import RequestState
+
+# Places one waiting choice, `beside` the worker that caches its prompt ("": anywhere).
+Place = Callable[[RequestState, str], None]
+
+
+class Followers:
+    def __init__(self, place: Place):
+        self._place = place
+        # Keyed by request id: an id is in flight at most once (ControlPlane.submit suffixes a repeat).
+        self._waiting: dict[str, list[RequestState]] = {}   # first choice's id -> the choices waiting on it
+        self._first: dict[str, RequestState] = {}           # a waiting choice's id -> its first choice
+
+    def follow(self, first: RequestState, choice: RequestState) -> None:
+        """`choice` waits on `first`."""
+        self._first[choice.request_id] = first
+        self._waiting.setdefault(first.request_id, []).append(choice)
+
+    def of(self, first: RequestState) -> list[RequestState]:
+        """The choices waiting on `first` now."""
+        return list(self._waiting.get(first.request_id, ()))
+
+    def take(self, first: RequestState) -> list[RequestState]:
+        """The choices waiting on `first`, waiting no more (to be aborted or failed with it)."""
+        choices = self._waiting.pop(first.request_id, [])
+        for choice in choices:
+            del self._first[choice.request_id]
+        return choices
+
+    def release(self, first: RequestState, beside: str = "") -> None:
+        """`first`'s prompt is cached on `beside` (or `first` ended): its waiting
+        choices are placed. Called for every batch of tokens: one lookup when
+        none waits."""
+        if first.request_id in self._waiting:
+            for choice in self.take(first):
+                self._place(choice, beside)
+
+    def forget(self, choice: RequestState) -> None:
+        """A request ends: if it was a waiting choice, its first choice forgets it."""
+        first = self._first.pop(choice.request_id, None)
+        if first is not None:
+            rest = [c for c in self._waiting[first.request_id] if c is not choice]
+            if rest:
+                self._waiting[first.request_id] = rest
+            else:
+                del self._waiting[first.request_id]
