@@ -72,6 +72,7 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     from pdd.admin.server import AdminServer
     from pdd.http.app import build_app, serve_http
     from pdd.model.tokenizer import Tokenizer
+    from pdd.router import heap
     from pdd.router.router import Router
     from pdd.security import admin_security
 
@@ -86,6 +87,7 @@ async def run_router(cfg: ClusterConfig, model_dir: Path, model: ModelConfig) ->
     app = build_app(router, tokenizer, router.served_names, eos_token_ids,
                     model_root=cfg.model_root(model_dir))
     runner = await serve_http(app, cfg.router.host, cfg.router.port)
+    heap.settle_for_serving()
     url = f"http://{cfg.router.host}:{cfg.router.port}"
     own = cfg.router.own_http_port
     log.info("router listening on %s%s", url,

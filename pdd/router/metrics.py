@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pdd import __version__, build_info, security, tracing
+from pdd.router import heap
 from pdd.router.breaker import CAUSES, PATH, STATE_VALUE
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -64,6 +65,7 @@ class RouterMetrics:
         self.streamed_tokens = 0
         r.register(_ReadCounter("pdd_generation_tokens", "Tokens streamed to clients",
                                 lambda: self.streamed_tokens))
+        r.register(_CollectorTime())
         self.cached_tokens = Counter("pdd_prompt_cached_tokens", "Prompt tokens served from prefix caches",
                                      registry=r)
         self.migrations = Counter("pdd_request_migrations", "Requests re-admitted after a worker loss",
@@ -243,6 +245,17 @@ class _ReadCounter:
 
     def collect(self):
         return [CounterMetricFamily(self.name, self.documentation, value=self.read())]
+
+
+class _CollectorTime:
+    """The garbage collector's time in this process since the router started (pdd.router.heap)."""
+
+    def collect(self):
+        seconds = CounterMetricFamily("pdd_router_gc_seconds", "Time in garbage collection, by generation",
+                                      labels=["generation"])
+        for generation, value in enumerate(heap.CLOCK.seconds):
+            seconds.add_metric([str(generation)], value)
+        return [seconds]
 
 
 class _LoopSeries:
