@@ -39,9 +39,10 @@ class CostModelConstants:
     prior_cuda_ipc_bytes_s: float = 3e11   # docs/design.md's measured cross-process IPC copy, rounded down
     prior_tcp_bytes_s: float = 1e9         # a conservative loopback figure
     prior_local_bytes_s: float = 1e10      # two engines of one process (tests)
-    # Host KV tier -> GPU (pdd.kv.tier), pinned over PCIe Gen5 x16 (64 GB/s a
-    # way): under half of it, until docs/benchmarks.md's H200 run says better.
-    host_load_bytes_s: float = 2.5e10
+    # Host KV tier -> GPU (pdd.kv.tier): the tier's batched block copies of an
+    # 8k-token Llama-3.1-8B conversation measured 46.8 GB/s on the H200 (85% of
+    # a plain pinned copy; docs/benchmarks.md, "Host KV tier copies"), rounded down.
+    host_load_bytes_s: float = 4.0e10
     # What a worker that reports no step limits is taken to have (m.StepLimits zeros):
     unreported_budget: int = 2048     # the engine's max_num_batched_tokens on the CPU
     unreported_chunk: int = 512       # the engine's default chunk_size
