@@ -1,7 +1,7 @@
 """The GEMV's skinny buckets (17..256 rows: the dot kernel with M tiles of
 32..128 rows, W8A16 for FP8 weights) against a float32 matmul of the
 dequantized weight, interpreted on CPU at small shapes; the per-bucket tile
-rule."""
+rule; and the dispatch table that sends FP8 linears there."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 from tests.ops.test_gemv import close, expected, rand, tg, weights
 from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, _interpreter_env, triton  # noqa: F401
 
+from pdd import ops  # noqa: E402
 from pdd.ops import gemv_tiles  # noqa: E402
 from pdd.ops.limits import GEMV_BUCKETS, SKINNY_MAX_M, gemv_bucket  # noqa: E402
 
@@ -82,3 +83,76 @@ def test_every_bucket_has_one_config_and_its_m_tile_covers_it():
                 assert stage * cfg.num_stages <= 192 << 10
     assert not tg.supports(torch.empty(SKINNY_MAX_M + 1, 4096, dtype=torch.bfloat16), w)
     assert not tg.supports(torch.empty(64, 4096, dtype=torch.bfloat16), w, (90, 128))
+
+
+# ---------------------------------------------------------------------------
+# Dispatch (CPU: which path each FP8 linear takes)
+# ---------------------------------------------------------------------------
+
+def test_fp8_linears_take_the_gemv_where_the_bucket_table_says(monkeypatch):
+    monkeypatch.delenv("PDD_GEMV", raising=False)
+    monkeypatch.delenv("PDD_FP8_GEMV", raising=False)
+    cuda = torch.device("cuda")
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    table = ops.FP8_GEMV_BUCKETS
+    for rows in (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256):
+        assert ops.use_gemv(cuda, rows, bf16, fp8) == (gemv_bucket(rows) in table), rows
+    assert ops.use_gemv(cuda, 1, bf16, fp8) and not ops.use_gemv(cuda, 40, bf16, fp8)    # measured: one row only
+    assert not ops.use_gemv(cuda, SKINNY_MAX_M + 1, bf16, fp8)
+    assert not ops.use_gemv(cuda, 17, bf16, bf16)                       # half precision: cuBLAS past 16 rows
+    monkeypatch.setenv("PDD_FP8_GEMV", "1,16,128")                      # a device A/B: another table
+    assert ops.use_gemv(cuda, 4, bf16, fp8) and ops.use_gemv(cuda, 100, bf16, fp8)
+    assert not ops.use_gemv(cuda, 40, bf16, fp8)
+    monkeypatch.setenv("PDD_FP8_GEMV", "1")                             # as before the skinny buckets
+    assert ops.use_gemv(cuda, 1, bf16, fp8) and not ops.use_gemv(cuda, 40, bf16, fp8)
+    monkeypatch.setenv("PDD_FP8_GEMV", "1,48")
+    with pytest.raises(ValueError, match="PDD_FP8_GEMV"):
+        ops.use_gemv(cuda, 40, bf16, fp8)
+    monkeypatch.setenv("PDD_GEMV", "off")
+    monkeypatch.setenv("PDD_FP8_GEMV", "1,16,32,64")
+    assert not ops.use_gemv(cuda, 40, bf16, fp8)
+
+
+def test_warm_up_rows_cover_every_bucket_the_table_picks(monkeypatch):
+    monkeypatch.delenv("PDD_FP8_GEMV", raising=False)
+    cuda, bf16, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
+    fp8_rows = ops.gemv_warm_up_rows(cuda, bf16, fp8)
+    assert {gemv_bucket(r) for r in fp8_rows} == set(ops.FP8_GEMV_BUCKETS)
+    assert all(r == b for r, b in zip(fp8_rows, sorted(ops.FP8_GEMV_BUCKETS)))   # each bucket's largest row count
+    assert ops.gemv_warm_up_rows(cuda, bf16, bf16) == [1, 16]
+    monkeypatch.setenv("PDD_FP8_GEMV", "1,256")
+    assert ops.gemv_warm_up_rows(cuda, bf16, fp8) == [1, 256]
+
+
+# ---------------------------------------------------------------------------
+# CUDA: nothing compiled after warm-up (the 8B shapes at skinny sizes: test_gemv.py)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("weight", ["block", "channel"])
+def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch):
+    from tests.ops.test_gemv import FP8_GPU
+    from pdd.model.fp8 import Fp8Linear
+    from pdd.model.quant_config import Fp8Scheme
+    if not FP8_GPU:
+        pytest.skip("FP8 weights want compute capability >= 8.9")
+    if not ops.report_compiles(lambda kernel: None):
+        pytest.skip("this Triton has no compile hook")
+    monkeypatch.setenv("PDD_FP8_GEMV", "1,16,32,64,128,256")     # every bucket through the GEMV
+    dev = torch.device("cuda")
+    scheme = Fp8Scheme("fp8", weight, (128, 128) if weight == "block" else None, False)
+    sites = []
+    for n, k, silu in ((6144, 4096, False), (28672, 4096, True)):
+        lin = Fp8Linear(k, n, False, scheme, dev, torch.bfloat16)
+        lin.weight.copy_((torch.randn(n, k, device=dev) * 8).to(lin.weight.dtype))
+        lin.finalize()
+        sites.append((lin, silu))
+    assert ops.warm_up_gemv(sites, torch.bfloat16, dev) == 2
+    torch.cuda.synchronize()
+    before = ops.compiles_reported()
+    for lin, silu in sites:
+        for m in (2, 9, 16, 17, 31, 40, 64, 65, 127, 128, 129, 200, 256):
+            x = torch.randn(m, lin.in_features, device=dev, dtype=torch.bfloat16)
+            (ops.linear_silu_mul if silu else ops.linear)(x, lin)
+    torch.cuda.synchronize()
+    assert ops.compiles_reported() == before
