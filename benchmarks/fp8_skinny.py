@@ -9,7 +9,9 @@ path's HBM floor (bytes of W and its scales, x and y over 4.26 TB/s) for
 - gemv-block / gemv-row: pdd.ops.triton_gemv (FP8 weights, bf16 x, the scales
   in registers) with the tiles of M's row bucket (pdd.ops.limits.GEMV_BUCKETS);
 - gemv32-block / gemv32-row at M <= 16: the same kernel on the 17..32 bucket's
-  tiles (whether the skinny rule beats the 2..16 one there).
+  tiles (whether the skinny rule beats the 2..16 one there);
+- w8a8-block / w8a8-row at M > 1: the same tiles with x quantized to FP8 per row
+  and K step inside the kernel, the dot on the FP8 tensor cores (GemvConfig.w8a8).
 gate_up_proj's library paths include the separate SiLU-and-mul kernel the GEMV
 fuses. Each variant is timed as in benchmarks.gemv: a CUDA graph of many calls
 cycling over weight copies larger than L2 (weights come from HBM). The last
@@ -63,14 +65,23 @@ def _paths(m: int) -> list[tuple[str, str, int | None]]:
         out += [(f"scaled_mm-{kind}", kind, None), (f"gemv-{kind}", kind, gemv_bucket(m))]
         if 1 < m <= GEMV_MAX_M:
             out.append((f"gemv32-{kind}", kind, 32))
+        if m > 1:
+            out.append((f"w8a8-{kind}", kind, gemv_bucket(m)))
     return out
+
+
+def _path_config(path: str, bucket: int | None, n: int, k: int, silu: bool, kind: str, sms: int):
+    if bucket is None:
+        return None
+    cfg = _config(bucket, n, k, silu, kind, sms)
+    return cfg._replace(w8a8=True) if path.startswith("w8a8") and cfg is not None else cfg
 
 
 def _cases(ms: list[int], sms: int):
     for name, (n, k, silu) in SHAPES_8B.items():
         for m in ms:
             for path, kind, bucket in _paths(m):
-                cfg = _config(bucket, n, k, silu, kind, sms) if bucket is not None else None
+                cfg = _path_config(path, bucket, n, k, silu, kind, sms)
                 yield name, n, k, silu, m, path, kind, cfg
 
 
@@ -106,7 +117,7 @@ def _time_layer(name: str, n: int, k: int, silu: bool, ms: list[int], sms: int, 
             for path, pkind, bucket in _paths(m):
                 if pkind != kind:
                     continue
-                cfg = _config(bucket, n, k, silu, kind, sms) if bucket is not None else None
+                cfg = _path_config(path, bucket, n, k, silu, kind, sms)
                 calls = [_call(path, kind, x, w, s, b, silu, cfg) for w, s, b in weights]
                 try:
                     us = _graph_us(calls * max(1, -(-reps // len(calls))), rounds=5)
@@ -128,8 +139,8 @@ def _winners(rows: list[dict], ms: list[int]) -> None:
     from pdd.ops.limits import gemv_bucket
 
     by = {(r["layer"], r["m"], r["path"]): r for r in rows}
-    paths = ["cublas-bf16", "scaled_mm-block", "gemv-block", "gemv32-block", "scaled_mm-row", "gemv-row",
-             "gemv32-row"]
+    paths = ["cublas-bf16", "scaled_mm-block", "gemv-block", "w8a8-block", "scaled_mm-row", "gemv-row",
+             "w8a8-row"]
     print(f"\n{'layer':<13} {'M':>3}  " + " ".join(f"{p:>17}" for p in paths) + "  best block / row", flush=True)
     for name in SHAPES_8B:
         for m in ms:
@@ -138,7 +149,7 @@ def _winners(rows: list[dict], ms: list[int]) -> None:
                 r = by.get((name, m, p))
                 cells.append(f"{r['us']:7.1f} ({100 * r['of_floor']:3.0f}%)" if r else "-")
             for kind in _KINDS:
-                cand = [by[(name, m, p)] for p in (f"scaled_mm-{kind}", f"gemv-{kind}", f"gemv32-{kind}")
+                cand = [by[(name, m, p)] for p in (f"scaled_mm-{kind}", f"gemv-{kind}", f"gemv32-{kind}", f"w8a8-{kind}")
                         if (name, m, p) in by]
                 best.append(min(cand, key=lambda r: r["us"])["path"] if cand else "-")
             print(f"{name:<13} {m:>3}  " + " ".join(f"{c:>17}" for c in cells) + "  " + " / ".join(best), flush=True)
@@ -146,11 +157,11 @@ def _winners(rows: list[dict], ms: list[int]) -> None:
         verdicts: dict[int, list[bool]] = {}
         for m in ms:
             total = {p: sum(by[(n, m, p)]["us"] for n in SHAPES_8B if (n, m, p) in by)
-                     for p in (f"scaled_mm-{kind}", f"gemv-{kind}")}
-            if all(total.values()):
+                     for p in (f"scaled_mm-{kind}", f"gemv-{kind}", f"w8a8-{kind}")}
+            if total[f"scaled_mm-{kind}"] and total[f"gemv-{kind}"]:
                 verdicts.setdefault(gemv_bucket(m), []).append(total[f"gemv-{kind}"] < total[f"scaled_mm-{kind}"])
             print(f"{kind:<5} M={m:>3}: a layer's four linears  scaled_mm {total[f'scaled_mm-{kind}']:7.1f} us, "
-                  f"gemv {total[f'gemv-{kind}']:7.1f} us", flush=True)
+                  f"gemv {total[f'gemv-{kind}']:7.1f} us, w8a8 {total[f'w8a8-{kind}']:7.1f} us", flush=True)
         wins = sorted(b for b, v in verdicts.items() if all(v))
         print(f"{kind}: the GEMV wins the summed layer at every M measured of buckets {wins} "
               "(pdd.ops.FP8_GEMV_BUCKETS)", flush=True)

@@ -20,6 +20,7 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    w8a8: bool = False   # dot kernel, FP8 weights: x quantized per K step, FP8 tensor cores (an experiment)
 
 
 # The row kernel's tiles, measured (`python -m benchmarks.gemv --sweep` on an H200, 132 SMs;

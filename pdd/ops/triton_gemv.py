@@ -36,16 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pdd.fp8_format import FP8_DTYPE
+from pdd.fp8_format import FP8_DTYPE, FP8_MIN_AMAX
 # GemvConfig, gemv_config and GEMV_MAX_M are this module's too (the benchmarks' and tests' names).
 from pdd.ops.gemv_tiles import GemvConfig, gemv_config
 from pdd.ops.limits import GEMV_MAX_M, SKINNY_MAX_M, gemv_bucket  # noqa: F401
-from pdd.ops.triton_common import _num_sms, _pdl_wait, pdl_options
+from pdd.ops.triton_common import _FP8_MAX, _num_sms, _pdl_wait, pdl_options
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Scale kinds (the kernel's SCALE)
 NO_SCALE, TENSOR_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2, 3
+_MIN_AMAX = tl.constexpr(FP8_MIN_AMAX)
 
 
 @triton.jit
@@ -156,13 +157,34 @@ def _dot(w, xt, UPCAST: tl.constexpr):
     return tl.dot(w.to(xt.dtype), xt)
 
 
+@triton.jit
+def _quantize_cols(xt):
+    """x^T tile [BLOCK_K, BLOCK_M] -> (FP8 tile, fp32 scale [BLOCK_M]): one scale a row
+    of x and K step, amax / FP8_MAX (as fp8_linear.quantize_reference's 1 x BLOCK_K groups)."""
+    xf = xt.to(tl.float32)
+    sx = tl.maximum(tl.max(tl.abs(xf), axis=0), _MIN_AMAX) / _FP8_MAX
+    q = tl.minimum(tl.maximum(xf / sx[None, :], -_FP8_MAX), _FP8_MAX)
+    return q.to(tl.float8e4nv), sx
+
+
+@triton.jit
+def _dot_fp8(w, q, sx, UPCAST: tl.constexpr):
+    """W8A8: the FP8 W tile @ the FP8 x^T tile on the FP8 tensor cores (W straight
+    from shared memory, never converted), times x's scales."""
+    if UPCAST:
+        part = tl.dot(w.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(w, q)
+    return part * sx[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
                      stride_xm, stride_wn, stride_ym, stride_sn, stride_sk,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    """2 <= M: x^T as the dot's second operand, program (i, j) the M tile i of
+                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W8A8: tl.constexpr = False):
+    """2 <= M: x^T as the dot's second operand (W8A8: quantized to FP8 per K step), program (i, j) the M tile i of
     BLOCK_M rows (rows past M masked) and the N tile j. The M tiles of one N
     tile are neighbours in launch order: they run together and read their W
     tile from HBM once, from L2 after. Launched in stream order, not under PDL:
@@ -189,12 +211,19 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
             xt = tl.load(x_cols + kk[:, None], mask=m_ok[None, :], other=0.0)
         else:
             xt = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        part = _dot(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
+        if W8A8:
+            q, sx = _quantize_cols(xt)
+            part = _dot_fp8(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), q, sx, UPCAST)
+        else:
+            part = _dot(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
         if SCALE == 3:   # BLOCK_K == SCALE_BK: this K step is one block column
             part = part * tl.load(s_gate + (k0 // SCALE_BK) * stride_sk)
         acc += part
         if SILU:
-            part = _dot(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
+            if W8A8:
+                part = _dot_fp8(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), q, sx, UPCAST)
+            else:
+                part = _dot(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
             if SCALE == 3:
                 part = part * tl.load(s_up + (k0 // SCALE_BK) * stride_sk)
             acc_up += part
@@ -265,6 +294,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         assert bias.shape == (n,) and bias.is_contiguous(), f"bias must be [{n}], got {tuple(bias.shape)}"
     cfg = config or _plan(x, weight, block, silu)
     assert cfg is not None, f"block scales {block} do not fit this GEMV's tiles"
+    assert not cfg.w8a8 or (kind != NO_SCALE and cfg.block_m > 1), "W8A8 takes FP8 weights in the dot kernel"
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
@@ -288,5 +318,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         upcast = x.dtype == torch.float32 or x.device.type == "cpu"
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(out_n, cfg.block_n))
         _gemv_dot_kernel[grid](x, weight, s, b, y, m, out_n, k, up_off, x.stride(0), weight.stride(0), y.stride(0),
-                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, **common)
+                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, W8A8=cfg.w8a8, **common)
     return y

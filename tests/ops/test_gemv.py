@@ -271,7 +271,7 @@ for n, k, silu in json.loads(sys.argv[1]):
             const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE=scale, SCALE_BN=block[0] if block else 1,
                          SCALE_BK=block[1] if block else 1, HAS_BIAS=False, SILU=silu, EVEN_K=k % cfg.block_k == 0)
             if bucket != 1:
-                const.update(BLOCK_M=cfg.block_m, UPCAST=False)
+                const.update(BLOCK_M=cfg.block_m, UPCAST=False, W8A8=False)
             else:
                 const.update(PDL=True)
             types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": f"*{wty}", "b_ptr": f"*{wty}",

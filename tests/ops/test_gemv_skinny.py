@@ -62,6 +62,28 @@ def test_skinny_configs_a_sweep_tries(m):
         close(tg.gemv(x, w, s, block, config=cfg), expected(x, w_deq), torch.bfloat16)
 
 
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("m", [5, 40, 130])
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_w8a8_matches_the_matmul_of_the_quantized_activations(kind, m, silu):
+    # The W8A8 experiment: x quantized per row and 128 columns as fp8_linear's reference does.
+    if INTERPRET:   # seen with Triton 3.9: 128.0 -> 64, 80.0 -> 88, -32.0 -> -16 (2-3% of a tile's values)
+        pytest.skip("the Triton interpreter rounds float32 to e4m3 wrongly for some values")
+    from tests.ops.test_gemv import FP8_GPU
+    if not FP8_GPU:
+        pytest.skip("FP8 tensor cores want compute capability >= 8.9")
+    from pdd.ops.fp8_linear import quantize_reference
+    n, k = 192, 320
+    w, s, block, w_deq = weights(kind, n, k, seed=m + 20)
+    x = rand(m, k, seed=m + 21).to(torch.bfloat16).to(DEVICE)
+    cfg = tg.GemvConfig(min(gemv_bucket(m), 128), 32, 128, 4, 2, w8a8=True)
+    q, sq = quantize_reference(x.cpu(), 128)
+    ref = (q.float() * sq.repeat_interleave(128, 1)[:, :k]) @ w_deq.cpu().t()
+    if silu:
+        ref = ops.reference.silu_and_mul(ref.to(torch.bfloat16)).float()
+    close(tg.gemv(x, w, s, block, silu=silu, config=cfg), ref, torch.bfloat16)
+
+
 def test_every_bucket_has_one_config_and_its_m_tile_covers_it():
     assert [gemv_bucket(m) for m in (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256)] == \
         [1, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
