@@ -5,8 +5,9 @@ things happens, decided once for the whole model:
 - FP8 GEMMs (CUDA, compute capability >= 8.9, bf16 activations): every
   quantized linear becomes an `Fp8Linear` holding the checkpoint's FP8 weight
   and scales; its forward is the GEMM picked for its scales (pdd.ops.fp8_linear).
-  The decoder calls its linears through pdd.ops.linear, which at one token takes
-  the weight-only GEMV instead (bf16 activations, the scales applied in registers).
+  The decoder calls its linears through pdd.ops.linear, which at decode sizes
+  (the row buckets of ops.FP8_GEMV_BUCKETS) takes the weight-only GEMV instead
+  (bf16 activations, the scales applied in registers).
 - Otherwise (the CPU, older GPUs, a layer whose shape the block GEMM cannot
   take): the layers stay nn.Linear and the loader fills them with the weights
   dequantized to the checkpoint's dtype, so the model computes exactly what the

@@ -7,11 +7,14 @@ kernel bisection).
 
 Linear layers (`linear`, `linear_silu_mul`) at decode sizes on CUDA run as one
 weight-only GEMV launch (pdd.ops.triton_gemv) where that measured faster
-(`use_gemv`); `PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B runs).
+(`use_gemv`, by the row-bucket tables HALF_GEMV_BUCKETS and FP8_GEMV_BUCKETS);
+`PDD_GEMV=off` keeps them on the layers' own GEMMs (A/B runs), and
+`PDD_FP8_GEMV=1,32,...` replaces FP8's table (a device A/B without an edit).
 Elsewhere, the CPU included, a linear is exactly the layer's own call.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from types import ModuleType
@@ -19,14 +22,15 @@ from types import ModuleType
 import torch
 
 from pdd.ops import reference
-from pdd.ops.limits import GEMV_MAX_M
+from pdd.ops.limits import GEMV_BUCKETS, GEMV_MAX_M, SKINNY_MAX_M, gemv_bucket
 from pdd.ops.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "store_kv", "paged_attention", "gather_blocks",
            "scatter_blocks", "copy_blocks", "backend_for", "rms_norm", "add_rms_norm", "silu_and_mul",
            "rotary", "rotary_store_kv", "fused_moe", "argmax", "report_compiles", "compiles_reported", "warm_up_sampling",
-           "warm_up_attention", "GEMV_MAX_M", "gemv_enabled", "use_gemv", "gemv", "linear", "linear_silu_mul",
-           "warm_up_gemv", "warm_up_moe"]
+           "warm_up_attention", "GEMV_MAX_M", "HALF_GEMV_BUCKETS", "FP8_GEMV_BUCKETS", "gemv_enabled",
+           "use_gemv", "gemv", "linear", "linear_silu_mul",
+           "gemv_warm_up_rows", "warm_up_gemv", "warm_up_moe"]
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -195,16 +199,59 @@ def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
             and os.environ.get("PDD_GEMV", "on").lower() != "off")
 
 
+# Which row buckets (pdd.ops.limits.GEMV_BUCKETS: 1, 2..16, 17..32, 33..64,
+# 65..128, 129..256) send a linear to the GEMV rather than the layer's own
+# GEMM, by weight dtype. The one place to flip after a device sweep
+# (`python -m benchmarks.fp8_skinny`, docs/benchmarks.md).
+# Half precision: 1..16 rows (H200, 2026-12-01: one row 0.9-1.1x cuBLAS's time
+# a layer, 7% less in all, no split-K reduce; 2..16 level, SiLU-and-mul fused
+# into gate_up); from 17 rows cuBLAS.
+HALF_GEMV_BUCKETS = frozenset({1, GEMV_MAX_M})
+# FP8 weights (W8A16: no activation quantization, no padded rows, the scales in
+# registers) against scaled_mm (quantize kernel, then cuBLASLt), measured with
+# `python -m benchmarks.fp8_skinny` (H200, 2026-12-03; a layer's four 8B linears,
+# block / row scales): one row 62 / 60 us against 101 / 132; 2..16 rows 166 / 150
+# against 98-104 / 126-135; 32 rows 223 / 191 against 118 / 125; 64 rows 275 / 283
+# against 123 / 119; 128 and 256 rows 2-3x slower. The dot kernel streams W at
+# ~1 TB/s whatever M (its tiles at 2..256 rows reach 11-44% of the HBM floor), so
+# from 2 rows scaled_mm stays; a bucket goes in here once a sweep measures it faster.
+FP8_GEMV_BUCKETS = frozenset({1})
+_FP8_GEMV_ENV = "PDD_FP8_GEMV"
+
+
+@functools.lru_cache(maxsize=8)
+def _fp8_buckets(spec: str | None) -> frozenset[int]:
+    if spec is None:
+        return FP8_GEMV_BUCKETS
+    try:
+        buckets = frozenset(int(v) for v in spec.split(",") if v.strip())
+    except ValueError:
+        buckets = frozenset({-1})
+    if not buckets <= set(GEMV_BUCKETS):
+        raise ValueError(f"{_FP8_GEMV_ENV}={spec!r}: a comma list of row buckets out of {GEMV_BUCKETS}")
+    return buckets
+
+
+def _gemv_buckets(weight_dtype: torch.dtype) -> frozenset[int]:
+    if weight_dtype != torch.float8_e4m3fn:
+        return HALF_GEMV_BUCKETS
+    return _fp8_buckets(os.environ.get(_FP8_GEMV_ENV))
+
+
 def use_gemv(device: torch.device, rows: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
-    """Whether a linear of `rows` rows goes to the GEMV: where it measured faster
-    on H200 (docs/benchmarks.md, "The decode GEMV"). Half-precision weights at
-    1..16 rows (one row: each 8B layer 0.9-1.1x cuBLAS's time, 7% less a layer
-    in all, no split-K reduce; 2..16: level, SiLU-and-mul fused into gate_up);
-    FP8 weights at one row (no activation quantization, no padded rows: 1.2-1.6x
-    the scaled_mm path; from 2 rows scaled_mm is faster)."""
-    if not gemv_enabled(device, dtype) or not 1 <= rows <= GEMV_MAX_M:
+    """Whether a linear of `rows` rows goes to the GEMV: where its row bucket's
+    entry in the weight dtype's table (HALF_GEMV_BUCKETS, FP8_GEMV_BUCKETS, or
+    PDD_FP8_GEMV) says it wins over the layer's own GEMM."""
+    if not gemv_enabled(device, dtype) or not 1 <= rows <= SKINNY_MAX_M:
         return False
-    return rows == 1 or weight_dtype != torch.float8_e4m3fn
+    return gemv_bucket(rows) in _gemv_buckets(weight_dtype)
+
+
+def gemv_warm_up_rows(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype) -> list[int]:
+    """One row count per bucket the GEMV takes for these dtypes (each bucket's
+    largest, so the bucket of 256 also runs its two M tiles): one compiled
+    variant a bucket, so these compile every variant a step can launch."""
+    return [b for b in GEMV_BUCKETS if use_gemv(device, b, dtype, weight_dtype)]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -243,9 +290,9 @@ def linear_silu_mul(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
 
 def warm_up_gemv(sites, dtype: torch.dtype, device: torch.device) -> int:
     """Compile the GEMV variants of each (linear layer, whether its output goes
-    through SiLU-and-mul) for 1 row and for GEMV_MAX_M rows (every row count
-    shares one of those two); how many distinct layers ran, 0 where the GEMV
-    is not used. M is no specialization key, and each variant depends only on
+    through SiLU-and-mul) for every row bucket use_gemv sends to the GEMV
+    (gemv_warm_up_rows); how many distinct layers ran, 0 where the GEMV is not
+    used. M is no specialization key, and each variant depends only on
     the layer's shape, dtypes and scales: one layer of each kind suffices."""
     if not gemv_enabled(device, dtype) or _load_triton() is None:
         return 0
@@ -257,7 +304,7 @@ def warm_up_gemv(sites, dtype: torch.dtype, device: torch.device) -> int:
         if key in seen:
             continue
         seen.add(key)
-        for rows in (1, GEMV_MAX_M):
+        for rows in gemv_warm_up_rows(device, dtype, layer.weight.dtype):
             x = torch.zeros(rows, layer.in_features, dtype=dtype, device=device)
             (linear_silu_mul if silu else linear)(x, layer)
     return len(seen)

@@ -1,4 +1,4 @@
-"""Weight-only GEMV / skinny GEMM for decode-sized batches (M <= GEMV_MAX_M tokens).
+"""Weight-only GEMV / skinny GEMM for decode-sized batches (M <= SKINNY_MAX_M tokens).
 
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in x's dtype or float8 e4m3 with its
 scales applied in registers (no activation quantization: W8A16), fp32
@@ -7,13 +7,17 @@ weights: cuBLAS picks split-K kernels with extra reduce launches, and the FP8
 GEMM path adds an activation-quantize kernel and rows padded for cuBLASLt; one
 launch that reads W once is what the step's HBM roofline asks for.
 
-Each program owns BLOCK_N output columns (rows of W) for all M rows of x, so W
-is read once; there is no split over K. Two kernels, picked by M's bucket:
+Each program owns BLOCK_N output columns (rows of W) for all M rows of x (up
+to 128; 129..256 rows in two M tiles whose programs run side by side), so W is
+read from HBM once; there is no split over K. Two kernels, picked by M's
+bucket (pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
 - M == 1: elementwise products of a [BLOCK_N, BLOCK_K] W tile with x, summed
   along K each step (no tensor cores: nothing to pad to 16 rows). A few rows
   and a wide K span a program: its loads in flight are the whole tile.
-- 2 <= M <= 16: tl.dot of the W tile [BLOCK_N, BLOCK_K] with x^T [BLOCK_K, 16]
-  (rows past M masked), FP8 converted to x's dtype first (exact for e4m3).
+- 2 <= M <= 256: tl.dot of the W tile [BLOCK_N, BLOCK_K] with x^T [BLOCK_K,
+  BLOCK_M] (BLOCK_M = 16, 32, 64 or 128 by bucket, rows past M masked), FP8
+  converted to x's dtype in registers first (exact for e4m3): the W8A16 skinny
+  GEMM of decode batches, x's bytes re-read from L2 by each N tile.
 M itself is not a specialization key: one compiled variant per bucket.
 
 Scales (how pdd.model.fp8 stores them): one value (tensor), one per output
@@ -28,21 +32,21 @@ where ops.silu_and_mul of the unfused output rounds.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from pdd.fp8_format import FP8_DTYPE
-from pdd.ops.limits import GEMV_MAX_M
-from pdd.ops.triton_common import _num_sms, _pdl_wait, pdl_options
+from pdd.fp8_format import FP8_DTYPE, FP8_MIN_AMAX
+# GemvConfig, gemv_config and GEMV_MAX_M are this module's too (the benchmarks' and tests' names).
+from pdd.ops.gemv_tiles import GemvConfig, gemv_config
+from pdd.ops.limits import GEMV_MAX_M, SKINNY_MAX_M, gemv_bucket  # noqa: F401
+from pdd.ops.triton_common import _FP8_MAX, _num_sms, _pdl_wait, pdl_options
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Scale kinds (the kernel's SCALE)
 NO_SCALE, TENSOR_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2, 3
+_MIN_AMAX = tl.constexpr(FP8_MIN_AMAX)
 
 
 @triton.jit
@@ -153,21 +157,44 @@ def _dot(w, xt, UPCAST: tl.constexpr):
     return tl.dot(w.to(xt.dtype), xt)
 
 
+@triton.jit
+def _quantize_cols(xt):
+    """x^T tile [BLOCK_K, BLOCK_M] -> (FP8 tile, fp32 scale [BLOCK_M]): one scale a row
+    of x and K step, amax / FP8_MAX (as fp8_linear.quantize_reference's 1 x BLOCK_K groups)."""
+    xf = xt.to(tl.float32)
+    sx = tl.maximum(tl.max(tl.abs(xf), axis=0), _MIN_AMAX) / _FP8_MAX
+    q = tl.minimum(tl.maximum(xf / sx[None, :], -_FP8_MAX), _FP8_MAX)
+    return q.to(tl.float8e4nv), sx
+
+
+@triton.jit
+def _dot_fp8(w, q, sx, UPCAST: tl.constexpr):
+    """W8A8: the FP8 W tile @ the FP8 x^T tile on the FP8 tensor cores (W straight
+    from shared memory, never converted), times x's scales."""
+    if UPCAST:
+        part = tl.dot(w.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(w, q)
+    return part * sx[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
                      stride_xm, stride_wn, stride_ym, stride_sn, stride_sk,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    """2 <= M <= BLOCK_M: x^T as the dot's second operand, rows past M masked.
-    Launched in stream order, not under PDL: under PDL a whole step at batch 8
-    took 5.30 ms against 4.87 on H200. Its grid is about one program an SM;
-    placed while the previous kernel still holds some SMs, programs probably
-    double up on the others."""
-    n0 = tl.program_id(0) * BLOCK_N
+                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W8A8: tl.constexpr = False):
+    """2 <= M: x^T as the dot's second operand (W8A8: quantized to FP8 per K step), program (i, j) the M tile i of
+    BLOCK_M rows (rows past M masked) and the N tile j. The M tiles of one N
+    tile are neighbours in launch order: they run together and read their W
+    tile from HBM once, from L2 after. Launched in stream order, not under PDL:
+    under PDL a whole step at batch 8 took 5.30 ms against 4.87 on H200. Its
+    grid is about one program an SM; placed while the previous kernel still
+    holds some SMs, programs probably double up on the others."""
+    n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -184,122 +211,24 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
             xt = tl.load(x_cols + kk[:, None], mask=m_ok[None, :], other=0.0)
         else:
             xt = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        part = _dot(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
+        if W8A8:
+            q, sx = _quantize_cols(xt)
+            part = _dot_fp8(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), q, sx, UPCAST)
+        else:
+            part = _dot(_load_w(w_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
         if SCALE == 3:   # BLOCK_K == SCALE_BK: this K step is one block column
             part = part * tl.load(s_gate + (k0 // SCALE_BK) * stride_sk)
         acc += part
         if SILU:
-            part = _dot(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
+            if W8A8:
+                part = _dot_fp8(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), q, sx, UPCAST)
+            else:
+                part = _dot(_load_w(up_rows, kk, n_ok, k_ok, EVEN_K), xt, UPCAST)
             if SCALE == 3:
                 part = part * tl.load(s_up + (k0 // SCALE_BK) * stride_sk)
             acc_up += part
     _store(acc, acc_up, s_ptr, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, up_off, stride_sn, stride_ym,
            SCALE, HAS_BIAS, SILU)
-
-
-# ---------------------------------------------------------------------------
-# Tile configs: a fixed table of a few variants per layer shape, no autotune
-# (every variant must compile at warm-up, not in service)
-# ---------------------------------------------------------------------------
-
-class GemvConfig(NamedTuple):
-    block_m: int      # 1: the row kernel; 16: the dot kernel
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# The row kernel's tiles, measured (`python -m benchmarks.gemv --sweep` on an H200, 132 SMs;
-# docs/benchmarks.md, "The decode GEMV"). Its loop is not software-pipelined, so
-# what keeps HBM busy is many programs an SM, each with one W tile in flight:
-# 4 rows a program (twice the programs of 8) beat wider tiles everywhere but
-# under block scales, whose per-column scale gather favours 8 rows over 32 KB.
-# (rows a program, W bytes a loop step with gate and up together, warps)
-_ROW_RULE_HALF = (4, 16 << 10, 4)            # bf16 / fp16 weights
-_ROW_RULE_FP8_ROWS = (4, 16 << 10, 4)        # FP8, one scale a row or the tensor
-_ROW_RULE_FP8_BLOCKS = (8, 32 << 10, 4)      # FP8, 128x128 block scales
-# Where one layer's best beat the rule by more than a few per cent on that
-# sweep (the Llama-3-8B shapes on 132 SMs): (w_bytes, block scales, N or I,
-# K, silu) -> (rows, K span, warps).
-_ROW_TUNED_132 = {
-    (2, False, 6144, 4096, False): (4, 4096, 4),
-    (2, False, 4096, 14336, False): (4, 2048, 8),
-    (1, True, 4096, 4096, False): (4, 2048, 4),
-    (1, True, 14336, 4096, True): (16, 256, 4),
-    (1, False, 6144, 4096, False): (8, 1024, 4),
-    (1, False, 4096, 14336, False): (4, 2048, 4),
-}
-
-
-# The dot kernel's (2..16 rows) tiles where the sweep (`--sweep-rows 16`, timed
-# at 4 and 16 rows) beat the rule below by more than 3% without spilling
-# registers (bf16 o_proj and down_proj were 5-6% faster with 32x256 tiles that
-# spill): (w_bytes, block scales, N or I, K, silu) -> (BLOCK_N, BLOCK_K, warps, stages).
-_DOT_TUNED_132 = {
-    (2, False, 6144, 4096, False): (64, 256, 4, 4),
-    (1, True, 6144, 4096, False): (64, 128, 4, 4),
-    (1, False, 6144, 4096, False): (64, 256, 4, 4),
-    (1, False, 4096, 4096, False): (32, 128, 4, 4),
-    (1, False, 4096, 14336, False): (32, 128, 4, 6),
-}
-
-
-def _row_config(n: int, k: int, w_bytes: int, tiles: int, scale_block: tuple[int, int] | None,
-                sms: int) -> GemvConfig | None:
-    tuned = _ROW_TUNED_132.get((w_bytes, scale_block is not None, n, k, tiles == 2)) if sms == 132 else None
-    if tuned is not None:
-        block_n, block_k, warps = tuned
-    else:
-        block_n, tile_bytes, warps = (_ROW_RULE_HALF if w_bytes > 1 else
-                                      _ROW_RULE_FP8_BLOCKS if scale_block is not None else _ROW_RULE_FP8_ROWS)
-        block_k = tile_bytes // (tiles * block_n * w_bytes)
-    # Block scales: each program's rows (gate's and up's) inside one block row.
-    while scale_block is not None and (scale_block[0] % block_n or (tiles == 2 and n % block_n)):
-        if block_n == 4:
-            return None
-        block_k, block_n = block_k * 2, block_n // 2
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    return GemvConfig(1, block_n, block_k, warps, 1)
-
-
-def _bucket(m: int) -> int:
-    return 1 if m == 1 else GEMV_MAX_M
-
-
-@functools.lru_cache(maxsize=None)
-def gemv_config(m_bucket: int, n: int, k: int, w_bytes: int, x_bytes: int, silu: bool,
-                scale_block: tuple[int, int] | None, sms: int) -> GemvConfig | None:
-    """Tiles for output width n (I when silu), reduction k. None: block scales
-    whose block rows no tile fits in (bn not a multiple of 16, or silu's I)."""
-    tiles = 2 if silu else 1
-    if m_bucket == 1:
-        return _row_config(n, k, w_bytes, tiles, scale_block, sms)
-    tuned = _DOT_TUNED_132.get((w_bytes, scale_block is not None, n, k, silu)) if sms == 132 else None
-    if tuned is not None:
-        return GemvConfig(GEMV_MAX_M, *tuned)
-    # x^T is re-read from L2 by every program: wider tiles amortize it; about one
-    # program per SM, kept busy by num_stages of W tiles in flight (cp.async).
-    block_k = 256 if w_bytes == 1 else 128
-    candidates = (64, 32, 16)
-    if scale_block is not None:
-        bn, bk = scale_block
-        candidates = tuple(c for c in candidates if bn % c == 0 and (not silu or n % c == 0))
-        if not candidates or bk & (bk - 1) or bk < 16:
-            return None
-        block_k = bk      # one scale per K step of the dot
-    block_n = next((c for c in candidates if triton.cdiv(n, c) >= (9 * sms) // 10), candidates[-1])
-    if scale_block is None:
-        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-        # FP8 tiles are converted in registers before the dot: past 16k elements
-        # (silu's two 64x256 tiles) they spill (sm_90 builds).
-        while tiles * block_n * block_k > 16384 and block_k > 64:
-            block_k //= 2
-    stage = tiles * block_n * block_k * w_bytes + block_k * GEMV_MAX_M * x_bytes
-    # Stages in flight hide HBM latency; under ~96 KB of shared memory (num_stages - 1
-    # buffers) two programs still fit on an SM where the grid has more than one each.
-    num_stages = max(2, min(8, (96 * 1024) // stage + 1))
-    return GemvConfig(GEMV_MAX_M, block_n, block_k, 4, num_stages)
 
 
 # ---------------------------------------------------------------------------
@@ -326,14 +255,14 @@ def _scale_kind(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[i
 
 def _plan(x: torch.Tensor, weight: torch.Tensor, block, silu: bool) -> GemvConfig | None:
     n, k = weight.shape
-    return gemv_config(_bucket(x.shape[0]), n // 2 if silu else n, k, weight.element_size(), x.element_size(),
+    return gemv_config(gemv_bucket(x.shape[0]), n // 2 if silu else n, k, weight.element_size(), x.element_size(),
                        silu, tuple(block) if block is not None else None, _num_sms(x.device))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,
              silu: bool = False) -> bool:
     """Whether gemv() takes these operands (M, dtypes, block layout)."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M or x.dtype not in _X_DTYPES:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M or x.dtype not in _X_DTYPES:
         return False
     if weight.dtype not in (x.dtype, FP8_DTYPE) or weight.stride(-1) != 1:
         return False
@@ -352,7 +281,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     m, k = x.shape
     n, wk = weight.shape
     assert wk == k, f"x has {k} columns, weight {wk}"
-    assert 1 <= m <= GEMV_MAX_M, f"gemv takes 1..{GEMV_MAX_M} rows, got {m}"
+    assert 1 <= m <= SKINNY_MAX_M, f"gemv takes 1..{SKINNY_MAX_M} rows, got {m}"
     assert x.dtype in _X_DTYPES, f"x dtype {x.dtype} not supported"
     assert weight.dtype in (x.dtype, FP8_DTYPE), f"weight is {weight.dtype}, x {x.dtype}"
     assert weight.stride(1) == 1, f"weight must have unit column stride, got {weight.stride()}"
@@ -365,6 +294,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         assert bias.shape == (n,) and bias.is_contiguous(), f"bias must be [{n}], got {tuple(bias.shape)}"
     cfg = config or _plan(x, weight, block, silu)
     assert cfg is not None, f"block scales {block} do not fit this GEMV's tiles"
+    assert not cfg.w8a8 or (kind != NO_SCALE and cfg.block_m > 1), "W8A8 takes FP8 weights in the dot kernel"
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
@@ -380,12 +310,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE=kind, SCALE_BN=sbn, SCALE_BK=sbk,
                   HAS_BIAS=bias is not None, SILU=silu, EVEN_K=k % cfg.block_k == 0,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (triton.cdiv(out_n, cfg.block_n),)
     if cfg.block_m == 1:
+        grid = (triton.cdiv(out_n, cfg.block_n),)
         _gemv_row_kernel[grid](x, weight, s, b, y, m, out_n, k, up_off, weight.stride(0), y.stride(0),
                                stride_sn, stride_sk, **common, **pdl_options(x.device, m))
     else:
         upcast = x.dtype == torch.float32 or x.device.type == "cpu"
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(out_n, cfg.block_n))
         _gemv_dot_kernel[grid](x, weight, s, b, y, m, out_n, k, up_off, x.stride(0), weight.stride(0), y.stride(0),
-                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, **common)
+                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, W8A8=cfg.w8a8, **common)
     return y

@@ -17,6 +17,7 @@ from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, _interpreter_env, tr
 from pdd import ops  # noqa: E402
 from pdd.model.fp8 import dequantize, quantize_weight  # noqa: E402
 from pdd.ops import reference  # noqa: E402
+from pdd.ops.limits import GEMV_BUCKETS  # noqa: E402
 
 tg = import_kernels("pdd.ops.triton_gemv")
 
@@ -123,7 +124,8 @@ def test_rows_of_one_bucket_share_a_config_and_bad_blocks_are_refused():
     assert len(plans) == 1 and tg._plan(x1, w, (128, 128), False) not in plans
     assert tg.supports(x1, w, (128, 128))
     assert not tg.supports(x1, w, (90, 128))              # no tile size fits a 90-row block
-    assert not tg.supports(torch.empty(17, 4096, dtype=torch.bfloat16), w)
+    assert tg.supports(torch.empty(17, 4096, dtype=torch.bfloat16), w)   # the skinny buckets (test_gemv_skinny.py)
+    assert not tg.supports(torch.empty(257, 4096, dtype=torch.bfloat16), w)
     with pytest.raises(AssertionError, match="block scales must be"):
         tg.gemv(x1, w, torch.ones(3, 3), (128, 128))
 
@@ -180,7 +182,7 @@ def weights_8b(kind: str, n: int, k: int):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 64, 100, 256])     # every bucket; 100 and 256: masked rows, two M tiles
 @pytest.mark.parametrize("n, k, silu", SHAPES_8B)
 @pytest.mark.parametrize("kind", ["plain", "channel", "block"])
 def test_cuda_8b_shapes(kind, n, k, silu, m):
@@ -254,6 +256,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pdd.ops import triton_gemv as tg
+from pdd.ops.limits import GEMV_BUCKETS
 
 POINTERS = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr")
 ALIGNED = set(POINTERS) | {"N", "K", "stride_wn", "stride_ym", "stride_xm"}   # as the 8B shapes specialize
@@ -262,13 +265,13 @@ out = []
 for n, k, silu in json.loads(sys.argv[1]):
     for wty, scale, block in (("bf16", tg.NO_SCALE, None), ("fp8e4nv", tg.ROW_SCALE, None),
                               ("fp8e4nv", tg.BLOCK_SCALE, (128, 128))):
-        for bucket in (1, tg.GEMV_MAX_M):
+        for bucket in ((1, tg.GEMV_MAX_M) if wty == "bf16" else GEMV_BUCKETS):
             cfg = tg.gemv_config(bucket, n // 2 if silu else n, k, 2 if wty == "bf16" else 1, 2, silu, block, 132)
             fn = tg._gemv_row_kernel if bucket == 1 else tg._gemv_dot_kernel
             const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE=scale, SCALE_BN=block[0] if block else 1,
                          SCALE_BK=block[1] if block else 1, HAS_BIAS=False, SILU=silu, EVEN_K=k % cfg.block_k == 0)
             if bucket != 1:
-                const.update(BLOCK_M=cfg.block_m, UPCAST=False)
+                const.update(BLOCK_M=cfg.block_m, UPCAST=False, W8A8=False)
             else:
                 const.update(PDL=True)
             types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": f"*{wty}", "b_ptr": f"*{wty}",
@@ -282,7 +285,8 @@ for n, k, silu in json.loads(sys.argv[1]):
                 f.flush()
                 usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
             stack = int(re.search(r"STACK:(\\d+)", usage).group(1))
-            out.append(dict(n=n, k=k, silu=silu, w=wty, scale=scale, bucket=bucket, stack=stack,
+            out.append(dict(n=n, k=k, silu=silu, w=wty, scale=scale, bucket=bucket, stack=stack, cfg=list(cfg),
+                            smem=built.metadata.shared,
                             pipelined="cp.async" in built.asm["ptx"],
                             waits="griddepcontrol.wait" in built.asm["ptx"]))
 print("BUILT " + json.dumps(out))
@@ -290,7 +294,8 @@ print("BUILT " + json.dumps(out))
 
 
 def test_the_8b_variants_build_for_sm90_without_spills(tmp_path):
-    """What the interpreter cannot show: each GEMV variant of the 8B shapes is
+    """What the interpreter cannot show: each GEMV variant of the 8B shapes (FP8
+    weights in every row bucket, bf16 in the two it takes) is
     accepted by Triton's GPU compiler (layouts, the tl.dot of FP8 tiles
     converted in registers, the cp.async pipeline of the dot kernel, the one-row
     kernel's wait for the previous kernel under PDL) and its tiles fit in registers. Built for sm_90 with the ptxas Triton ships; skipped
@@ -309,8 +314,9 @@ def test_the_8b_variants_build_for_sm90_without_spills(tmp_path):
                           text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     built = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("BUILT "))[len("BUILT "):])
-    assert len(built) == len(SHAPES_8B) * 3 * 2
+    assert len(built) == len(SHAPES_8B) * (2 + 2 * len(GEMV_BUCKETS))
     assert [b for b in built if b["stack"]] == []
+    assert [b for b in built if b["smem"] > 227 << 10] == []     # an H200 block's shared memory
     assert all(b["pipelined"] for b in built if b["bucket"] != 1)   # the dot kernel's W tiles stream via cp.async
     # The one-row kernel, launched with PDL, waits for its predecessor's results.
     assert all(b["waits"] == (b["bucket"] == 1) for b in built)
