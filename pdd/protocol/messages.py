@@ -147,7 +147,7 @@ class Heartbeat(Message):
     host_hashes: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenItem:
     """What one step produced for one request."""
     request_id: str

@@ -317,18 +317,20 @@ class ControlPlane:
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         now = self.clock()   # the step's tokens all arrived now
+        followers = self.followers
         for item in msg.items:
             state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
             if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
                 continue
             if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
                 self._kv_landed(state)
-            self.followers.release(state, peer)   # its decode worker has run the prompt: its cache holds it
+            if followers.waiting:   # its decode worker has run the prompt: its cache holds it
+                followers.release(state, peer)
             event = self._unseen(state, item)
             if event is not None:
                 self._deliver(state, event, now)
 
-    def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | None:
+    def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | m.TokenItem | None:
         """The part of `item` the client has not had. The first token can come
         twice (from the prefill worker, and from the decode worker that started
         on the KV); a gap means a worker lost tokens: the request goes on
@@ -339,9 +341,8 @@ class ControlPlane:
                       state.decode_worker, item.position, len(state.output_token_ids))
             self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
             return None
-        if seen == 0:   # the common case: all of it is new
-            return TokenEvent(item.token_ids, item.finished, item.finish_reason, item.logprobs,
-                              item.num_cached_tokens, item.prompt_logprobs)
+        if seen == 0:   # the common case: all of it is new (an item is an event's shape)
+            return item
         tokens = item.token_ids[seen:]
         if not tokens and not item.finished:
             return None

@@ -40,6 +40,11 @@ class Followers:
             del self._first[choice.request_id]
         return choices
 
+    @property
+    def waiting(self) -> bool:
+        """Whether any choice waits (n > 1 requests only: most batches find none)."""
+        return bool(self._waiting)
+
     def release(self, first: RequestState, beside: str = "") -> None:
         """`first`'s prompt is cached on `beside` (or `first` ended): its waiting
         choices are placed. Called for every batch of tokens: one lookup when

@@ -42,8 +42,10 @@ class RequestError(Exception):
         return "invalid_request_error" if self.status == 400 else "server_error"
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
+    """Tokens for the client. A worker's TokenItem has these fields too, and one
+    that is all new goes to the client as it is (one object less a token)."""
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -65,7 +67,7 @@ class TraceEvent(NamedTuple):
     note: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
@@ -124,10 +126,12 @@ class RequestState:
 
     def deliver(self, event: TokenEvent, now: float | None = None) -> None:
         """`now`: when it arrived (monotonic; the caller's clock reading for a whole step's tokens)."""
-        self.output_token_ids.extend(event.token_ids)
+        tokens = event.token_ids
+        self.output_token_ids += tokens
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
-        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        if event.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = event.num_cached_tokens
         if now is None:
             now = time.monotonic()
         if self.first_token_at is None:
@@ -135,8 +139,12 @@ class RequestState:
         self.last_token_at = now
         if event.finished:
             self.finished, self.finish_reason = True, event.finish_reason
-        self.buffered_tokens += len(event.token_ids)
-        self._post(event)
+        self.buffered_tokens += len(tokens)
+        self.events.append(event)   # _post's, inline: once per stream per step
+        if self.listener is not None:
+            self.listener(self)
+        else:
+            self.nudge()
 
     def fail(self, error: str, status: int = 500) -> None:
         self.finished, self.finish_reason = True, "error"

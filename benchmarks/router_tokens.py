@@ -1,0 +1,189 @@
+"""What a streamed token costs one router, with no engine in the way: the real
+router process (`pdd serve --role router`, the built-in tiny model's tokenizer)
+and real HTTP clients (`pdd bench frontdoor`'s), but workers that are token
+sources: processes that speak the worker protocol over the real control bus
+(register, heartbeat, take Admits and Aborts) and, every --step-ms, send one
+TokenBatch with a token for each request they hold. So the router's CPU per
+token can be measured on any machine, a CPU box included, at any token rate.
+
+    python -m benchmarks.router_tokens --streams 64,256 --workers 2 --step-ms 4
+    python -m benchmarks.router_tokens --streams 256 --server-path DIR   # an older router, same sitting
+
+The token sources' ids are the tiny tokenizer's for plain words, so the
+detokenizer and the chunks see text as a model's would. The control bus is
+insecure (loopback only).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from benchmarks.cli import run_as_main
+
+from pdd.bench.frontdoor import run_point
+from pdd.bench.serve_client import Target, first_model
+from pdd.config_loader import dump_toml, load_cluster_config
+from pdd.kv.layout import KVLayout
+from pdd.model.make_model import make_model
+from pdd.model.tokenizer import Tokenizer
+from pdd.protocol import messages as m
+
+TEXT = "the quick brown fox jumps over the lazy dog and then it runs far away into the hills "
+
+
+def add_args(p) -> None:
+    p.add_argument("--streams", default="64,256", help="comma list of streams in flight")
+    p.add_argument("--workers", type=int, default=2, help="token-source processes")
+    p.add_argument("--step-ms", type=float, default=4.0, help="each source's step: a token per request this often")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
+    p.add_argument("--client-procs", type=int, default=2, help="client processes")
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--port", type=int, default=18180)
+    p.add_argument("--run-dir", default="/tmp/pdd-router-tokens")
+    p.add_argument("--server-path", default=None, metavar="DIR",
+                   help="run the router from the pdd package under DIR (an older commit's, for a before/after)")
+    p.add_argument("--py-spy", default=None, metavar="DIR", help="also record the router with py-spy over each window")
+    p.add_argument("--json", default=None, help="write the points here")
+
+
+# ---------------------------------------------------------------- a token source (a process of its own)
+
+def token_source(control_addr: str, worker_id: str, step_s: float, token_ids: list[int]) -> None:
+    asyncio.run(_source(control_addr, worker_id, step_s, token_ids))
+
+
+async def _source(control_addr: str, worker_id: str, step_s: float, token_ids: list[int]) -> None:
+    import zmq.asyncio
+
+    from pdd.protocol.bus import DealerChannel
+    chan = DealerChannel(zmq.asyncio.Context(), control_addr, f"{worker_id}-{uuid.uuid4().hex[:8]}")
+    held: dict[str, list] = {}   # request id -> [epoch, next position, max_tokens]
+    layout = KVLayout("tiny", "synthetic", "float32", 16, 4, 2, 32)
+    await chan.send(m.Register(worker_id, "colocated", socket.gethostname(), os.getpid(), "cpu", layout.to_dict(),
+                               num_blocks=1 << 20, max_num_seqs=1 << 16, max_model_len=1 << 16,
+                               incarnation=uuid.uuid4().hex))
+
+    async def receive() -> None:
+        while True:
+            msg = await chan.recv()
+            if isinstance(msg, m.Admit):
+                left = msg.sampling.max_tokens - msg.num_prior_output_tokens
+                held[msg.request_id] = [msg.epoch, msg.num_prior_output_tokens, left]
+            elif isinstance(msg, m.Abort):
+                for rid in msg.request_ids:
+                    held.pop(rid, None)
+            elif isinstance(msg, m.Shutdown):
+                return
+
+    async def beat() -> None:
+        while True:
+            await chan.send(m.Heartbeat(worker_id, len(held), 0, 1 << 20, 1 << 20, decoding=len(held)))
+            await asyncio.sleep(0.2)
+
+    async def steps() -> None:
+        n = 0
+        while True:
+            await asyncio.sleep(step_s)
+            items = []
+            for rid, h in list(held.items()):
+                epoch, position, left = h
+                done = left <= 1
+                items.append(m.TokenItem(rid, epoch, position, [token_ids[(position + n) % len(token_ids)]], done,
+                                         "length" if done else None))
+                h[1], h[2] = position + 1, left - 1
+                if done:
+                    del held[rid]
+            n += 1
+            if items:
+                await chan.send(m.TokenBatch(worker_id, items))
+
+    tasks = [asyncio.create_task(t()) for t in (beat, steps)]
+    await receive()
+    for t in tasks:
+        t.cancel()
+
+
+# ---------------------------------------------------------------- the router
+
+def _router(a, run_dir: Path) -> tuple[subprocess.Popen, str, str]:
+    model = run_dir / "tiny"
+    if not (model / "config.json").is_file():
+        make_model(model)
+    cfg = load_cluster_config(env={})
+    control = f"tcp://127.0.0.1:{a.port + 1}"
+    cfg = dataclasses.replace(
+        cfg, engine=dataclasses.replace(cfg.engine, model=str(model)),
+        router=dataclasses.replace(cfg.router, port=a.port, host="127.0.0.1", control_addr=control,
+                                   admin_addr=f"tcp://127.0.0.1:{a.port + 2}", state_dir=str(run_dir.resolve()),
+                                   admin_token=uuid.uuid4().hex),
+        security=dataclasses.replace(cfg.security, insecure=True))
+    config = run_dir / "cluster.toml"
+    config.write_text(dump_toml(cfg))
+    env = dict(os.environ)
+    if a.server_path:
+        env["PYTHONPATH"] = str(Path(a.server_path).resolve()) + os.pathsep + env.get("PYTHONPATH", "")
+    log = open(run_dir / "router.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--role", "router", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{a.port}", control
+
+
+def _workers_seen(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as r:
+            return json.loads(r.read()).get("workers", 0)
+    except OSError:
+        return -1
+
+
+def main(a) -> int:
+    run_dir = Path(a.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    router, url, control = _router(a, run_dir)
+    token_ids = Tokenizer(run_dir / "tiny").encode(TEXT, add_special_tokens=False)
+    ctx = multiprocessing.get_context("spawn")
+    sources = [ctx.Process(target=token_source, args=(control, f"source-{i}", a.step_ms / 1000, token_ids),
+                           daemon=True) for i in range(a.workers)]
+    results = []
+    try:
+        for s in sources:
+            s.start()
+        deadline = time.monotonic() + 60
+        while _workers_seen(url) < a.workers:
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not see {a.workers} token sources; see {run_dir}/router.log")
+            time.sleep(0.2)
+        model = first_model(Target(url))
+        for streams in (int(x) for x in a.streams.split(",")):
+            spy = Path(a.py_spy) / f"streams-{streams}" if a.py_spy else None
+            r = run_point(url, model, streams, a.client_procs, a.max_tokens, 24, a.warmup, a.duration,
+                          [router.pid], url, spy_prefix=spy, spy_top=45)
+            r.update(workers=a.workers, step_ms=a.step_ms, server=a.server_path or "this pdd")
+            results.append(r)
+            print(f"streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  router {r['router_us_per_token']} us/token "
+                  f"({r['router_cpu_cores']} cores)  ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  "
+                  f"TTFT p50 {r['ttft_p50_ms']} ms  429s {r.get('429', 0)}  resets {r['connection_errors']}",
+                  flush=True)
+    finally:
+        router.terminate()
+        router.wait(30)
+        for s in sources:
+            s.kill()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "points": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    run_as_main(__name__)
