@@ -56,7 +56,7 @@ from pdd.http.responses import json_response
 from pdd.http.validate import APIError
 from pdd.http.tokenize import OffLoopTokenizer
 from pdd.http.reasoning import FIELDS as REASONING_FIELDS
-from pdd.http.reasoning import ReasoningSplit, reasoning_format
+from pdd.http.reasoning import ReasoningSplit, reasoning_format, reasoning_tokens
 from pdd.http.tools import ToolCallReader, tool_format
 from pdd.http.utility import UtilityEndpoints
 from pdd.http.validate import say_ignored
@@ -359,7 +359,12 @@ class OpenAIServer:
 
     def _usage(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> dict:
         # The tokens the answer is made of: not those a worker sent after a stop string.
-        return choices_usage(groups, req.echo_only)
+        usage = choices_usage(groups, req.echo_only)
+        if req.reasoning is not None:   # a reasoning model's: how many of them it thought (OpenAI's field)
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_tokens(req.reasoning, c.state.output_token_ids[:c.text.num_tokens], c.text.text,
+                                 self.tokenizer) for c in _flat(groups))}
+        return usage
 
     def _merged(self, req: s.GenerateRequest, groups: list[list[Choice]]):
         """(choice index, pieces) of every choice, as they come."""

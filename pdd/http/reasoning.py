@@ -166,3 +166,22 @@ class ReasoningSplit:
         s.feed(text)
         s.finish()
         return s.reasoning, s.content
+
+
+def reasoning_tokens(fmt: ReasoningFormat, token_ids: list[int], text: str, tokenizer) -> int:
+    """How many of an answer's tokens (`token_ids`, whose text is `text`) are its
+    reasoning, the tags included: usage's reasoning_tokens. Exact where `</think>`
+    is a token of its own (Qwen3's, DeepSeek-R1's): the tokens up to it. Else the
+    reasoning's text encoded again (tokens a model split differently count as the
+    tokenizer splits them), or every token when the reasoning never ended."""
+    close = tokenizer.token_to_id(CLOSE)
+    if close is not None and close in token_ids:
+        return token_ids.index(close) + 1
+    reasoning, content = ReasoningSplit.split(fmt, text)
+    if not reasoning and not (text.lstrip().startswith(OPEN)):
+        return 0
+    if CLOSE not in text:   # cut mid-thought: all of it is reasoning
+        return len(token_ids)
+    head = text[:text.index(CLOSE) + len(CLOSE)]
+    return min(len(token_ids), len(tokenizer.encode(head, add_special_tokens=False)))
+

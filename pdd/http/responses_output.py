@@ -35,7 +35,9 @@ def usage(chat_usage: dict) -> dict:
     # cache_write_tokens: OpenAI's explicit (priced) cache writes; pdd's prefix cache has none.
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": chat_usage["total_tokens"]}
 
 

@@ -223,6 +223,34 @@ def test_a_whole_answer_has_reasoning_content_beside_content(thinking_model):
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
+def test_the_usage_counts_the_reasoning_tokens(thinking_model):
+    tok = Tokenizer(thinking_model)
+    thought = len(tok.encode(THOUGHT.split("</think>")[0] + "</think>", add_special_tokens=False))
+    (out,) = _scripted(thinking_model, THOUGHT, {})
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    assert 0 < thought < out["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("deepseek_r1", "still thinking, cut by max_tokens", "all"),
+    ("qwen3", "<think>still thinking", "all"),
+    ("qwen3", "An answer without a thought.", 0),
+    ("deepseek_r1", "Let me think.</think>The answer is 4.", "head"),
+])
+def test_reasoning_tokens_by_format(thinking_model, name, text, expected):
+    from pdd.http.reasoning import reasoning_tokens
+    tok = Tokenizer(thinking_model)
+    ids = tok.encode(text, add_special_tokens=False)
+    fmt = reasoning_format(name, tok)
+    if expected == "all":
+        want = len(ids)
+    elif expected == "head":
+        want = len(tok.encode(text[:text.index("</think>") + len("</think>")], add_special_tokens=False))
+    else:
+        want = expected
+    assert reasoning_tokens(fmt, ids, text, tok) == want
+
+
 def test_a_stream_sends_reasoning_content_deltas_then_content_deltas(thinking_model):
     """Token by token (</think> is five tokens of the tiny tokenizer): the
     reasoning deltas come first, then only content; each adds up to the whole."""

@@ -48,6 +48,7 @@ def test_the_reasoning_is_an_item_before_the_message(thinking_model):
     assert reasoning.type == "reasoning" and reasoning.summary == [] and reasoning.status == "completed"
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "Let me think.")]
     assert message.type == "message" and whole.output_text == "The answer is 4."
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
     assert again.status == "completed"
 
 
