@@ -31,6 +31,8 @@ publishes them) applied to each K block's partial product.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -300,19 +302,37 @@ def _scale_args(s: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, 
     return (w, (0, 0, 0)) if s is None else (s, s.stride())
 
 
-def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted: bool) -> None:
+class ExpertTiles(NamedTuple):
+    """An expert GEMM's tiles and launch (one per GEMM: gate_up's, down's)."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3   # Triton's defaults: what the rule's tiles were measured with
+
+
+def expert_tiles(n: int, k: int, scaled: bool) -> ExpertTiles:
+    """The rule for output width n (I with SiLU) and reduction k: 64-wide tiles at
+    most; FP8 K steps are the block scales' 128 columns (one scale a step)."""
+    return ExpertTiles(min(64, max(16, _pow2(n))), FP8_BLOCK if scaled else min(64, max(16, _pow2(k))))
+
+
+def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted: bool,
+          tiles: ExpertTiles | None = None) -> None:
     """One expert GEMM over all pairs: the per-pair GEMV, or the grouped tl.dot kernel
-    when `grouping` (sorted_pairs, block_expert, bm) is given."""
+    when `grouping` (sorted_pairs, block_expert, bm) is given. `tiles` replaces the
+    rule's (`python -m benchmarks.moe_gemv --sweep`)."""
     num_pairs = out.shape[0]
     n = w.shape[1] // 2 if silu else w.shape[1]
     k = w.shape[2]
     scaled = s is not None
-    bk = FP8_BLOCK if scaled else min(64, max(16, _pow2(k)))
-    bn = min(64, max(16, _pow2(n)))
+    bn, bk, warps, stages = tiles or expert_tiles(n, k, scaled)
+    if scaled and bk != FP8_BLOCK:
+        raise ValueError(f"FP8 experts take K steps of their {FP8_BLOCK}-column scale blocks, not {bk}")
     s_ptr, s_strides = _scale_args(s, w)
     args = (a, w, s_ptr, out)
     strides = (a.stride(0), w.stride(0), w.stride(1), *s_strides, out.stride(0))
-    flags = dict(A_DIV=a_div, SILU=silu, WEIGHTED=weighted, SCALED=scaled, BLOCK_N=bn, BLOCK_K=bk)
+    flags = dict(A_DIV=a_div, SILU=silu, WEIGHTED=weighted, SCALED=scaled, BLOCK_N=bn, BLOCK_K=bk,
+                 num_warps=warps, num_stages=stages)
     if grouping is None:
         _expert_gemv[(num_pairs, triton.cdiv(n, bn))](*args, ids, route_w, num_pairs, n, k, *strides, **flags)
         return
@@ -324,8 +344,10 @@ def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, renormalize: bool, gate_up_scale: torch.Tensor | None = None,
-              down_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.fused_moe; FP8 weights with their block scales [E, N/128, K/128]."""
+              down_scale: torch.Tensor | None = None,
+              tiles: tuple[ExpertTiles, ExpertTiles] | None = None) -> torch.Tensor:
+    """reference.fused_moe; FP8 weights with their block scales [E, N/128, K/128].
+    `tiles`: gate_up's and down's, replacing the rule's (a sweep's)."""
     _check(x, gate_up, down, gate_up_scale)
     t, h = x.shape
     e, inter = gate_up.shape[0], down.shape[2]
@@ -339,9 +361,11 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
         bm = block_m(num_pairs, e)
         grouping = (*align(ids, e, bm), bm)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, gate_up, gate_up_scale, act, ids, weights, grouping, top_k, silu=True, weighted=False)
+    up_tiles, down_tiles = tiles or (None, None)
+    _gemm(x, gate_up, gate_up_scale, act, ids, weights, grouping, top_k, silu=True, weighted=False, tiles=up_tiles)
     out = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
-    _gemm(act, down, down_scale, out, ids, weights.view(-1), grouping, 1, silu=False, weighted=True)
+    _gemm(act, down, down_scale, out, ids, weights.view(-1), grouping, 1, silu=False, weighted=True,
+          tiles=down_tiles)
     return out.view(t, top_k, h).sum(1).to(x.dtype)
 
 

@@ -143,3 +143,17 @@ def test_dispatch_picks_the_kernels_on_the_gpu_and_the_reference_elsewhere():
         scales = torch.ones(8, 1, 1)
         with pytest.raises(ValueError, match="FP8 experts need the Triton MoE kernels"):
             ops.fused_moe(x, logits, gate_up, down, 2, True, scales, scales)
+
+
+def test_tiles_given_replace_the_rule_and_keep_the_result():
+    """A sweep's tiles (benchmarks.moe_gemv) give the rule's result; FP8 experts keep
+    their scale blocks' K step."""
+    x, logits, gate_up, down = moe_case(5, inter=48)
+    ref = reference.fused_moe(*(t.cpu() for t in (x, logits, gate_up, down)), 2, True)
+    tiles = (tm.ExpertTiles(16, 32, 2, 2), tm.ExpertTiles(32, 16, 4, 1))
+    close(tm.fused_moe(x, logits, gate_up, down, 2, True, tiles=tiles), ref, 1e-5)
+    assert tm.expert_tiles(768, 2048, scaled=True).block_k == tm.FP8_BLOCK
+    q, scales, _ = _fp8_experts(gate_up.cpu())
+    with pytest.raises(ValueError, match="scale blocks"):
+        tm.fused_moe(x, logits, q.to(DEVICE), _fp8_experts(down.cpu())[0].to(DEVICE), 2, True, scales.to(DEVICE),
+                     _fp8_experts(down.cpu())[1].to(DEVICE), tiles=(tm.ExpertTiles(16, 64), None))
