@@ -39,6 +39,11 @@ class TextStream:
             return ""
         if len(token_ids) == 1 and token_ids[0] not in self.stop_token_ids:   # the common case: one token
             self.num_tokens += 1
+            if not self.stop and not self.pending:   # nothing to look for or hold back
+                piece = self.detok.add_plain(token_ids[0])
+                if piece is not None:
+                    self.released.append(piece)
+                    return piece
             return self._take(token_ids, final=False)
         for i, token in enumerate(token_ids):
             self.num_tokens += 1

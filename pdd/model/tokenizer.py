@@ -246,13 +246,22 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def add_plain(self, token_id: int) -> str | None:
+        """The token's own text, released, when nothing is held back and its text
+        is its own (Tokenizer.plain_piece): no decode. None: add() it."""
+        if self.read_offset != len(self.ids) or self._plain_piece is None:
+            return None
+        piece = self._plain_piece(token_id)
+        if piece is not None:
+            self.ids.append(token_id)
+            self._release(piece, len(self.ids))
+        return piece
+
     def add(self, token_ids: list[int]) -> str:
-        if len(token_ids) == 1 and self.read_offset == len(self.ids) and self._plain_piece is not None:
-            # Nothing held back, and a token whose text is its own: no decode.
-            piece = self._plain_piece(token_ids[0])
+        if len(token_ids) == 1:
+            piece = self.add_plain(token_ids[0])
             if piece is not None:
-                self.ids.append(token_ids[0])
-                return self._release(piece, len(self.ids))
+                return piece
         self.ids.extend(token_ids)
         if self.read_offset - self.prefix_offset == 1 and self._decode_one is not None:   # a token at a time
             prefix = self._decode_one(self.ids[self.prefix_offset], self.skip_special_tokens)
