@@ -456,6 +456,8 @@ class OpenAIServer:
         def emit(i: int, pieces: list[tuple]) -> bytes:
             if len(pieces) == 1:   # the common case while the router keeps up: one token's
                 delta, frag, reason = pieces[0]
+                if plain and frag is None and reason is None:
+                    return chunks.plain(i, delta) if delta else b""
                 return chunk(i, delta, reason, frag) if delta or frag or reason else b""
             return b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in _joined(pieces)
                              if delta or frag or reason])
@@ -465,6 +467,7 @@ class OpenAIServer:
         # ... and, before it, through its reasoning split (a reasoning model's chat).
         thinking = {c.index: ReasoningSplit(req.reasoning) for c in choices} if req.reasoning is not None else {}
         chunk = thought_chunk if thinking else answer_chunk
+        plain = not thinking and not tool_calls and not req.continuous_usage   # (emit's) a token's text is its chunk
 
         if chat:
             await resp.write(b"".join(chunks.chunk(c.index, {"role": "assistant", "content": ""}, usage=so_far())

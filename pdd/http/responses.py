@@ -92,6 +92,17 @@ class StreamChunks:
         usage_null = b',"usage":null' if req.include_usage else b""
         self._plain_tail = b',"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
         self._heads: dict[int, bytes] = {}
+        self._chat = req.kind == "chat"
+
+    def plain(self, index: int, text: str) -> bytes:
+        """chunk(index, text) of a completion, chunk(index, {"content": text}) of a chat
+        (text not empty): a token's text and nothing else, the common chunk."""
+        head = self._heads.get(index)
+        if head is None:
+            head = self._heads[index] = self._head + b'{"index":' + str(index).encode() + self._field
+        if self._chat:
+            return head + b'{"content":' + orjson.dumps(text) + b"}" + self._plain_tail
+        return head + orjson.dumps(text) + self._plain_tail
 
     def chunk(self, index: int, content, finish_reason: str | None = None, logprobs: dict | None = None,
               usage: dict | None = None, stop_reason: str | int | None = None) -> bytes:

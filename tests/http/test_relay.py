@@ -102,3 +102,10 @@ def test_the_flushes_are_spaced_by_the_load_only():
         spacing.append(relay.interval_s)
     assert spacing == [0.0, 0.0, pytest.approx(0.01), 0.02, 0.02]
     assert Relay(max_interval_s=0.0, load=lambda: 1.0).interval_s == 0.0
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_plain_chunk_is_the_chunk_of_its_text(kind):
+    req = SimpleNamespace(kind=kind, request_id="cmpl-1", created=1, model="m", include_usage=True)
+    chunks, text = r.StreamChunks(req), 'h\u00e9llo "x"\n'
+    assert chunks.plain(2, text) == chunks.chunk(2, text if kind == "completion" else {"content": text})
