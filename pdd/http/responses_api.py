@@ -275,9 +275,9 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     streamed; server: the OpenAIServer that submitted it (its chat reading)."""
     (c,), = groups
     if not req.stream:
-        await server._collect(req, groups)
+        await server.answers.collect(req, groups)
         output = output_items(req.tool_format, req.reasoning, c.text.text, c.finish_reason)
-        body = response_object(rr, req.model, status_of(c.finish_reason), output, usage(server._usage(req, groups)))
+        body = response_object(rr, req.model, status_of(c.finish_reason), output, usage(server.answers.usage(req, groups)))
         if rr.store:
             server.response_store.put(body, conversation(rr, output))
         return json_response(body)
@@ -286,11 +286,11 @@ async def answer(server, rr: ResponsesRequest, request: web.Request, req, groups
     await resp.prepare(request)
     await resp.write(events.start())
     try:
-        await server._stream_one(req, c, resp, events.emit)
+        await server.answers.stream_one(req, c, resp, events.emit)
     except RequestError as e:   # headers are gone: the error travels as events
         await resp.write(events.failed(APIError(e.status, str(e), type=e.error_type)))
     else:
-        last, final = events.end(usage(server._usage(req, groups)))
+        last, final = events.end(usage(server.answers.usage(req, groups)))
         if rr.store:
             server.response_store.put(final, conversation(rr, final["output"]))
         await resp.write(last)
