@@ -8,6 +8,11 @@ token can be measured on any machine, a CPU box included, at any token rate.
 
     python -m benchmarks.router_tokens --streams 64,256 --workers 2 --step-ms 4
     python -m benchmarks.router_tokens --streams 256 --server-path DIR   # an older router, same sitting
+    python -m benchmarks.router_tokens --routers 4 --streams 1024,2048   # 4 routers on one port
+
+With --routers N the routers share the HTTP port (SO_REUSEPORT, as `pdd up
+--routers N`), and each token source registers with every router and answers
+each on its own connection, as a worker does: the sources are never what limits.
 
 The token sources' ids are the tiny tokenizer's for plain words, so the
 detokenizer and the chunks see text as a model's would. The control bus is
@@ -43,6 +48,7 @@ TEXT = "the quick brown fox jumps over the lazy dog and then it runs far away in
 
 def add_args(p) -> None:
     p.add_argument("--streams", default="64,256", help="comma list of streams in flight")
+    p.add_argument("--routers", type=int, default=1, help="routers sharing the HTTP port")
     p.add_argument("--workers", type=int, default=2, help="token-source processes")
     p.add_argument("--step-ms", type=float, default=4.0, help="each source's step: a token per request this often")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
@@ -59,22 +65,25 @@ def add_args(p) -> None:
 
 # ---------------------------------------------------------------- a token source (a process of its own)
 
-def token_source(control_addr: str, worker_id: str, step_s: float, token_ids: list[int]) -> None:
-    asyncio.run(_source(control_addr, worker_id, step_s, token_ids))
+def token_source(control_addrs: list[str], worker_id: str, step_s: float, token_ids: list[int]) -> None:
+    asyncio.run(_source(control_addrs, worker_id, step_s, token_ids))
 
 
-async def _source(control_addr: str, worker_id: str, step_s: float, token_ids: list[int]) -> None:
+async def _source(control_addrs: list[str], worker_id: str, step_s: float, token_ids: list[int]) -> None:
     import zmq.asyncio
 
     from pdd.protocol.bus import DealerChannel
-    chan = DealerChannel(zmq.asyncio.Context(), control_addr, f"{worker_id}-{uuid.uuid4().hex[:8]}")
-    held: dict[str, list] = {}   # request id -> [epoch, next position, max_tokens]
+    ctx = zmq.asyncio.Context()
+    incarnation = uuid.uuid4().hex
+    # Per router: its connection, and the requests it placed here: id -> [epoch, next position, tokens left].
+    links = [(DealerChannel(ctx, addr, f"{worker_id}-{uuid.uuid4().hex[:8]}"), {}) for addr in control_addrs]
     layout = KVLayout("tiny", "synthetic", "float32", 16, 4, 2, 32)
-    await chan.send(m.Register(worker_id, "colocated", socket.gethostname(), os.getpid(), "cpu", layout.to_dict(),
-                               num_blocks=1 << 20, max_num_seqs=1 << 16, max_model_len=1 << 16,
-                               incarnation=uuid.uuid4().hex))
+    register = m.Register(worker_id, "colocated", socket.gethostname(), os.getpid(), "cpu", layout.to_dict(),
+                          num_blocks=1 << 20, max_num_seqs=1 << 16, max_model_len=1 << 16, incarnation=incarnation)
+    for chan, _ in links:
+        await chan.send(register)
 
-    async def receive() -> None:
+    async def receive(chan, held: dict) -> None:
         while True:
             msg = await chan.recv()
             if isinstance(msg, m.Admit):
@@ -88,55 +97,67 @@ async def _source(control_addr: str, worker_id: str, step_s: float, token_ids: l
 
     async def beat() -> None:
         while True:
-            await chan.send(m.Heartbeat(worker_id, len(held), 0, 1 << 20, 1 << 20, decoding=len(held)))
+            running = sum(len(held) for _, held in links)
+            for chan, _ in links:
+                await chan.send(m.Heartbeat(worker_id, running, 0, 1 << 20, 1 << 20, decoding=running))
             await asyncio.sleep(0.2)
 
     async def steps() -> None:
         n = 0
         while True:
             await asyncio.sleep(step_s)
-            items = []
-            for rid, h in list(held.items()):
-                epoch, position, left = h
-                done = left <= 1
-                items.append(m.TokenItem(rid, epoch, position, [token_ids[(position + n) % len(token_ids)]], done,
-                                         "length" if done else None))
-                h[1], h[2] = position + 1, left - 1
-                if done:
-                    del held[rid]
+            for chan, held in links:
+                items = []
+                for rid, h in list(held.items()):
+                    epoch, position, left = h
+                    done = left <= 1
+                    items.append(m.TokenItem(rid, epoch, position, [token_ids[(position + n) % len(token_ids)]],
+                                             done, "length" if done else None))
+                    h[1], h[2] = position + 1, left - 1
+                    if done:
+                        del held[rid]
+                if items:
+                    await chan.send(m.TokenBatch(worker_id, items))
             n += 1
-            if items:
-                await chan.send(m.TokenBatch(worker_id, items))
 
     tasks = [asyncio.create_task(t()) for t in (beat, steps)]
-    await receive()
+    await asyncio.gather(*(receive(chan, held) for chan, held in links))
     for t in tasks:
         t.cancel()
 
 
 # ---------------------------------------------------------------- the router
 
-def _router(a, run_dir: Path) -> tuple[subprocess.Popen, str, str]:
+def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], list[str]]:
+    """The routers started: (processes, the shared URL, each one's own URL, their control addresses)."""
     model = run_dir / "tiny"
     if not (model / "config.json").is_file():
         make_model(model)
     cfg = load_cluster_config(env={})
-    control = f"tcp://127.0.0.1:{a.port + 1}"
+    control = [f"tcp://127.0.0.1:{a.port + 1 + 3 * i}" for i in range(a.routers)]
+    admin = [f"tcp://127.0.0.1:{a.port + 2 + 3 * i}" for i in range(a.routers)]
+    own = [a.port + 3 + 3 * i for i in range(a.routers)] if a.routers > 1 else []
     cfg = dataclasses.replace(
         cfg, engine=dataclasses.replace(cfg.engine, model=str(model)),
-        router=dataclasses.replace(cfg.router, port=a.port, host="127.0.0.1", control_addr=control,
-                                   admin_addr=f"tcp://127.0.0.1:{a.port + 2}", state_dir=str(run_dir.resolve()),
-                                   admin_token=uuid.uuid4().hex),
+        router=dataclasses.replace(cfg.router, port=a.port, host="127.0.0.1", control_addr=control[0],
+                                   admin_addr=admin[0], state_dir=str(run_dir.resolve()),
+                                   admin_token=uuid.uuid4().hex,
+                                   control_addrs=tuple(control) if a.routers > 1 else (),
+                                   admin_addrs=tuple(admin) if a.routers > 1 else (), http_ports=tuple(own)),
         security=dataclasses.replace(cfg.security, insecure=True))
     config = run_dir / "cluster.toml"
     config.write_text(dump_toml(cfg))
     env = dict(os.environ)
     if a.server_path:
         env["PYTHONPATH"] = str(Path(a.server_path).resolve()) + os.pathsep + env.get("PYTHONPATH", "")
-    log = open(run_dir / "router.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--role", "router", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{a.port}", control
+    procs = []
+    for i in range(a.routers):
+        log = open(run_dir / f"router-{i}.log", "ab")
+        procs.append(subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--role", "router", "--config",
+                                       str(config), "--set", f"router.index={i}"],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    url = f"http://127.0.0.1:{a.port}"
+    return procs, url, [f"http://127.0.0.1:{p}" for p in own] or [url], control
 
 
 def _workers_seen(url: str) -> int:
@@ -150,7 +171,7 @@ def _workers_seen(url: str) -> int:
 def main(a) -> int:
     run_dir = Path(a.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    router, url, control = _router(a, run_dir)
+    routers, url, own_urls, control = _routers(a, run_dir)
     token_ids = Tokenizer(run_dir / "tiny").encode(TEXT, add_special_tokens=False)
     ctx = multiprocessing.get_context("spawn")
     sources = [ctx.Process(target=token_source, args=(control, f"source-{i}", a.step_ms / 1000, token_ids),
@@ -160,24 +181,27 @@ def main(a) -> int:
         for s in sources:
             s.start()
         deadline = time.monotonic() + 60
-        while _workers_seen(url) < a.workers:
-            if router.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not see {a.workers} token sources; see {run_dir}/router.log")
+        while min(_workers_seen(u) for u in own_urls) < a.workers:
+            if any(r.poll() is not None for r in routers) or time.monotonic() > deadline:
+                raise RuntimeError(f"the routers did not all see {a.workers} token sources; see {run_dir}/router-*.log")
             time.sleep(0.2)
         model = first_model(Target(url))
+        pids = [r.pid for r in routers]
         for streams in (int(x) for x in a.streams.split(",")):
-            spy = Path(a.py_spy) / f"streams-{streams}" if a.py_spy else None
+            spy = Path(a.py_spy) / f"routers-{a.routers}-streams-{streams}" if a.py_spy else None
             r = run_point(url, model, streams, a.client_procs, a.max_tokens, 24, a.warmup, a.duration,
-                          [router.pid], url, spy_prefix=spy, spy_top=45)
-            r.update(workers=a.workers, step_ms=a.step_ms, server=a.server_path or "this pdd")
+                          pids, own_urls[0], router_urls=tuple(own_urls), spy_prefix=spy, spy_top=45)
+            r.update(routers=a.routers, workers=a.workers, step_ms=a.step_ms, server=a.server_path or "this pdd")
             results.append(r)
-            print(f"streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  router {r['router_us_per_token']} us/token "
-                  f"({r['router_cpu_cores']} cores)  ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  "
-                  f"TTFT p50 {r['ttft_p50_ms']} ms  429s {r.get('429', 0)}  resets {r['connection_errors']}",
-                  flush=True)
+            print(f"routers {a.routers}  streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  "
+                  f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "
+                  f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
+                  f"429s {r.get('429', 0)}  resets {r['connection_errors']}", flush=True)
     finally:
-        router.terminate()
-        router.wait(30)
+        for r in routers:
+            r.terminate()
+        for r in routers:
+            r.wait(30)
         for s in sources:
             s.kill()
     if a.json:
