@@ -94,9 +94,8 @@ class Tokenizer:
     @cached_property
     def _plain_pieces(self) -> dict[int, str | None] | None:
         """plain_piece's memory, or None where no token has a plain piece."""
-        spec = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
-        steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
-        return {} if steps and all(step.get("type") == "ByteLevel" for step in steps) else None
+        steps = self._decoder_steps
+        return {} if steps and all(kind == "ByteLevel" for kind in steps) else None
 
     @cached_property
     def _added_ids(self) -> frozenset[int]:
@@ -106,13 +105,17 @@ class Tokenizer:
     def _byte_decoding(self) -> str | None:
         """"ByteLevel" or "ByteFallback" where the decoder (or a step of its
         sequence) is one: how token_bytes reads a token; None otherwise."""
+        return next((k for k in ("ByteLevel", "ByteFallback") if k in self._decoder_steps), None)
+
+    @cached_property
+    def _decoder_steps(self) -> list[str]:
+        """The decoder's kind, or the kinds of its sequence's steps ([]: no decoder)."""
         decoder = self._tok.decoder
         if decoder is None:
-            return None
+            return []
         spec = json.loads(decoder.__getstate__())
         steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
-        kinds = [step.get("type") for step in steps]
-        return next((k for k in ("ByteLevel", "ByteFallback") if k in kinds), None)
+        return [step.get("type") for step in steps]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
