@@ -1,9 +1,9 @@
 """Streams written by the router in one callback per loop iteration.
 
-A streamed token used to cost the router, for each stream at every engine
-step, a wake-up of its handler (a future, a task step, the handler's async
-generators) and an awaited aiohttp write. A stream on the Relay has its
-request's events (RequestState.listener) marked due instead; once per loop
+Waking each stream's handler for its tokens at every engine step (a future, a
+task step, its async generators, an awaited aiohttp write) would cost the
+router more than the tokens. A stream on the Relay has its request's events
+(RequestState.listener) marked due instead; once per loop
 iteration, after the step's TokenBatch was delivered, the Relay runs each due
 stream's flush, which turns its events into chunks and writes them to its
 connection at once (DirectWriter). Its handler wakes only to end the stream,
@@ -84,7 +84,7 @@ class Relay:
     per interval, up to `max_interval_s` at FULL_LOAD (the tokens of the
     steps between then go out in one write per stream)."""
 
-    def __init__(self, max_interval_s: float = 0.0, load: Callable[[], float] = lambda: 1.0):
+    def __init__(self, max_interval_s: float = 0.0, load: Callable[[], float] = lambda: 0.0):
         self._due: list[_Stream] = []
         self.max_interval_s = max_interval_s
         self.load = load

@@ -139,12 +139,9 @@ def test_a_loop_on_its_cpu_all_the_time_is_saturated_and_one_that_idles_is_not()
     """The loop's thread on a CPU for more than router.max_loop_busy of the last
     probes' span: refused (a request more would slow every stream), though no
     probe ran late; back to admitting once it idles again."""
-    from prometheus_client import CollectorRegistry, Counter
-
     from pdd.router.control import Overloaded
-    from pdd.router.saturation import LOOP_BUSY, PROBE_INTERVAL_S, PROBES, Saturation
-    rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
-    sat = Saturation(0.5, 0, rejected, max_loop_busy=0.95)
+    from pdd.router.saturation import LOOP_BUSY, PROBE_INTERVAL_S, PROBES
+    sat, _ = _saturation(max_loop_busy=0.95)
     wall = cpu = 0.0
     for _ in range(PROBES + 1):          # every interval spent on the CPU, each probe on time
         wall, cpu = wall + PROBE_INTERVAL_S, cpu + PROBE_INTERVAL_S
@@ -166,12 +163,9 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
     """The receive loop found a message waiting after each one for longer than
     router.max_inbound_lag_s: refused (every stream's tokens and every first
     token wait in that queue); an empty socket ends it at once."""
-    from prometheus_client import CollectorRegistry, Counter
-
     from pdd.router.control import Overloaded
-    from pdd.router.saturation import INBOUND_LAG, Saturation
-    rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
-    sat = Saturation(0.5, 0, rejected, max_inbound_lag_s=0.5)
+    from pdd.router.saturation import INBOUND_LAG
+    sat, rejected = _saturation(max_inbound_lag_s=0.5)
     sat.behind(10.0)
     sat.behind(10.3)            # still behind: the wait counts from the first
     sat.probe(0.001, 10.4, 0.0)
@@ -188,3 +182,12 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
     sat.probe(0.001, 10.7, 0.0)
     assert sat.reason is None and sat.inbound_lag == 0.0
     sat.check()
+
+
+def _saturation(**limits):
+    """A Saturation with max_loop_lag_s 0.5 and `limits`, and its rejection counter."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pdd.router.saturation import Saturation
+    rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
+    return Saturation(0.5, 0, rejected, **limits), rejected
