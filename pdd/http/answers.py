@@ -118,10 +118,12 @@ class Answers:
             echo = given if as_given else self.tokenizer.decode(prompt_ids, False)
         return Choice(index, state, text, lp, echo)
 
-    def usage(self, req: s.GenerateRequest, groups: list[list[Choice]]) -> dict:
+    def usage(self, req: s.GenerateRequest, groups: list[list[Choice]], final: bool = True) -> dict:
+        """final: the answer's whole usage; False: a chunk's usage so far (continuous
+        usage), without the reasoning count, which reads the whole text again."""
         # The tokens the answer is made of: not those a worker sent after a stop string.
         usage = choices_usage(groups, req.echo_only)
-        if req.reasoning is not None:   # a reasoning model's: how many of them it thought (OpenAI's field)
+        if final and req.reasoning is not None:   # a reasoning model's: how many of them it thought (OpenAI's field)
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(
                 reasoning_tokens(req.reasoning, c.state.output_token_ids[:c.text.num_tokens], c.text.text,
                                  self.tokenizer) for c in flat(groups))}
@@ -188,7 +190,7 @@ class Answers:
         choices = flat(groups)
 
         def so_far() -> dict | None:   # vLLM's continuous usage: every chunk says the usage so far
-            return self.usage(req, groups) if req.continuous_usage else None
+            return self.usage(req, groups, final=False) if req.continuous_usage else None
 
         chunks = r.StreamChunks(req)
 
