@@ -21,7 +21,9 @@ insecure (loopback only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -34,6 +36,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.cli import run_as_main
+from benchmarks.profile import py_spy_exe, recording
 
 from pdd.bench.frontdoor import run_point
 from pdd.bench.serve_client import Target, first_model
@@ -169,6 +172,8 @@ def _workers_seen(url: str) -> int:
 
 
 def main(a) -> int:
+    if a.py_spy:
+        py_spy_exe()   # refused before any router starts
     run_dir = Path(a.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     routers, url, own_urls, control = _routers(a, run_dir)
@@ -188,9 +193,12 @@ def main(a) -> int:
         model = first_model(Target(url))
         pids = [r.pid for r in routers]
         for streams in (int(x) for x in a.streams.split(",")):
-            spy = Path(a.py_spy) / f"routers-{a.routers}-streams-{streams}" if a.py_spy else None
+            watch = contextlib.nullcontext
+            if a.py_spy:
+                watch = functools.partial(recording, pids, Path(a.py_spy) / f"routers-{a.routers}-streams-{streams}",
+                                          f"router profile, {streams} streams", 45)
             r = run_point(url, model, streams, a.client_procs, a.max_tokens, 24, a.warmup, a.duration,
-                          pids, own_urls[0], router_urls=tuple(own_urls), spy_prefix=spy, spy_top=45)
+                          pids, own_urls[0], router_urls=tuple(own_urls), watch=watch)
             r.update(routers=a.routers, workers=a.workers, step_ms=a.step_ms, server=a.server_path or "this pdd")
             results.append(r)
             print(f"routers {a.routers}  streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  "

@@ -64,9 +64,6 @@ def add_bench_parsers(sub, add_engine_args) -> None:
     b.add_argument("--server-path", default=None, metavar="DIR",
                    help="run the clusters from the pdd package under DIR (e.g. an older commit's, for a "
                         "before/after in one sitting); the clients stay this pdd's")
-    b.add_argument("--py-spy", default=None, metavar="DIR", help="also record the routers with py-spy over each "
-                   "window (raw folded stacks in DIR) and print the top of the profile")
-    b.add_argument("--top", type=int, default=15, help="--py-spy: functions printed per point")
     add_json_arg(b)
 
     b = _bench_parser(sub, "chaos", "fault scenarios at a fixed load, each on a throw-away cluster")

@@ -18,8 +18,7 @@ connection errors (resets) and streams that ended in an error event.
 With --prefixes K the prompts share K prefixes (of --prompt-words words,
 each followed by a few words of its own), and the workers' prefix-cache hit
 rate over the window says whether affinity holds with N routers as with one.
-With --py-spy DIR each router is recorded over each window and the functions
-on its stacks most often are printed (pdd.bench.profile).
+(Where that CPU goes: `python -m benchmarks.router_tokens --py-spy DIR` in a checkout.)
 
     pdd bench frontdoor --routers 1,2,4 --concurrency 16,64,256,1024,2048
     pdd bench frontdoor --routers 1,2 --workers 2 --prefixes 8 --prompt-words 400 --concurrency 64
@@ -27,17 +26,16 @@ on its stacks most often are printed (pdd.bench.profile).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import random
-import statistics
 import time
 from pathlib import Path
 
 from pdd.bench.commands import write_json
 from pdd.bench.layouts import UpProcess, parse_layouts
-from pdd.bench.profile import cpu_seconds, print_top, py_spy_exe, start_recording, stop_recording
 from pdd.bench.scrape import metric_lines, series
 from pdd.bench.serve_client import Target, first_model
 from pdd.lifetime import children, serving
@@ -135,10 +133,10 @@ def prompts(concurrency: int, prompt_words: int, prefixes: int) -> list[str]:
 
 def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: int, prompt_words: int,
               warmup_s: float, duration_s: float, cpu_pids: list[int], metrics_url: str, prefixes: int = 0,
-              router_urls: tuple[str, ...] = (), spy_prefix: Path | None = None, spy_top: int = 15) -> dict:
+              router_urls: tuple[str, ...] = (), watch=contextlib.nullcontext) -> dict:
     """One point: `concurrency` streams against `url`; the steps and prefix-cache
     lookups as `metrics_url` (one router: every worker reports to each) counts them;
-    with `spy_prefix`, py-spy records `cpu_pids` over the window."""
+    `watch()` is entered for the window (a profiler, say)."""
     bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                           "stream": True, "temperature": 0}).encode() for p in prompts(concurrency, prompt_words,
                                                                                         prefixes)]
@@ -159,12 +157,10 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
     # rates over whatever interval those answers span.
     steps_before, prefix_before = _scrape(metrics_url)
     time.sleep(max(0.0, window[0] - time.time()))
-    spies = start_recording(cpu_pids, spy_prefix) if spy_prefix else []
-    cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
-    time.sleep(max(0.0, window[1] - time.time()))
-    cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
-    if spies:
-        print_top(stop_recording(spies), f"router profile, {concurrency} streams", spy_top)
+    with watch():
+        cpu_before, cpu_t0 = _cpu_seconds(cpu_pids), time.time()
+        time.sleep(max(0.0, window[1] - time.time()))
+        cpu_s = (_cpu_seconds(cpu_pids) - cpu_before) * duration_s / max(time.time() - cpu_t0, 1e-3)
     steps_after, prefix_after = _scrape(metrics_url)
     steps = _histogram_delta(steps_before, steps_after)
     hits, queries = (a - b for a, b in zip(prefix_after, prefix_before))
@@ -207,13 +203,14 @@ def _ms(x: float | None) -> float | None:
 # ---------------------------------------------------------------- what the servers say
 
 def _cpu_seconds(pids: list[int]) -> float:
-    """User + system time of these processes so far (those gone count 0)."""
-    total = 0.0
+    """User + system time of these processes so far, from /proc (those gone count 0)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
     for pid in pids:
         try:
-            total += sum(cpu_seconds(pid))
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -294,8 +291,6 @@ def _router_pids(parent: int) -> list[int]:
 def main(args) -> int:
     routers = [int(x) for x in args.routers.split(",")]
     points = [int(x) for x in args.concurrency.split(",")]
-    if args.py_spy:
-        py_spy_exe()   # refused before any cluster starts
     results = []
     for n in routers:
         run_dir = Path(args.run_dir) / f"routers-{n}"
@@ -304,8 +299,7 @@ def main(args) -> int:
             for c in points:
                 r = run_point(cluster.url, cluster.model, c, args.client_procs, args.max_tokens, args.prompt_words,
                               args.warmup, args.duration, cluster.router_pids, cluster.own_url, args.prefixes,
-                              cluster.router_urls, Path(args.py_spy) / f"routers-{n}-streams-{c}" if args.py_spy
-                              else None, args.top)
+                              cluster.router_urls)
                 r["routers"], r["server"] = n, args.server_path or "this pdd"
                 results.append(r)
                 print(f"routers {n}  streams {c:5d}  {r['tokens_s']:>10,.0f} tok/s  {r['requests_s']:7.1f} req/s  "

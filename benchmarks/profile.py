@@ -1,8 +1,8 @@
-"""Where the router's CPU goes: /proc CPU times, and py-spy recordings of
-processes over a measured window (`pdd bench frontdoor --py-spy DIR`), with the
-functions most often on their stacks.
+"""Where the router's CPU goes: py-spy recordings of processes over a measured
+window (`python -m benchmarks.router_tokens --py-spy DIR`), with the functions
+most often on their stacks.
 
-    pdd bench frontdoor --routers 1 --concurrency 64,256 --py-spy /tmp/spy
+    python -m benchmarks.router_tokens --streams 256 --py-spy /tmp/spy
 
 py-spy records raw folded stacks (DIR/routers-N-streams-C-PID.txt, one per
 router process); the top of them, over every router of a point, is printed.
@@ -10,19 +10,12 @@ router process); the top of them, over every router of a point, is printed.
 from __future__ import annotations
 
 import collections
-import os
+import contextlib
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(utime, stime) of process `pid`, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def py_spy_exe() -> str:
@@ -77,3 +70,13 @@ def print_top(folded: list[Path], title: str, n: int) -> None:
     print(f"{title} (inclusive, leaf share of samples):")
     for f, inc, leaf in top_functions(folded, n):
         print(f"  {inc:6.1%} {leaf:6.1%}  {f}")
+
+
+@contextlib.contextmanager
+def recording(pids: list[int], prefix: Path, title: str, top: int):
+    """py-spy on `pids` while the block runs; then the top of what it saw, printed."""
+    spies = start_recording(pids, prefix)
+    try:
+        yield
+    finally:
+        print_top(stop_recording(spies), title, top)

@@ -1,11 +1,11 @@
-"""`pdd bench frontdoor --py-spy`: the top of the routers' profiles from py-spy's
+"""`benchmarks.router_tokens --py-spy`: the top of the routers' profiles from py-spy's
 raw folded stacks (several processes of one point pooled), and the series the
 front door and chaos read from /metrics."""
 from __future__ import annotations
 
 import pytest
 
-from pdd.bench.profile import top_functions
+from benchmarks.profile import top_functions
 from pdd.bench.scrape import series
 
 
