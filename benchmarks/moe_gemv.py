@@ -80,7 +80,7 @@ def _timer(name: str, tokens: int, reps: int):
 
 
 def main(args) -> int:
-    from pdd.ops.triton_moe import GEMV_MAX_PAIRS, expert_tiles
+    from pdd.ops.triton_moe import GEMV_MAX_PAIRS, expert_tiles, tiles_spec
     if not args.dry_run and not torch.cuda.is_available():
         raise ValueError("needs a CUDA GPU (--dry-run lists the cases without one)")
     models = args.models.split(",")
@@ -102,7 +102,8 @@ def main(args) -> int:
                     best_down = min(((time_tiles((best_up[1], c)), c) for c in _candidates(h, inter)),
                                     key=lambda r: r[0])
                     row.update(best_tiles=[tuple(best_up[1]), tuple(best_down[1])], best_us=round(best_down[0], 2),
-                               best_of_floor=round(row["floor_us"] / best_down[0], 3))
+                               best_of_floor=round(row["floor_us"] / best_down[0], 3),
+                               env=f"PDD_MOE_GEMV_TILES={tiles_spec((best_up[1], best_down[1]))}")
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -23,7 +23,8 @@ a decode step with MoE layers can be captured in a CUDA graph.
 Both GEMM kernels run twice: gate_up with SiLU-and-mul fused (gate columns j
 and up columns I + j in one program), then down, scaled by the pair's routing
 weight into a float32 [pairs, H] buffer; the weighted sum over a token's k pairs
-is one reduction.
+is one reduction. The per-pair GEMV's tiles are a rule of the shapes
+(`expert_tiles`); PDD_MOE_GEMV_TILES replaces them (`gemv_tiles_override`).
 
 Weights: gate_up [E, 2I, H], down [E, H, I], in x's dtype, or float8 e4m3 with
 128x128 block scales [E, ceil(N/128), ceil(K/128)] (as Qwen3-30B-A3B-FP8
@@ -31,6 +32,8 @@ publishes them) applied to each K block's partial product.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +47,7 @@ GEMV_MAX_PAIRS = 64    # (token, expert) pairs up to which the per-pair GEMV run
 FP8_BLOCK = 128        # the block scales' tile, both dims
 _ALIGN_CHUNK = 128     # pairs an align kernel's program (or iteration) takes
 _ROUTE_TOKENS = 16     # tokens a route program takes
+_TILES_ENV = "PDD_MOE_GEMV_TILES"
 
 
 # ---------------------------------------------------------------------------
@@ -316,6 +320,26 @@ def expert_tiles(n: int, k: int, scaled: bool) -> ExpertTiles:
     return ExpertTiles(min(64, max(16, _pow2(n))), FP8_BLOCK if scaled else min(64, max(16, _pow2(k))))
 
 
+@functools.lru_cache(maxsize=4)
+def gemv_tiles_override(spec: str | None) -> tuple[ExpertTiles, ExpertTiles] | None:
+    """PDD_MOE_GEMV_TILES="BN,BK,WARPS,STAGES/BN,BK,WARPS,STAGES" (gate_up's, then
+    down's): the per-pair GEMV's tiles in place of the rule's, for a device A/B
+    without an edit (`python -m benchmarks.moe_gemv --sweep` prints the line)."""
+    if not spec:
+        return None
+    try:
+        up, down = (ExpertTiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
+    except (TypeError, ValueError):
+        raise ValueError(f"{_TILES_ENV}={spec!r}: want BN,BK,WARPS,STAGES/BN,BK,WARPS,STAGES "
+                         "(gate_up's tiles, then down's)") from None
+    return up, down
+
+
+def tiles_spec(tiles: tuple[ExpertTiles, ExpertTiles]) -> str:
+    """The PDD_MOE_GEMV_TILES value of (gate_up's, down's) tiles."""
+    return "/".join(",".join(str(v) for v in t) for t in tiles)
+
+
 def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted: bool,
           tiles: ExpertTiles | None = None) -> None:
     """One expert GEMM over all pairs: the per-pair GEMV, or the grouped tl.dot kernel
@@ -360,6 +384,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     if num_pairs > GEMV_MAX_PAIRS:
         bm = block_m(num_pairs, e)
         grouping = (*align(ids, e, bm), bm)
+    elif tiles is None:
+        tiles = gemv_tiles_override(os.environ.get(_TILES_ENV))
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     up_tiles, down_tiles = tiles or (None, None)
     _gemm(x, gate_up, gate_up_scale, act, ids, weights, grouping, top_k, silu=True, weighted=False, tiles=up_tiles)

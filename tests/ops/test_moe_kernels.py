@@ -157,3 +157,17 @@ def test_tiles_given_replace_the_rule_and_keep_the_result():
     with pytest.raises(ValueError, match="scale blocks"):
         tm.fused_moe(x, logits, q.to(DEVICE), _fp8_experts(down.cpu())[0].to(DEVICE), 2, True, scales.to(DEVICE),
                      _fp8_experts(down.cpu())[1].to(DEVICE), tiles=(tm.ExpertTiles(16, 64), None))
+
+
+def test_the_gemv_tiles_override_is_read_from_its_setting_and_refused_when_misspelt(monkeypatch):
+    """PDD_MOE_GEMV_TILES (a device A/B without an edit) replaces the per-pair GEMV's
+    tiles with the same result; a malformed value names the setting and its form."""
+    x, logits, gate_up, down = moe_case(3, inter=48)
+    ref = reference.fused_moe(*(t.cpu() for t in (x, logits, gate_up, down)), 2, True)
+    tiles = (tm.ExpertTiles(16, 32, 2, 2), tm.ExpertTiles(32, 16, 4, 1))
+    assert tm.gemv_tiles_override(tm.tiles_spec(tiles)) == tiles
+    assert tm.gemv_tiles_override(None) is None
+    monkeypatch.setenv("PDD_MOE_GEMV_TILES", tm.tiles_spec(tiles))
+    close(tm.fused_moe(x, logits, gate_up, down, 2, True), ref, 1e-5)
+    with pytest.raises(ValueError, match="PDD_MOE_GEMV_TILES='16,32/8'.*BN,BK,WARPS,STAGES"):
+        tm.gemv_tiles_override("16,32/8")
