@@ -22,7 +22,10 @@ LAYOUTS = {"colocated": ("--mode", "colocated", "--workers", "1"),
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def tiered(request, tmp_path_factory, tiny_model, offline):
     block_bytes = offline.engine.runner.kv_spec.bytes_per_block
-    env = {"PDD_ENGINE__NUM_BLOCKS": str(POOL_BLOCKS), "PDD_ENGINE__HOST_KV_CACHE_BYTES": str(400 * block_bytes)}
+    # float32 on a GPU too (its default is bf16): the texts are compared with the
+    # CPU engine's, and a bf16 prefix hit need not give a fresh prefill's tokens.
+    env = {"PDD_ENGINE__NUM_BLOCKS": str(POOL_BLOCKS), "PDD_ENGINE__HOST_KV_CACHE_BYTES": str(400 * block_bytes),
+           "PDD_ENGINE__DTYPE": "float32"}
     with UpCluster(tmp_path_factory.mktemp(f"hostkv-{request.param}"), tiny_model, *LAYOUTS[request.param],
                    env=env) as c:
         c.layout = request.param

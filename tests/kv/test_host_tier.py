@@ -13,8 +13,10 @@ from pdd.kv.tier import HostTier
 from tests.engine.helpers import assert_all_blocks_free, greedy, random_prompts
 
 BS = 16
-# 24 blocks: 23 usable, 368 tokens; a 200-token prompt + output takes 14.
-POOL = dict(num_blocks=24, chunk_size=64, max_num_batched_tokens=256)
+# 24 blocks: 23 usable, 368 tokens; a 200-token prompt + output takes 14. float32
+# on a GPU too (its default is bf16, where a prefix hit need not give a fresh
+# prefill's tokens): the loaded pages' tokens are compared with a fresh prefill's.
+POOL = dict(num_blocks=24, chunk_size=64, max_num_batched_tokens=256, dtype="float32")
 
 
 def _tier(llm) -> HostTier:
@@ -29,7 +31,7 @@ def _evict_with_others(llm, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiered(tiny_model):
-    spec_bytes = LLM(str(tiny_model), num_blocks=4).engine.runner.kv_spec.bytes_per_block
+    spec_bytes = LLM(str(tiny_model), num_blocks=4, dtype="float32").engine.runner.kv_spec.bytes_per_block
     return LLM(str(tiny_model), host_kv_cache_bytes=200 * spec_bytes, **POOL)
 
 
@@ -58,8 +60,8 @@ def test_an_evicted_prefix_is_loaded_from_the_host_and_gives_the_tokens_of_a_fre
 
 def test_outputs_are_identical_with_the_tier_on_and_off_over_a_mixed_batch(tiered, plain):
     if tiered.engine.device.type == "cuda":
-        # Measured on nvidia-h200: the batches the two engines form differ (the
-        # tier's loads hold requests back), and bf16 GPU kernels are not batch
+        # Measured on nvidia-h200 (in bf16): the batches the two engines form differ
+        # (the tier's loads hold requests back), and GPU kernels are not batch
         # invariant, so random-weight greedy outputs part after a few tokens.
         pytest.skip("needs batch-invariant arithmetic: the CPU run checks it")
     prompts = random_prompts([40, 120, 250, 17, 90, 200], seed=7)
