@@ -185,3 +185,41 @@ def _saturation(**limits):
     from pdd.router.saturation import Saturation
     rejected = Counter("r", "r", ["reason"], registry=CollectorRegistry())
     return Saturation(0.5, 0, rejected, **limits), rejected
+
+
+def test_retry_after_brings_the_refused_back_about_as_fast_as_requests_end():
+    """Four times as many clients as the router holds, all back after a second:
+    800 refused a second against 200 ending, so they are asked to wait 4 s; as
+    many refused as end keeps the wait; nothing ending, the longest; never
+    below a second or past the cap."""
+    from pdd.router.saturation import MAX_RETRY_AFTER_S, RETRY_AFTER_S, retry_after
+    assert retry_after(1, 800.0, 200.0) == 4
+    assert retry_after(4, 200.0, 200.0) == 4
+    assert retry_after(4, 0.0, 200.0) == RETRY_AFTER_S
+    assert retry_after(2, 50.0, 0.0) == MAX_RETRY_AFTER_S
+    assert retry_after(1, 10_000.0, 1.0) == MAX_RETRY_AFTER_S
+    assert retry_after(1, 10.0, 200.0) == RETRY_AFTER_S
+
+
+def test_a_saturated_router_moves_retry_after_once_a_window_and_resets_it_when_it_admits_again():
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import INBOUND_LAG, RETRY_AFTER_S
+    ended = [0]
+    sat, _ = _saturation(max_inbound_lag_s=0.5, ended=lambda: ended[0])
+    sat.behind(0.0)
+    sat.probe(0.001, 1.0, 0.0)          # saturated: the window starts
+    assert sat.reason == INBOUND_LAG
+    for _ in range(600):                # 600 refused in the window, 100 requests ended
+        with pytest.raises(Overloaded) as refused:
+            sat.check()
+    assert refused.value.retry_after_s == RETRY_AFTER_S
+    ended[0] = 100
+    sat.probe(0.001, 1.5, 0.0)          # half a window: unchanged
+    assert sat.retry_after_s == RETRY_AFTER_S
+    sat.probe(0.001, 2.0, 0.0)          # a window: 600 waiting / 100 a second
+    with pytest.raises(Overloaded) as refused:
+        sat.check()
+    assert refused.value.retry_after_s == 6
+    sat.caught_up()
+    sat.probe(0.001, 2.1, 0.0)
+    assert sat.reason is None and sat.retry_after_s == RETRY_AFTER_S
