@@ -12,9 +12,8 @@ call reads its experts from HBM as a decode step's layers do.
     python -m benchmarks.moe_gemv --sweep --models qwen3-30b-a3b --tokens 1   # every candidate tile (~3 min)
     python -m benchmarks.moe_gemv --dry-run                # no GPU: the cases and the rule's tiles
 
-Decode at batch 1 of the Qwen3-30B-A3B shape ran at 18% of its floor on the H200
-(docs/benchmarks.md, "Mixture of experts on one H200"): the per-pair GEMV's
-tiles (64 x 64, Triton's default warps and stages) are the first suspect.
+The per-pair GEMV's rule (pdd.ops.triton_moe.pair_tiles) came from this sweep
+(docs/benchmarks.md, "Mixture of experts on one H200" and after).
 """
 from __future__ import annotations
 
@@ -80,7 +79,7 @@ def _timer(name: str, tokens: int, reps: int):
 
 
 def main(args) -> int:
-    from pdd.ops.triton_moe import GEMV_MAX_PAIRS, expert_tiles, tiles_spec
+    from pdd.ops.triton_moe import GEMV_MAX_PAIRS, expert_tiles, pair_tiles, tiles_spec
     if not args.dry_run and not torch.cuda.is_available():
         raise ValueError("needs a CUDA GPU (--dry-run lists the cases without one)")
     models = args.models.split(",")
@@ -89,7 +88,10 @@ def main(args) -> int:
     for name in models:
         e, h, inter, k = SHAPES[name]
         for t in tokens:
-            rule = (expert_tiles(inter, h, False), expert_tiles(h, inter, False))
+            if t * k <= GEMV_MAX_PAIRS:
+                rule = (pair_tiles(inter, h, False, silu=True), pair_tiles(h, inter, False, silu=False))
+            else:
+                rule = (expert_tiles(inter, h, False), expert_tiles(h, inter, False))
             row = {"model": name, "tokens": t, "pairs": t * k, "gemv_path": t * k <= GEMV_MAX_PAIRS,
                    "floor_us": round(floor_bytes(e, h, inter, k, t) / HBM_BYTES_S * 1e6, 2),
                    "rule_tiles": [tuple(x) for x in rule]}

@@ -23,8 +23,9 @@ a decode step with MoE layers can be captured in a CUDA graph.
 Both GEMM kernels run twice: gate_up with SiLU-and-mul fused (gate columns j
 and up columns I + j in one program), then down, scaled by the pair's routing
 weight into a float32 [pairs, H] buffer; the weighted sum over a token's k pairs
-is one reduction. The per-pair GEMV's tiles are a rule of the shapes
-(`expert_tiles`); PDD_MOE_GEMV_TILES replaces them (`gemv_tiles_override`).
+is one reduction. The tiles are rules of the shapes, one for each kernel
+(`pair_tiles`, `expert_tiles`); PDD_MOE_GEMV_TILES replaces the GEMV's
+(`gemv_tiles_override`).
 
 Weights: gate_up [E, 2I, H], down [E, H, I], in x's dtype, or float8 e4m3 with
 128x128 block scales [E, ceil(N/128), ceil(K/128)] (as Qwen3-30B-A3B-FP8
@@ -320,6 +321,19 @@ def expert_tiles(n: int, k: int, scaled: bool) -> ExpertTiles:
     return ExpertTiles(min(64, max(16, _pow2(n))), FP8_BLOCK if scaled else min(64, max(16, _pow2(k))))
 
 
+def pair_tiles(n: int, k: int, scaled: bool, silu: bool) -> ExpertTiles:
+    """The per-pair GEMV's rule: 16 output columns a program (many programs, each
+    streaming long rows), 8 warps, K steps of 256 for gate_up (its gate and up
+    rows at once, 2 stages) and 128 for down (4 stages). Measured with `python -m
+    benchmarks.moe_gemv --sweep` (the Qwen3-30B-A3B shapes at one token, an H100:
+    a layer's experts 127.6 us with the grouped rule's 64x64 tiles, 39.6 us with
+    these, 45% of its bytes' floor). FP8 experts keep the grouped rule (not swept)."""
+    if scaled:
+        return expert_tiles(n, k, scaled)
+    bk = 256 if silu else 128
+    return ExpertTiles(16, min(bk, max(16, _pow2(k))), 8, 2 if silu else 4)
+
+
 @functools.lru_cache(maxsize=4)
 def gemv_tiles_override(spec: str | None) -> tuple[ExpertTiles, ExpertTiles] | None:
     """PDD_MOE_GEMV_TILES="BN,BK,WARPS,STAGES/BN,BK,WARPS,STAGES" (gate_up's, then
@@ -349,7 +363,8 @@ def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted
     n = w.shape[1] // 2 if silu else w.shape[1]
     k = w.shape[2]
     scaled = s is not None
-    bn, bk, warps, stages = tiles or expert_tiles(n, k, scaled)
+    rule = expert_tiles(n, k, scaled) if grouping is not None else pair_tiles(n, k, scaled, silu)
+    bn, bk, warps, stages = tiles or rule
     if scaled and bk != FP8_BLOCK:
         raise ValueError(f"FP8 experts take K steps of their {FP8_BLOCK}-column scale blocks, not {bk}")
     s_ptr, s_strides = _scale_args(s, w)

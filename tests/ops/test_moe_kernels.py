@@ -153,6 +153,10 @@ def test_tiles_given_replace_the_rule_and_keep_the_result():
     tiles = (tm.ExpertTiles(16, 32, 2, 2), tm.ExpertTiles(32, 16, 4, 1))
     close(tm.fused_moe(x, logits, gate_up, down, 2, True, tiles=tiles), ref, 1e-5)
     assert tm.expert_tiles(768, 2048, scaled=True).block_k == tm.FP8_BLOCK
+    # The per-pair GEMV's rule is the sweep's best for the A3B shapes (gate_up, then down).
+    assert tm.pair_tiles(768, 2048, False, silu=True) == tm.ExpertTiles(16, 256, 8, 2)
+    assert tm.pair_tiles(2048, 768, False, silu=False) == tm.ExpertTiles(16, 128, 8, 4)
+    assert tm.pair_tiles(768, 2048, True, silu=True).block_k == tm.FP8_BLOCK
     q, scales, _ = _fp8_experts(gate_up.cpu())
     with pytest.raises(ValueError, match="scale blocks"):
         tm.fused_moe(x, logits, q.to(DEVICE), _fp8_experts(down.cpu())[0].to(DEVICE), 2, True, scales.to(DEVICE),
