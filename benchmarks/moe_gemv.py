@@ -31,8 +31,10 @@ SHAPES = {   # name: (experts, hidden, expert intermediate, top_k)
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
 }
-BLOCK_N = (16, 32, 64)
-BLOCK_K = (64, 128, 256)
+# Around the rule's tiles (16 columns, K steps of 128/256: the first sweep's best, at
+# the edge of its grid of 16-64 columns and 64-256 K steps).
+BLOCK_N = (8, 16, 32)
+BLOCK_K = (128, 256, 512)
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
 
