@@ -117,8 +117,16 @@ class Tokenizer:
         steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
         return [step.get("type") for step in steps]
 
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The token ids alone: tokenizers' batch path without offsets where it has
+        one (>= 0.21; a fifth less of a short prompt's encode), else encode()."""
+        fast = getattr(self._tok, "encode_batch_fast", None)
+        if fast is not None:
+            return fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._ids(text, add_special_tokens)
         if add_special_tokens and self.add_bos:
             bos = self._tok.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
@@ -179,8 +187,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
         # The template writes any special tokens itself (BOS included).
-        return self._tok.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
-                                add_special_tokens=False).ids
+        return self._ids(self.apply_chat_template(messages, add_generation_prompt, **extra), False)
 
 
 # GPT-2's byte-level alphabet read backwards: symbol -> the byte it stands for.
