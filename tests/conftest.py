@@ -23,7 +23,7 @@ TESTS = Path(__file__).resolve().parent
 # Modules that start pdd processes outside tests/e2e/: `pdd serve` / `pdd up`,
 # the `pdd` command itself, a data plane's peer in a process of its own.
 PROCESS_MODULES = frozenset({"security/test_processes.py", "test_cli.py", "transfer/test_nixl.py",
-                             "transfer/test_nixl_landing.py", "bench/test_transfer_bench.py"})
+                             "transfer/test_nixl_landing.py", "benchmarks/test_transfer_bench.py"})
 
 MARKERS = {
     "e2e": "starts real pdd processes (`pdd up` clusters, `pdd serve`); slow",

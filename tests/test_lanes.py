@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import PROCESS_MODULES, TESTS
+
 REPO = Path(__file__).resolve().parent.parent
 # Given in this order: a plain module, a process-level one (PROCESS_MODULES),
 # a plain one, an e2e module.
@@ -34,3 +36,10 @@ def test_process_level_modules_come_first_and_every_module_stays_whole():
 
 def test_the_fast_lane_holds_no_process_level_module():
     assert runs(collected("-m", "not slow")) == ["tests/test_codec.py", "tests/kv/test_block_pool.py"]
+
+
+def test_every_process_level_module_named_is_there():
+    # A name left behind by a move marks nothing: the module it meant ran in the
+    # fast lane and after every process-level one (benchmarks/test_transfer_bench.py,
+    # a minute of peers in processes of their own, once did).
+    assert sorted(m for m in PROCESS_MODULES if not (TESTS / m).is_file()) == []
