@@ -58,6 +58,25 @@ def test_an_evicted_prefix_is_loaded_from_the_host_and_gives_the_tokens_of_a_fre
     assert_all_blocks_free(tiered)
 
 
+def test_in_the_devices_own_dtype_a_host_hit_gives_a_pool_hits_tokens(tiny_model):
+    """bf16 on a GPU (float32 on the CPU), where a prefix hit need not give a
+    fresh prefill's tokens: the prefix loaded back from the host gives what the
+    same prefix found in the pool gave, through the same computation, so every
+    byte of KV must have come back as it was stored."""
+    kw = {k: v for k, v in POOL.items() if k != "dtype"}
+    spec_bytes = LLM(str(tiny_model), num_blocks=4).engine.runner.kv_spec.bytes_per_block
+    llm = LLM(str(tiny_model), host_kv_cache_bytes=200 * spec_bytes, **kw)
+    prompt = random_prompts([200], seed=5)[0]
+    llm.generate([prompt], greedy(20))
+    pool_hit = llm.generate([prompt], greedy(20))[0]
+    assert pool_hit.num_cached_tokens == 192 and _tier(llm).stats.hit_blocks == 0
+    _evict_with_others(llm, seed=6)
+    host_hit = llm.generate([prompt], greedy(20))[0]
+    assert host_hit.num_cached_tokens == 192 and _tier(llm).stats.hit_blocks == 12
+    assert host_hit.token_ids == pool_hit.token_ids
+    assert_all_blocks_free(llm)
+
+
 def test_outputs_are_identical_with_the_tier_on_and_off_over_a_mixed_batch(tiered, plain):
     if tiered.engine.device.type == "cuda":
         # Measured on nvidia-h200 (in bf16): the batches the two engines form differ
