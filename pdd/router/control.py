@@ -123,7 +123,6 @@ class ControlPlane:
         self._timers = Timers()
         self._epochs = itertools.count(1)
         self.num_queued = 0          # requests in flight without a token yet (admission control)
-        self.ended = 0               # requests ended so far (the saturated router's Retry-After)
         self.followers = Followers(self._place_choice)   # n > 1: the choices waiting on their first
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
         self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
@@ -631,7 +630,6 @@ class ControlPlane:
 
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
-        self.ended += 1
         self._mark(state, "end", state.finish_reason or "")
         self.followers.forget(state)
         self.breakers.release(state.request_id)

@@ -28,16 +28,6 @@ Admission reads the last probe's verdict (a new request costs no scan of the
 connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
 shape, counted in pdd_requests_rejected_total{reason}. Nothing already
 admitted is touched.
-
-Retry-After is what keeps a saturated router's core on its streams: each
-refusal costs it an HTTP exchange (~0.25 ms measured), and clients that all
-come back after one second, four times as many as it can hold, spend a fifth
-of its core on being refused. So while saturated it is set, once a second, to
-spread the refused clients' return over the time the router takes to end as
-many requests: about E / R seconds for E clients waiting (refused per second x
-their current wait) and R requests ending per second, so that they come back
-about as fast as room is made, between RETRY_AFTER_S and MAX_RETRY_AFTER_S
-(`retry_after`). It is back to RETRY_AFTER_S once the router admits again.
 """
 from __future__ import annotations
 
@@ -56,17 +46,14 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.1
 PROBES = 5                 # readings of the loop's lag that must all be over the limit
 RETRY_AFTER_S = 1
-MAX_RETRY_AFTER_S = 10     # a refused client waits this long at most
-RETRY_WINDOW_S = 1.0       # the span over which refusals and ends are counted, and how often Retry-After moves
 LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buffered_bytes", "inbound_lag"
 
 
 class Saturation:
     def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
                  max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time,
-                 max_inbound_lag_s: float = 0.0, ended: Callable[[], int] = lambda: 0):
-        """cpu_clock: the CPU time of the thread `run` runs on (the loop's);
-        ended: how many requests have ended so far (what Retry-After is set from)."""
+                 max_inbound_lag_s: float = 0.0):
+        """cpu_clock: the CPU time of the thread `run` runs on (the loop's)."""
         self.max_loop_lag_s = max_loop_lag_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_loop_busy = max_loop_busy
@@ -83,10 +70,6 @@ class Saturation:
         self.buffered_bytes = 0
         self.reason: str | None = None     # why new requests are refused now, or None
         self._sources: list[Callable[[], int]] = []
-        self.ended = ended
-        self.refused = 0                   # requests refused so far (by check)
-        self.retry_after_s = RETRY_AFTER_S
-        self._counted: tuple[float, int, int] | None = None   # (when, refused, ended) at the window's start
 
     def behind(self, now: float) -> None:
         """The receive loop found another message waiting after one."""
@@ -118,30 +101,12 @@ class Saturation:
         self.buffered_bytes = sum(source() for source in self._sources)
         self.inbound_lag = now - self.behind_since if now is not None and self.behind_since is not None else 0.0
         reason = self._verdict()
-        if now is not None:
-            self._pace_retries(now, reason is not None)
         if reason != self.reason:
             if reason is None:
                 log.info("router: no longer saturated; new requests are admitted again")
             else:
                 log.warning("router: saturated (%s); new requests get 429 until it passes", self._why(reason))
             self.reason = reason
-
-    def _pace_retries(self, now: float, saturated: bool) -> None:
-        """Once a RETRY_WINDOW_S: Retry-After from the window's refusals and ends."""
-        if not saturated:
-            self.retry_after_s, self._counted = RETRY_AFTER_S, None
-            return
-        if self._counted is None:
-            self._counted = (now, self.refused, self.ended())
-            return
-        t0, refused0, ended0 = self._counted
-        if now - t0 < RETRY_WINDOW_S:
-            return
-        span, ended = now - t0, self.ended()
-        self.retry_after_s = retry_after(self.retry_after_s, (self.refused - refused0) / span,
-                                         (ended - ended0) / span)
-        self._counted = (now, self.refused, ended)
 
     def _verdict(self) -> str | None:
         if self.max_loop_lag_s and len(self.lags) == PROBES and min(self.lags) > self.max_loop_lag_s:
@@ -170,19 +135,6 @@ class Saturation:
     def check(self) -> None:
         """Overloaded (429) while the router is saturated."""
         if self.reason is not None:
-            self.refused += 1
             self.rejected.labels(self.reason).inc()
             raise Overloaded(f"the router is saturated: {self._why(self.reason)}; retry later",
-                             retry_after_s=self.retry_after_s)
-
-
-def retry_after(current_s: int, refused_per_s: float, ended_per_s: float) -> int:
-    """The wait that brings refused clients back about as fast as requests end:
-    refused_per_s x current_s clients are waiting (each comes back after
-    current_s), and ended_per_s make room for them; whole seconds (the header's),
-    RETRY_AFTER_S..MAX_RETRY_AFTER_S."""
-    waiting = refused_per_s * current_s
-    if waiting <= 0:
-        return RETRY_AFTER_S
-    wait = waiting / ended_per_s if ended_per_s > 0 else MAX_RETRY_AFTER_S
-    return max(RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, round(wait)))
+                             retry_after_s=RETRY_AFTER_S)
