@@ -156,7 +156,10 @@ def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], 
     procs = []
     for i in range(a.routers):
         log = open(run_dir / f"router-{i}.log", "ab")
-        procs.append(subprocess.Popen([sys.executable, "-m", "pdd.cli", "serve", "--role", "router", "--config",
+        # -P: not the working directory first on sys.path (`-m` puts it there), so that
+        # --server-path decides which pdd serves.
+        procs.append(subprocess.Popen([sys.executable, *(["-P"] if a.server_path else []), "-m", "pdd.cli",
+                                       "serve", "--role", "router", "--config",
                                        str(config), "--set", f"router.index={i}"],
                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     url = f"http://127.0.0.1:{a.port}"
@@ -204,7 +207,8 @@ def main(a) -> int:
             print(f"routers {a.routers}  streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  "
                   f"router {r['router_us_per_token']} us/token ({r['router_cpu_cores']} cores)  "
                   f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
-                  f"429s {r.get('429', 0)}  resets {r['connection_errors']}", flush=True)
+                  f"429s {r.get('429', 0)} (Retry-After {r['retry_after_mean_s']} s)  resets {r['connection_errors']}",
+                  flush=True)
     finally:
         for r in routers:
             r.terminate()

@@ -12,7 +12,8 @@ back sends none), the routers' CPU per
 token (their processes' user + system time over the window, /proc), ITL p50/p99
 as the clients saw it against the workers' step time p50/p99 (the router's
 step histogram: what the router adds is the difference), TTFT p50/p99, and
-what clients got instead of tokens: 429s (with Retry-After), other statuses,
+what clients got instead of tokens: 429s (and the mean Retry-After they were
+told, which they honour), other statuses,
 connection errors (resets) and streams that ended in an error event.
 
 With --prefixes K the prompts share K prefixes (of --prompt-words words,
@@ -62,7 +63,10 @@ async def _stream_loop(session, url: str, bodies: list[bytes], max_tokens: int, 
                     key = "429" if resp.status == 429 else f"status_{resp.status}"
                     tally[key] = tally.get(key, 0) + 1
                     await resp.read()
-                    await asyncio.sleep(float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5)
+                    wait = float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5
+                    if resp.status == 429:
+                        tally["retry_after_s"] = tally.get("retry_after_s", 0.0) + wait
+                    await asyncio.sleep(wait)
                     continue
                 # Read as it arrives, not line by line: the events of one read came
                 # together (their gaps are 0), and a client this cheap leaves the
@@ -186,6 +190,7 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
         for k, v in t.items():
             if k == "429" or k.startswith("status_"):
                 total[k] = total.get(k, 0) + v
+    retry_after_s = sum(t.get("retry_after_s", 0.0) for t in tallies)
     kinds: dict[str, int] = {}
     for t in tallies:
         for k, v in t.get("error_kinds", {}).items():
@@ -199,7 +204,8 @@ def run_point(url: str, model: str, concurrency: int, procs: int, max_tokens: in
             "itl_p50_ms": _ms(_q(gaps, 0.5)), "itl_p99_ms": _ms(_q(gaps, 0.99)),
             "step_p50_ms": _ms(_histogram_q(steps, 0.5)), "step_p99_ms": _ms(_histogram_q(steps, 0.99)),
             "ttft_p50_ms": _ms(_q(ttft, 0.5)), "ttft_p99_ms": _ms(_q(ttft, 0.99)),
-            "prefix_hit_rate": round(hits / queries, 3) if queries else None, "router_guards": guards}
+            "prefix_hit_rate": round(hits / queries, 3) if queries else None, "router_guards": guards,
+            "retry_after_mean_s": round(retry_after_s / total["429"], 2) if total.get("429") else None}
 
 
 def _q(xs: list[float], q: float) -> float | None:
