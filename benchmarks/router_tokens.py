@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import multiprocessing
@@ -40,7 +39,6 @@ from benchmarks.profile import py_spy_exe, recording
 
 from pdd.bench.frontdoor import run_point
 from pdd.bench.serve_client import Target, first_model
-from pdd.config_loader import dump_toml, load_cluster_config
 from pdd.kv.layout import KVLayout
 from pdd.model.make_model import make_model
 from pdd.model.tokenizer import Tokenizer
@@ -136,20 +134,17 @@ def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], 
     model = run_dir / "tiny"
     if not (model / "config.json").is_file():
         make_model(model)
-    cfg = load_cluster_config(env={})
     control = [f"tcp://127.0.0.1:{a.port + 1 + 3 * i}" for i in range(a.routers)]
     admin = [f"tcp://127.0.0.1:{a.port + 2 + 3 * i}" for i in range(a.routers)]
     own = [a.port + 3 + 3 * i for i in range(a.routers)] if a.routers > 1 else []
-    cfg = dataclasses.replace(
-        cfg, engine=dataclasses.replace(cfg.engine, model=str(model)),
-        router=dataclasses.replace(cfg.router, port=a.port, host="127.0.0.1", control_addr=control[0],
-                                   admin_addr=admin[0], state_dir=str(run_dir.resolve()),
-                                   admin_token=uuid.uuid4().hex,
-                                   control_addrs=tuple(control) if a.routers > 1 else (),
-                                   admin_addrs=tuple(admin) if a.routers > 1 else (), http_ports=tuple(own)),
-        security=dataclasses.replace(cfg.security, insecure=True))
+    # Only the keys this needs, the rest each tree's defaults: an older pdd (--server-path)
+    # refuses keys it does not know.
+    router = {"port": a.port, "host": "127.0.0.1", "control_addr": control[0], "admin_addr": admin[0],
+              "state_dir": str(run_dir.resolve()), "admin_token": uuid.uuid4().hex}
+    if a.routers > 1:
+        router.update(control_addrs=control, admin_addrs=admin, http_ports=own)
     config = run_dir / "cluster.toml"
-    config.write_text(dump_toml(cfg))
+    config.write_text(_toml({"engine": {"model": str(model)}, "router": router, "security": {"insecure": True}}))
     env = dict(os.environ)
     if a.server_path:
         env["PYTHONPATH"] = str(Path(a.server_path).resolve()) + os.pathsep + env.get("PYTHONPATH", "")
@@ -164,6 +159,17 @@ def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], 
                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     url = f"http://127.0.0.1:{a.port}"
     return procs, url, [f"http://127.0.0.1:{p}" for p in own] or [url], control
+
+
+def _toml(tables: dict[str, dict]) -> str:
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)   # a TOML basic string or number
+    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) + "\n"
+                   for name, keys in tables.items())
 
 
 def _workers_seen(url: str) -> int:
