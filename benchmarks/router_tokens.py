@@ -39,6 +39,7 @@ from benchmarks.profile import py_spy_exe, recording
 
 from pdd.bench.frontdoor import run_point
 from pdd.bench.serve_client import Target, first_model
+from pdd.config_loader import toml_value
 from pdd.kv.layout import KVLayout
 from pdd.model.make_model import make_model
 from pdd.model.tokenizer import Tokenizer
@@ -162,13 +163,7 @@ def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], 
 
 
 def _toml(tables: dict[str, dict]) -> str:
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v)   # a TOML basic string or number
-    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) + "\n"
+    return "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items()) + "\n"
                    for name, keys in tables.items())
 
 

@@ -139,17 +139,19 @@ def with_aliases(env: dict) -> dict:
     return {**env, **extra} if extra else env
 
 
+def toml_value(v) -> str:
+    """One value as TOML writes it (a bool, number, string, or a list of them)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def dump_toml(cfg: ClusterConfig) -> str:
     """The config as TOML (the inverse of load_cluster_config; None values omitted)."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
     def table(name: str, obj) -> list[str]:
         lines, subtables = [f"[{name}]"], []
         for f in dataclasses.fields(obj):
@@ -157,7 +159,7 @@ def dump_toml(cfg: ClusterConfig) -> str:
             if dataclasses.is_dataclass(v):
                 subtables += table(f"{name}.{f.name}", v)
             elif v is not None:
-                lines.append(f"{f.name} = {value(v)}")
+                lines.append(f"{f.name} = {toml_value(v)}")
         return lines + [""] + subtables
 
     return "\n".join(line for name in _TABLES for line in table(name, getattr(cfg, name)))

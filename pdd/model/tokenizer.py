@@ -24,6 +24,7 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        self._encode_fast = getattr(self._tok, "encode_batch_fast", None)
         cfg_path = model_dir / "tokenizer_config.json"
         try:
             self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -120,9 +121,8 @@ class Tokenizer:
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids alone: tokenizers' batch path without offsets where it has
         one (>= 0.21; a fifth less of a short prompt's encode), else encode()."""
-        fast = getattr(self._tok, "encode_batch_fast", None)
-        if fast is not None:
-            return fast([text], add_special_tokens=add_special_tokens)[0].ids
+        if self._encode_fast is not None:
+            return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
