@@ -1,7 +1,11 @@
 """When `pdd bench serve` sends: arrivals at a rate (gamma gaps; Poisson at
 burstiness 1) or all at once, at most --max-concurrency in flight, nothing
 new after --duration seconds. A multi-turn item sends its next turn as soon as
-the previous answer is complete.
+the previous answer is complete; under --max-concurrency that turn queues behind
+the turns already waiting (the gate is first come, first served), so with all
+conversations started at once they go round-robin: every conversation's turn k
+before any turn k+1, each conversation's history as far back in the caches'
+LRU order as it can be.
 """
 from __future__ import annotations
 
