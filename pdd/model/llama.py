@@ -96,11 +96,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Rotary and the KV-cache write in one op (one kernel launch per layer on the GPU).
+        # q/k norms (Qwen3), rotary and the KV-cache write in one op (one kernel launch
+        # per layer on the GPU).
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k = ops.rotary_store_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
-                                   self.kv_cache, meta.slot_mapping, self.kv_scale)
+                                   self.kv_cache, meta.slot_mapping, self.kv_scale, qk_norm)
         out = ops.paged_attention(q, self.kv_cache, meta, self.scale, self.kv_scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)
 

@@ -154,9 +154,11 @@ def rotary(positions, q, k, cos, sin):
     return backend_for(q).rotary(positions, q, k, cos, sin)
 
 
-def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE):
-    """rotary, then store_kv of the rotated k and v: (q, k) rotated (in place on Triton)."""
-    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale)
+def rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale=reference.UNIT_SCALE,
+                    qk_norm=None):
+    """(q/k norm: qk_norm = (q weight, k weight, eps),) rotary, then store_kv of
+    the rotated k and v: (q, k) rotated (in place on Triton)."""
+    return backend_for(q).rotary_store_kv(positions, q, k, v, cos, sin, kv_layer, slot_mapping, kv_scale, qk_norm)
 
 
 def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool,

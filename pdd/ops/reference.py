@@ -170,13 +170,18 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                    kv_scale: tuple[float, float] = UNIT_SCALE):
-    """`rotary`, then `store_kv` of the rotated k and v; returns the rotated (q, k).
+                    kv_scale: tuple[float, float] = UNIT_SCALE, qk_norm=None):
+    """(with qk_norm = (q weight, k weight, eps): `rms_norm` of each q and k head
+    first, Qwen3's q/k norm, then) `rotary`, then `store_kv` of the rotated k and
+    v; returns the rotated (q, k).
 
     The Triton kernel rotates q and k in place and returns them, this one returns
     new tensors: callers use the returned pair, and count neither on the inputs
     being rotated nor on them being left as they were.
     """
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
     q, k = rotary(positions, q, k, cos, sin)
     store_kv(k, v, kv_layer, slot_mapping, kv_scale)
     return q, k

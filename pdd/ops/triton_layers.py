@@ -97,10 +97,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_h, cos, sin, HEADS: tl.constexpr, HALF: tl.constexpr,
-                H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rope_heads(x_ptr, stride_h, cos, sin, norm_w, eps, HEADS: tl.constexpr, HALF: tl.constexpr,
+                H_PAD: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
     """Rotate one token's [HEADS, 2 * HALF] rows at x_ptr in place; returns the
-    rotated halves (in x's dtype) for a caller that also stores them elsewhere."""
+    rotated halves (in x's dtype) for a caller that also stores them elsewhere.
+    NORM: each head is RMS-normalized with the weights at norm_w first (Qwen3's
+    q/k norm), rounded where the reference's rms_norm rounds."""
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, HALF_PAD)
     m = (h[:, None] < HEADS) & (d[None, :] < HALF)
@@ -108,6 +110,14 @@ def _rope_heads(x_ptr, stride_h, cos, sin, HEADS: tl.constexpr, HALF: tl.constex
     x1 = tl.load(base, mask=m, other=0.0)
     x2 = tl.load(base + HALF, mask=m, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        # The mean square over the whole head: both halves (masked lanes are 0).
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        dm = d < HALF
+        w1 = tl.load(norm_w + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
     y1 = (a * cos[None, :] - b * sin[None, :]).to(x1.dtype)
     y2 = (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
     tl.store(base, y1, mask=m)
@@ -117,14 +127,17 @@ def _rope_heads(x_ptr, stride_h, cos, sin, HEADS: tl.constexpr, HALF: tl.constex
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slot_mapping,
+                   q_norm_w, k_norm_w, eps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd,
                    stride_cb, stride_cs, stride_ch, inv_k_scale, inv_v_scale,
                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    """One token: rotate all its q and k heads in place and, with STORE_KV, write
-    the rotated k and its v into the token's cache slot (store_kv's layout;
-    FP8: quantized with the layer's scales)."""
+                   BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, QK_NORM: tl.constexpr,
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    """One token: (with QK_NORM, RMS-normalize each q and k head first, then)
+    rotate all its q and k heads in place and, with STORE_KV, write the rotated
+    k and its v into the token's cache slot (store_kv's layout; FP8: quantized
+    with the layer's scales)."""
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
@@ -134,8 +147,9 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_ca
     act = q_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + p * HALF + d, mask=dm, other=0.0).to(act).to(tl.float32)
     sin = tl.load(sin_ptr + p * HALF + d, mask=dm, other=0.0).to(act).to(tl.float32)
-    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, HEADS, HALF, H_PAD, HALF_PAD)
-    k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, KV_HEADS, HALF, KVH_PAD, HALF_PAD)
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, q_norm_w, eps, HEADS, HALF, H_PAD, HALF_PAD, QK_NORM)
+    k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, k_norm_w, eps, KV_HEADS, HALF, KVH_PAD,
+                         HALF_PAD, QK_NORM)
     if STORE_KV:
         slot = tl.load(slot_mapping + t).to(tl.int64)
         if slot >= 0:  # a negative slot (the reference would raise) writes nothing
@@ -168,7 +182,7 @@ def _check_rotary(positions, q, k, cos, sin) -> None:
 
 
 def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mapping=None,
-                   kv_scale=(1.0, 1.0)) -> None:
+                   kv_scale=(1.0, 1.0), qk_norm=None) -> None:
     t, heads, dim = q.shape
     kvh = k.shape[1]
     if t == 0:
@@ -183,13 +197,14 @@ def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mappin
         kc = vc = v = slot_mapping = k
         kv_strides, bs = (0,) * 6, 1
         k_scale, v_scale, fp8 = 1.0, 1.0, False
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)   # unused without QK_NORM
     pow2 = triton.next_power_of_2
     h_pad, kvh_pad, half_pad = pow2(heads), pow2(kvh), pow2(dim // 2)
     _rotary_kernel[(t,)](
-        q, k, v, positions, cos, sin, kc, vc, slot_mapping,
+        q, k, v, positions, cos, sin, kc, vc, slot_mapping, q_w, k_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, KV_HEADS=kvh, HALF=dim // 2, H_PAD=h_pad, KVH_PAD=kvh_pad, HALF_PAD=half_pad,
-        BLOCK_SIZE=bs, STORE_KV=store, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1,
+        BLOCK_SIZE=bs, STORE_KV=store, QK_NORM=qk_norm is not None, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1,
         **pdl_options(q.device, t))
 
 
@@ -202,14 +217,23 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                    kv_scale: tuple[float, float] = (1.0, 1.0)):
+                    kv_scale: tuple[float, float] = (1.0, 1.0), qk_norm=None):
     """`rotary` of q and k in place, then `store_kv` of the rotated k and v, in one launch.
 
+    qk_norm: (q weight [D], k weight [D], eps) to RMS-normalize each head of q
+    and k before the rotation (Qwen3), in the same launch: otherwise two norms
+    of strided head views, each behind a copy, ahead of this kernel.
     A cache dtype other than k/v's is converted in the kernel (round to nearest
     even, as torch does, when compiled; the interpreter truncates fp32 -> bf16);
     an FP8 cache's values are quantized with kv_scale first.
     """
     _check_rotary(positions, q, k, cos, sin)
     _check_kv_write(k, v, kv_layer, slot_mapping)
-    _launch_rotary(positions, q, k, cos, sin, v, kv_layer, slot_mapping, kv_scale)
+    if qk_norm is not None:
+        q_w, k_w, _ = qk_norm
+        dim = q.shape[-1]
+        assert q_w.shape == (dim,) and k_w.shape == (dim,), (
+            f"q/k norm weights {tuple(q_w.shape)}, {tuple(k_w.shape)} for head_dim {dim}")
+        assert q_w.is_contiguous() and k_w.is_contiguous(), "q/k norm weights must be contiguous"
+    _launch_rotary(positions, q, k, cos, sin, v, kv_layer, slot_mapping, kv_scale, qk_norm)
     return q, k

@@ -95,8 +95,12 @@ def scattered_slots(t, num_blocks, block_size, seed):
     return (torch.randperm((num_blocks - 1) * block_size, generator=g)[:t] + block_size).to(DEVICE)
 
 
-def check_rotary_store_kv(t, heads, kv_heads, dim, dtype, cache_dtype, block_size=8):
+def check_rotary_store_kv(t, heads, kv_heads, dim, dtype, cache_dtype, block_size=8, qk_norm=False):
     num_blocks = 2 + 2 * triton.cdiv(t, block_size)
+    norm = None
+    if qk_norm:   # Qwen3's per-head q and k norms, with weights away from 1
+        norm = ((1 + 0.2 * rand(dim, dtype=torch.float32, seed=t + 5)).to(dtype),
+                (1 - 0.2 * rand(dim, dtype=torch.float32, seed=t + 6)).to(dtype), 1e-6)
     cos, sin = rope_tables(dim, 100, seed=t)
     positions = torch.randint(0, 100, (t,), generator=torch.Generator().manual_seed(t + 1)).to(DEVICE)
     slots = scattered_slots(t, num_blocks, block_size, seed=t + 2)
@@ -104,9 +108,9 @@ def check_rotary_store_kv(t, heads, kv_heads, dim, dtype, cache_dtype, block_siz
     kv = make_kv(num_blocks, block_size, kv_heads, dim, cache_dtype, seed=t + 4)
     before, ref_kv, v_before = kv.clone(), kv.clone(), v.clone()
     ref_q, ref_k = reference.rotary_store_kv(positions, q.clone(), k.clone(), v.clone(), cos, sin,
-                                             ref_kv, slots)
+                                             ref_kv, slots, qk_norm=norm)
 
-    out_q, out_k = tk.rotary_store_kv(positions, q, k, v, cos, sin, kv, slots)
+    out_q, out_k = tk.rotary_store_kv(positions, q, k, v, cos, sin, kv, slots, qk_norm=norm)
     assert out_q is q and out_k is k, "q and k are rotated in place"
     close(q, ref_q, dtype)
     close(k, ref_k, dtype)
@@ -128,6 +132,38 @@ def check_rotary_store_kv(t, heads, kv_heads, dim, dtype, cache_dtype, block_siz
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (4, 2, 48), (8, 2, 64), (6, 1, 16)])
 def test_rotary_store_kv(dtype, t, heads, kv_heads, dim):
     check_rotary_store_kv(t, heads, kv_heads, dim, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", BOTH)
+@pytest.mark.parametrize("t, heads, kv_heads, dim", [(1, 4, 2, 32), (7, 8, 2, 64), (5, 6, 1, 48)])
+def test_rotary_store_kv_with_qk_norm_normalizes_each_head_first(dtype, t, heads, kv_heads, dim):
+    check_rotary_store_kv(t, heads, kv_heads, dim, dtype, dtype, qk_norm=True)
+
+
+def test_the_fused_qk_norm_is_the_norm_then_the_rotation():
+    """The reference's fused op against the separate ops it stands for, so the kernel
+    above is checked against what the model ran before the fusion."""
+    t, heads, kv_heads, dim = 5, 4, 2, 32
+    cos, sin = rope_tables(dim, 100, seed=1)
+    positions = torch.arange(t, device=DEVICE)
+    _, q, k, v = qkv_views(t, heads, kv_heads, dim, torch.float32, seed=2)
+    qw, kw = 1 + 0.2 * rand(dim, dtype=torch.float32, seed=3), 1 - 0.2 * rand(dim, dtype=torch.float32, seed=4)
+    kv_a, kv_b = make_kv(4, 8, kv_heads, dim, torch.float32), make_kv(4, 8, kv_heads, dim, torch.float32)
+    slots = torch.arange(8, 8 + t, device=DEVICE)
+    fused = reference.rotary_store_kv(positions, q, k, v, cos, sin, kv_a, slots, qk_norm=(qw, kw, 1e-6))
+    apart = reference.rotary_store_kv(positions, reference.rms_norm(q, qw, 1e-6), reference.rms_norm(k, kw, 1e-6),
+                                      v, cos, sin, kv_b, slots)
+    assert torch.equal(fused[0], apart[0]) and torch.equal(fused[1], apart[1]) and torch.equal(kv_a, kv_b)
+
+
+def test_rotary_store_kv_rejects_misshapen_qk_norm_weights():
+    cos, sin = rope_tables(32, 10, seed=0)
+    _, q, k, v = qkv_views(3, 4, 2, 32, torch.float32, seed=0)
+    kv = make_kv(3, 8, 2, 32, torch.float32)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(32, device=DEVICE)
+    with pytest.raises(AssertionError, match="q/k norm weights"):
+        tk.rotary_store_kv(pos, q, k, v, cos, sin, kv, pos, qk_norm=(w[:16], w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
@@ -163,3 +199,10 @@ def test_rotary_store_kv_rejects_bad_inputs():
 def test_cuda_rotary_store_kv_llama3(t):
     # Llama-3-8B: 32 q heads, 8 kv heads, head_dim 128, bf16, block 16.
     check_rotary_store_kv(t, 32, 8, 128, torch.bfloat16, torch.bfloat16, block_size=16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 3000])
+def test_cuda_rotary_store_kv_qwen3_moe_with_qk_norm(t):
+    # Qwen3-30B-A3B: 32 q heads, 4 kv heads, head_dim 128, q/k norms, bf16, block 16.
+    check_rotary_store_kv(t, 32, 4, 128, torch.bfloat16, torch.bfloat16, block_size=16, qk_norm=True)
