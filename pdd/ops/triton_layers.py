@@ -221,8 +221,9 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     """`rotary` of q and k in place, then `store_kv` of the rotated k and v, in one launch.
 
     qk_norm: (q weight [D], k weight [D], eps) to RMS-normalize each head of q
-    and k before the rotation (Qwen3), in the same launch: otherwise two norms
-    of strided head views, each behind a copy, ahead of this kernel.
+    and k before the rotation (Qwen3), in the same launch: otherwise two norm
+    launches ahead of this kernel (from two tokens on, each behind a copy of
+    its strided head view).
     A cache dtype other than k/v's is converted in the kernel (round to nearest
     even, as torch does, when compiled; the interpreter truncates fp32 -> bf16);
     an FP8 cache's values are quantized with kv_scale first.
