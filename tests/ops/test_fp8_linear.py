@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.ops.interpreted import import_kernels
-from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, triton  # noqa: F401  (the interpreter without a GPU)
+from tests.ops.test_kernels import CUDA, DEVICE, INTERPRET, _interpreter_env, triton  # noqa: F401  (the interpreter without a GPU)
 
 from pdd.ops import fp8_linear  # noqa: E402
 from pdd.ops.fp8_linear import FP8_DTYPE, quantize_reference  # noqa: E402

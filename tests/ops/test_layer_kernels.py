@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_kernels import CUDA, DEVICE, make_kv, tk, triton  # sets up the interpreter when there is no GPU
+from tests.ops.test_kernels import CUDA, DEVICE, _interpreter_env, make_kv, tk, triton  # noqa: F401  (the interpreter without a GPU)
 
 from pdd.ops import reference  # noqa: E402
 

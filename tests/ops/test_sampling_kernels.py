@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_kernels import CUDA, DEVICE, tk  # sets up the interpreter when there is no GPU
+from tests.ops.test_kernels import CUDA, DEVICE, _interpreter_env, tk  # noqa: F401  (the interpreter without a GPU)
 
 from pdd.ops import triton_sampling as ts  # noqa: E402  (internals: the chunk size)
 
