@@ -10,6 +10,7 @@ call reads its experts from HBM as a decode step's layers do.
 
     python -m benchmarks.moe_gemv                          # the rule's tiles, T = 1, 2, 4, 8
     python -m benchmarks.moe_gemv --sweep --models qwen3-30b-a3b --tokens 1   # every candidate tile (~3 min)
+    python -m benchmarks.moe_gemv --both-paths --tokens 1,2,4,8,16,32   # where the grouped GEMM should take over
     python -m benchmarks.moe_gemv --dry-run                # no GPU: the cases and the rule's tiles
 
 The per-pair GEMV's rule (pdd.ops.triton_moe.pair_tiles) came from this sweep
@@ -44,6 +45,8 @@ def add_args(p) -> None:
     p.add_argument("--tokens", default="1,2,4,8", help="comma list of decode batch sizes")
     p.add_argument("--sweep", action="store_true", help="time every candidate tile of each GEMM (slow)")
     p.add_argument("--reps", type=int, default=64, help="calls per CUDA graph")
+    p.add_argument("--both-paths", action="store_true",
+                   help="also time the grouped GEMM where the rule takes the per-pair GEMV, and the reverse")
     p.add_argument("--dry-run", action="store_true", help="list the cases and the rule's tiles; no GPU needed")
     p.add_argument("--json", default=None, help="write the rows here")
 
@@ -73,8 +76,9 @@ def _timer(name: str, tokens: int, reps: int):
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     logits = [torch.randn(tokens, e, device="cuda", dtype=torch.bfloat16) for _ in range(reps)]
 
-    def time_tiles(tiles=None) -> float:
-        calls = [lambda g=g, d=d, lg=lg: triton_moe.fused_moe(x, lg, g, d, k, True, tiles=tiles)
+    def time_tiles(tiles=None, gemv_max_pairs: int = triton_moe.GEMV_MAX_PAIRS) -> float:
+        calls = [lambda g=g, d=d, lg=lg: triton_moe.fused_moe(x, lg, g, d, k, True, tiles=tiles,
+                                                              gemv_max_pairs=gemv_max_pairs)
                  for (g, d), lg in zip(itertools.cycle(weights), logits)]
         return _graph_us(calls, rounds=5)
     return time_tiles
@@ -101,6 +105,9 @@ def main(args) -> int:
                 time_tiles = _timer(name, t, args.reps)
                 us = time_tiles()
                 row.update(us=round(us, 2), of_floor=round(row["floor_us"] / us, 3))
+                if args.both_paths:   # the other path at the same size, with its own rule's tiles
+                    other = time_tiles(gemv_max_pairs=0 if row["gemv_path"] else t * k)
+                    row.update(other_path_us=round(other, 2), other_of_floor=round(row["floor_us"] / other, 3))
                 if args.sweep:   # gate_up's best with the rule's down, then down's beside it
                     best_up = min(((time_tiles((c, rule[1])), c) for c in _candidates(inter, h)), key=lambda r: r[0])
                     best_down = min(((time_tiles((best_up[1], c)), c) for c in _candidates(h, inter)),

@@ -384,9 +384,12 @@ def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, renormalize: bool, gate_up_scale: torch.Tensor | None = None,
               down_scale: torch.Tensor | None = None,
-              tiles: tuple[ExpertTiles, ExpertTiles] | None = None) -> torch.Tensor:
+              tiles: tuple[ExpertTiles, ExpertTiles] | None = None,
+              gemv_max_pairs: int = GEMV_MAX_PAIRS) -> torch.Tensor:
     """reference.fused_moe; FP8 weights with their block scales [E, N/128, K/128].
-    `tiles`: gate_up's and down's, replacing the rule's (a sweep's)."""
+    `tiles`: gate_up's and down's, replacing the rule's (a sweep's); `gemv_max_pairs`:
+    the pairs up to which the per-pair GEMV runs, replacing the rule's (0: always
+    the grouped GEMM; a benchmark's comparison of the two)."""
     _check(x, gate_up, down, gate_up_scale)
     t, h = x.shape
     e, inter = gate_up.shape[0], down.shape[2]
@@ -396,7 +399,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     ids = ids.view(-1)
     num_pairs = ids.numel()
     grouping = None
-    if num_pairs > GEMV_MAX_PAIRS:
+    if num_pairs > gemv_max_pairs:
         bm = block_m(num_pairs, e)
         grouping = (*align(ids, e, bm), bm)
     elif tiles is None:

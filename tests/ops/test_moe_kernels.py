@@ -95,6 +95,15 @@ def test_both_paths_are_taken():
     assert (tm.block_m(128, 8), tm.block_m(2000, 8)) == (16, 64)
 
 
+@pytest.mark.parametrize("tokens, gemv_max_pairs", [(3, 0), (40, 80)])
+def test_either_path_at_any_size_gives_the_reference(tokens, gemv_max_pairs):
+    """The grouped GEMM at decode sizes and the per-pair GEMV past its rule's pairs
+    (what benchmarks.moe_gemv --both-paths times) compute the same layer."""
+    x, logits, gate_up, down = moe_case(tokens)
+    ref = reference.fused_moe(*(t.cpu() for t in (x, logits, gate_up, down)), 2, True)
+    close(tm.fused_moe(x, logits, gate_up, down, 2, True, gemv_max_pairs=gemv_max_pairs), ref, 1e-5)
+
+
 @pytest.mark.parametrize("tokens", [3, 100])
 def test_unnormalized_top_k_and_odd_sizes(tokens):
     # Qwen3-MoE with norm_topk_prob false; 6 experts, hidden 48, intermediate 40: partial tiles.
