@@ -1,6 +1,6 @@
 """The shipped cluster configs load: every key they set is one the daemon knows;
 and the config reference (conf/disagg.toml, the README's and docs' `table.key`
-names and defaults) is pdd/config.py's settings, both ways."""
+names and defaults) is pdd.config's settings, both ways."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,7 +85,7 @@ def test_every_setting_the_docs_name_exists(path):
     tables = {k.rpartition(".")[0] for k in known} | set(TABLES)
     named = set(re.findall(rf"`((?:{'|'.join(TABLES)})\.[a-z_.]*[a-z_])", path.read_text()))
     unknown = {n for n in named - FILE_NAMES if n not in known and n not in tables}
-    assert unknown == set(), f"{path.name} names settings pdd/config.py does not have"
+    assert unknown == set(), f"{path.name} names settings pdd.config does not have"
 
 
 def _number(text: str) -> float:
