@@ -117,7 +117,7 @@ def add_kv_shape_args(p) -> None:
 def _shape(name: str) -> tuple[int, int, int, str]:
     """(layers, KV heads, head dim, dtype) of a named KV shape."""
     if name == "tiny":   # the built-in model, in float32 as a CPU worker runs it
-        from pdd.model.make_model import PRESETS
+        from pdd.model.make_presets import PRESETS
         p = PRESETS["tiny"]
         return p["num_hidden_layers"], p["num_key_value_heads"], p["head_dim"], "float32"
     if name == "8b":     # conf/models/llama-3.1-8b

@@ -25,7 +25,7 @@ import torch
 
 from pdd.model.llama import PACKED_MODULES, CausalLM
 from pdd.model.loader import shard_slice
-from pdd.model.make_model import TIED_EMBED_STD
+from pdd.model.make_weights import TIED_EMBED_STD
 
 DISTRIBUTIONS = ("llm-like", "gaussian", "checkpoint")
 

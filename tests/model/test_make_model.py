@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from pdd.model.make_model import (
-    ARCHS, FORMAT_VERSION, PRESETS, TIED_FINAL_NORM_GAIN, default_model_dir, ensure_builtin_model, make_model)
+from pdd.model.make_model import FORMAT_VERSION, default_model_dir, ensure_builtin_model, make_model
+from pdd.model.make_presets import ARCHS, PRESETS
+from pdd.model.make_weights import TIED_FINAL_NORM_GAIN
 
 transformers = pytest.importorskip("transformers")
 
