@@ -16,7 +16,7 @@ TIED_FINAL_NORM_GAIN = 4.0
 
 def _param_specs(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[int, ...], float, float]]:
     """(name, shape, mean, std) for every tensor, in the fixed order they are drawn."""
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
     q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
 
     def linear(name: str, out_f: int, in_f: int) -> tuple[str, tuple[int, ...], float, float]:
@@ -33,7 +33,7 @@ def _param_specs(cfg: dict[str, Any], arch: str) -> list[tuple[str, tuple[int, .
     embed_std = TIED_EMBED_STD if tied else 1.0
     specs = [("model.embed_tokens.weight", (cfg["vocab_size"], h), 0.0, embed_std)]
     for i in range(cfg["num_hidden_layers"]):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        attn = f"model.layers.{i}.self_attn"
         for proj, out_f in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             specs.append(linear(f"{attn}.{proj}.weight", out_f, h))
             if arch == "qwen2":  # Qwen2 always has q/k/v bias (never o_proj bias)
