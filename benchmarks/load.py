@@ -41,8 +41,9 @@ def start_cluster(run_dir: str | Path, workers: list[tuple[str, str, str | None]
                   mode: str = "auto", engine: dict | None = None, worker: dict | None = None):
     """A cluster on fresh loopback ports, ready; the caller stops it."""
     from pdd.config_loader import load_cluster_config
-    from pdd.launcher import Cluster, free_port
+    from pdd.launcher import free_port
     from pdd.model.make_model import resolve_model_dir
+    from pdd.supervisor import Cluster
 
     over = {"router": {"mode": mode, "port": free_port(), "control_addr": f"tcp://127.0.0.1:{free_port()}",
                        "admin_addr": f"tcp://127.0.0.1:{free_port()}"}, "engine": dict(engine or {}),

@@ -67,7 +67,7 @@ def test_workers_on_the_cpu_share_the_cores(monkeypatch):
     import dataclasses
 
     from pdd.config_loader import load_cluster_config
-    from pdd.launcher import cpu_threads_each
+    from pdd.supervisor import cpu_threads_each
 
     monkeypatch.delenv("PDD_ENGINE__CPU_THREADS", raising=False)
     cfg = load_cluster_config()
@@ -91,7 +91,7 @@ def test_workers_sharing_a_gpu_split_its_memory_target():
     import dataclasses
 
     from pdd.config_loader import load_cluster_config
-    from pdd.launcher import worker_envs
+    from pdd.supervisor import worker_envs
 
     cfg = load_cluster_config()
     workers = [("prefill", "prefill-0", "cuda:0"), ("decode", "decode-0", "cuda:1"), ("decode", "decode-1", "cuda:0")]
@@ -111,7 +111,7 @@ def test_pdd_up_keeps_the_routers_state_in_its_run_dir(tmp_path):
     import dataclasses
 
     from pdd.config_loader import load_cluster_config
-    from pdd.launcher import Cluster
+    from pdd.supervisor import Cluster
 
     cfg = load_cluster_config()
     cluster = Cluster(cfg, [], tmp_path / "run")
@@ -138,7 +138,7 @@ def test_pdd_up_gives_up_on_a_crash_loop_not_on_deaths_spread_over_time():
     """A worker restarted MAX_RESTARTS times within RESTART_WINDOW_S is a crash
     loop; as many deaths over hours are not (a fault run once had `pdd up` stop
     the whole cluster at a worker's sixth death in ten minutes)."""
-    from pdd.launcher import MAX_RESTARTS, RESTART_WINDOW_S, Child
+    from pdd.supervisor import MAX_RESTARTS, RESTART_WINDOW_S, Child
 
     child = Child("decode-0", proc=None, args=[], env=None)
     child.restarted_at = [i * RESTART_WINDOW_S for i in range(3 * MAX_RESTARTS)]

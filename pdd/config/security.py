@@ -1,4 +1,4 @@
-"""[security]: keys, the HTTP API's keys and limits; which settings hold secrets."""
+"""[security]: CURVE keys, the HTTP API's keys, limits and origins; which settings hold secrets."""
 from __future__ import annotations
 
 from dataclasses import dataclass

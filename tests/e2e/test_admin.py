@@ -1,5 +1,5 @@
 """`pdd admin` against a real cluster: a router, a prefill and a decode worker,
-each a `pdd serve` process (pdd.launcher.Cluster, so that the test can stop the
+each a `pdd serve` process (pdd.supervisor.Cluster, so that the test can stop the
 router and start it again under the same config, as systemd would).
 
 Every command runs as an operator types it, with --json, and its output is
@@ -23,7 +23,8 @@ import pytest
 import pdd
 from pdd.admin.client import call_with_config
 from pdd.config_loader import load_cluster_config
-from pdd.launcher import Cluster, free_port
+from pdd.launcher import free_port
+from pdd.supervisor import Cluster
 from tests.e2e import http_util
 from tests.e2e.cluster import _wait_for
 

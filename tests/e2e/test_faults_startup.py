@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdd.launcher import free_port, last_error
+from pdd.launcher import free_port
+from pdd.supervisor import last_error
 
 
 def processes_naming(text: str) -> list[int]:
