@@ -105,6 +105,7 @@ class OpenAIServer:
             request[IGNORED_FIELDS_KEY] = header
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.router.saturation.check()   # before the body: see _admit
         body = await self.read_body(request)
         req = s.parse_completion_request(body, self.served_models, self.default_max_tokens,
                                          vocab_size=self.tokenizer.vocab_size)
@@ -120,6 +121,7 @@ class OpenAIServer:
         return await self._generate(request, req, prompts)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self.router.saturation.check()   # before the body: see _admit
         body = await self.read_body(request)
         req = s.parse_chat_request(body, self.served_models, vocab_size=self.tokenizer.vocab_size,
                                    tool_fmt=self.tool_format, reasoning_fmt=self.reasoning_format)
@@ -130,6 +132,7 @@ class OpenAIServer:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API, served as the chat request it is (pdd.http.responses_api)."""
+        self.router.saturation.check()   # before the body: see _admit
         body = await self.read_body(request)
         req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
             chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format,
@@ -153,7 +156,12 @@ class OpenAIServer:
         """A request that will be submitted is refused (429) before its prompt is
         tokenized when it would be at submission: a burst of large prompts while
         overloaded gets its answers at once, not each after its turn in the
-        tokenizer process, which does no work for them."""
+        tokenizer process, which does no work for them. The router's own
+        saturation (and its cap, pdd.router.saturation) is asked even before
+        the body is read: past saturation most arrivals are refused, and a
+        refusal that first reads, parses and validates its body takes the CPU
+        the streams in flight need (a request with max_tokens 0, which would
+        ask no worker, is refused with the rest: not worth a parse to tell)."""
         if req.max_tokens_unset or req.sampling.max_tokens:   # max_tokens 0: answered without a worker
             self.router.check_admission()
 

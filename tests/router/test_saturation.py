@@ -117,6 +117,34 @@ def test_a_router_whose_loop_is_late_at_every_probe_refuses_new_requests_and_its
     run(main())
 
 
+def test_a_saturated_router_refuses_before_it_reads_the_body(tiny_model):
+    """While saturated, a generation request is answered 429 before its body is
+    read: one that is not even JSON gets the 429, not the 400 a parse would
+    give, on each endpoint; and the connection stays usable for the next."""
+    async def main():
+        router, _ = await router_with(max_loop_lag_s=0.05)
+        server = await serve_http(build_app(router, Tokenizer(tiny_model), "m"), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession(headers={"Content-Type": "application/json"}) as s:
+            async with s.post(url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400, await r.text()   # parsed while not saturated
+            stall = LoopStall(0.1)
+            await until(lambda: router.saturation.reason == "loop_lag")
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+                async with s.post(url + path, data=b"{not json") as r:
+                    body = await r.json()
+                    assert r.status == 429 and body["error"]["code"] == "rate_limit_exceeded", (path, body)
+            stall.stop()
+            await until(lambda: router.saturation.reason is None)
+            async with s.post(url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400, await r.text()
+            assert await rejected(s, url, "loop_lag") == 3
+        await server.cleanup()
+        await stop(router, [])
+
+    run(main())
+
+
 def test_a_router_holding_too_many_unsent_bytes_refuses_new_requests(tiny_model):
     async def main():
         router, _ = await router_with(max_buffered_bytes=16384)
