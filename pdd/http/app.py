@@ -157,8 +157,8 @@ class OpenAIServer:
         tokenized when it would be at submission: a burst of large prompts while
         overloaded gets its answers at once, not each after its turn in the
         tokenizer process, which does no work for them. The router's own
-        saturation (and its cap, pdd.router.saturation) is asked even before
-        the body is read: past saturation most arrivals are refused, and a
+        saturation (pdd.router.saturation) is asked even before the body is
+        read: past saturation most arrivals are refused, and a
         refusal that first reads, parses and validates its body takes the CPU
         the streams in flight need (a request with max_tokens 0, which would
         ask no worker, is refused with the rest: not worth a parse to tell)."""
