@@ -23,7 +23,8 @@ a decode step with MoE layers can be captured in a CUDA graph.
 Both GEMM kernels run twice: gate_up with SiLU-and-mul fused (gate columns j
 and up columns I + j in one program), then down, scaled by the pair's routing
 weight into a float32 [pairs, H] buffer; the weighted sum over a token's k pairs
-is one reduction. The tiles are rules of the shapes, one for each kernel
+is one more launch (`_sum_pairs_kernel`: the sum in float32, rounded once to x's
+dtype). The tiles are rules of the shapes, one for each kernel
 (`pair_tiles`, `expert_tiles`); PDD_MOE_GEMV_TILES replaces the GEMV's
 (`gemv_tiles_override`).
 
@@ -381,6 +382,29 @@ def _gemm(a, w, s, out, ids, route_w, grouping, a_div: int, silu: bool, weighted
                        DOT=_dot_mode(a), BLOCK_M=bm, **flags)
 
 
+@triton.jit
+def _sum_pairs_kernel(src, dst, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[t] = the sum of token t's TOP_K weighted rows of src (float32, in their
+    order), rounded once to dst's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src + (t * TOP_K + j) * H + offs, mask=m, other=0.0)
+    tl.store(dst + t * H + offs, acc.to(dst.dtype.element_ty), mask=m)
+
+
+def _sum_pairs(out: torch.Tensor, t: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[t * top_k, H] float32 -> [t, H] in `dtype`: the weighted sum back, one launch
+    (torch's sum then cast would be two, per MoE layer of every decode step)."""
+    h = out.shape[1]
+    dst = torch.empty(t, h, dtype=dtype, device=out.device)
+    block = min(1024, _pow2(h))
+    _sum_pairs_kernel[(t, triton.cdiv(h, block))](out, dst, h, TOP_K=top_k, BLOCK=block)
+    return dst
+
+
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, renormalize: bool, gate_up_scale: torch.Tensor | None = None,
               down_scale: torch.Tensor | None = None,
@@ -410,7 +434,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     out = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
     _gemm(act, down, down_scale, out, ids, weights.view(-1), grouping, 1, silu=False, weighted=True,
           tiles=down_tiles)
-    return out.view(t, top_k, h).sum(1).to(x.dtype)
+    return _sum_pairs(out, t, top_k, x.dtype)
 
 
 def warm_up(layers, dtype: torch.dtype, device: torch.device, max_tokens: int) -> int:
