@@ -96,6 +96,12 @@ class OpenAIServer:
             raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
                            code="request_timeout") from None
 
+    async def read_generation_body(self, request: web.Request) -> bytes:
+        """read_body for a request that would generate: refused first (429) while the
+        router itself is saturated, before its body is read (see _admit)."""
+        self.router.saturation.check()
+        return await self.read_body(request)
+
     # ------------------------------------------------------------------ endpoints
 
     def note_ignored(self, request: web.Request, fields: tuple[str, ...]) -> None:
@@ -105,8 +111,7 @@ class OpenAIServer:
             request[IGNORED_FIELDS_KEY] = header
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self.router.saturation.check()   # before the body: see _admit
-        body = await self.read_body(request)
+        body = await self.read_generation_body(request)
         req = s.parse_completion_request(body, self.served_models, self.default_max_tokens,
                                          vocab_size=self.tokenizer.vocab_size)
         self.note_ignored(request, req.ignored_fields)
@@ -121,8 +126,7 @@ class OpenAIServer:
         return await self._generate(request, req, prompts)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        self.router.saturation.check()   # before the body: see _admit
-        body = await self.read_body(request)
+        body = await self.read_generation_body(request)
         req = s.parse_chat_request(body, self.served_models, vocab_size=self.tokenizer.vocab_size,
                                    tool_fmt=self.tool_format, reasoning_fmt=self.reasoning_format)
         self.note_ignored(request, req.ignored_fields)
@@ -132,8 +136,7 @@ class OpenAIServer:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API, served as the chat request it is (pdd.http.responses_api)."""
-        self.router.saturation.check()   # before the body: see _admit
-        body = await self.read_body(request)
+        body = await self.read_generation_body(request)
         req, rr = responses_api.parse(body, self.response_store, lambda chat: s.parse_chat_request(
             chat, self.served_models, vocab_size=self.tokenizer.vocab_size, tool_fmt=self.tool_format,
             reasoning_fmt=self.reasoning_format))

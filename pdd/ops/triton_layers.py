@@ -204,7 +204,8 @@ def _launch_rotary(positions, q, k, cos, sin, v=None, kv_layer=None, slot_mappin
         q, k, v, positions, cos, sin, kc, vc, slot_mapping, q_w, k_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *kv_strides, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, KV_HEADS=kvh, HALF=dim // 2, H_PAD=h_pad, KVH_PAD=kvh_pad, HALF_PAD=half_pad,
-        BLOCK_SIZE=bs, STORE_KV=store, QK_NORM=qk_norm is not None, FP8=fp8, num_warps=4 if h_pad * half_pad >= 1024 else 1,
+        BLOCK_SIZE=bs, STORE_KV=store, QK_NORM=qk_norm is not None, FP8=fp8,
+        num_warps=4 if h_pad * half_pad >= 1024 else 1,
         **pdl_options(q.device, t))
 
 
