@@ -19,20 +19,18 @@ import time
 from pathlib import Path
 
 from benchmarks.cli import run_as_main
-
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+from pdd.bench.frontdoor import WORDS
 
 
 def add_args(p) -> None:
     p.add_argument("--connections", type=int, default=64, help="client connections, each one request at a time")
     p.add_argument("--requests", type=int, default=200, help="requests per connection")
-    p.add_argument("--run-dir", default="/tmp/pdd-refusal-cost", help="where the tiny model is made")
 
 
 def _client(port: int, connections: int, requests: int, out) -> None:
     import aiohttp
 
-    body = json.dumps({"model": "m", "prompt": " ".join(WORDS * 2), "max_tokens": 256, "ignore_eos": True,
+    body = json.dumps({"model": "m", "prompt": " ".join(WORDS[:24]), "max_tokens": 256, "ignore_eos": True,
                        "stream": True}).encode()
 
     async def one(s) -> dict:
@@ -58,14 +56,12 @@ async def _measure(a) -> dict:
     import pdd
     from pdd.config_loader import load_cluster_config
     from pdd.http.app import build_app, serve_http
-    from pdd.model.make_model import make_model
+    from pdd.model.make_model import ensure_builtin_model
     from pdd.model.tokenizer import Tokenizer
     from pdd.router.router import Router
     from pdd.router.saturation import PROBES
 
-    model = Path(a.run_dir) / "tiny"
-    if not (model / "config.json").is_file():
-        make_model(model)
+    model = ensure_builtin_model()
     cfg = load_cluster_config(env={}, overrides={"router": {"control_addr": "tcp://127.0.0.1:0",
                                                             "max_loop_lag_s": 0.5},
                                                  "security": {"insecure": True}})
