@@ -57,7 +57,9 @@ def add_args(p) -> None:
     p.add_argument("--client-procs", type=int, default=2, help="client processes")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=8.0)
-    p.add_argument("--port", type=int, default=18180)
+    p.add_argument("--port", type=int, default=0,
+                   help="the HTTP port, the control and admin ports above it (0: a free base port: another run "
+                        "on the box must not be the router measured)")
     p.add_argument("--run-dir", default="/tmp/pdd-router-tokens")
     p.add_argument("--server-path", default=None, metavar="DIR",
                    help="run the router from the pdd package under DIR (an older commit's, for a before/after)")
@@ -130,8 +132,42 @@ async def _source(control_addrs: list[str], worker_id: str, step_s: float, token
 
 # ---------------------------------------------------------------- the router
 
+def _free_base(count: int) -> int:
+    """A port p with p .. p+count-1 free on loopback now. With a fixed port, a
+    second run on the same box had its router fail to bind while the first
+    run's router answered its clients and health checks: it measured the
+    other run's router (its own CPU read 0)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} free consecutive ports on 127.0.0.1")
+
+
+def _alive(routers: list[subprocess.Popen], run_dir: Path) -> None:
+    gone = [i for i, r in enumerate(routers) if r.poll() is not None]
+    if gone:
+        raise RuntimeError(f"router(s) {gone} exited (a port taken?); see {run_dir}/router-*.log")
+
+
 def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], list[str]]:
     """The routers started: (processes, the shared URL, each one's own URL, their control addresses)."""
+    if not a.port:
+        a.port = _free_base(1 + 3 * a.routers)
     model = run_dir / "tiny"
     if not (model / "config.json").is_file():
         make_model(model)
@@ -141,10 +177,10 @@ def _routers(a, run_dir: Path) -> tuple[list[subprocess.Popen], str, list[str], 
     # Only the keys this needs, the rest each tree's defaults: an older pdd (--server-path)
     # refuses keys it does not know.
     router = {"port": a.port, "host": "127.0.0.1", "control_addr": control[0], "admin_addr": admin[0],
-              "state_dir": str(run_dir.resolve()), "admin_token": uuid.uuid4().hex}
+              "state_dir": str((run_dir / f"state-{a.port}").resolve()), "admin_token": uuid.uuid4().hex}
     if a.routers > 1:
         router.update(control_addrs=control, admin_addrs=admin, http_ports=own)
-    config = run_dir / "cluster.toml"
+    config = run_dir / f"cluster-{a.port}.toml"   # one file a run: runs may share the run dir
     config.write_text(_toml({"engine": {"model": str(model)}, "router": router, "security": {"insecure": True}}))
     env = dict(os.environ)
     if a.server_path:
@@ -194,6 +230,7 @@ def main(a) -> int:
             if any(r.poll() is not None for r in routers) or time.monotonic() > deadline:
                 raise RuntimeError(f"the routers did not all see {a.workers} token sources; see {run_dir}/router-*.log")
             time.sleep(0.2)
+        _alive(routers, run_dir)
         model = first_model(Target(url))
         pids = [r.pid for r in routers]
         for streams in (int(x) for x in a.streams.split(",")):
@@ -203,6 +240,7 @@ def main(a) -> int:
                                           f"router profile, {streams} streams", 45)
             r = run_point(url, model, streams, a.client_procs, a.max_tokens, 24, a.warmup, a.duration,
                           pids, own_urls[0], router_urls=tuple(own_urls), watch=watch)
+            _alive(routers, run_dir)   # else what was measured was not these routers
             r.update(routers=a.routers, workers=a.workers, step_ms=a.step_ms, server=a.server_path or "this pdd")
             results.append(r)
             print(f"routers {a.routers}  streams {streams:5d}  {r['tokens_s']:>9,.0f} tok/s  "
@@ -217,6 +255,7 @@ def main(a) -> int:
             r.wait(30)
         for s in sources:
             s.kill()
+        (run_dir / f"cluster-{a.port}.toml").unlink(missing_ok=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "points": results}, indent=1))
     return 0
