@@ -28,11 +28,20 @@ Admission reads the last probe's verdict (a new request costs no scan of the
 connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
 shape, counted in pdd_requests_rejected_total{reason}. Nothing already
 admitted is touched.
+
+The wait a refusal asks for is spread: Retry-After says the whole second, and
+`retry-after-ms` (which OpenAI's SDKs honour before Retry-After) a uniform draw
+in [RETRY_AFTER_S / 2, 3 * RETRY_AFTER_S / 2). With one fixed wait, every
+client refused during one saturated spell comes back in the same instant, is
+admitted together once the verdict clears, and saturates the router again at
+once: admission flaps between over-full and refusing. Spread over a second,
+the returns arrive about as fast as streams end.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,14 +61,16 @@ LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buf
 class Saturation:
     def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
                  max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time,
-                 max_inbound_lag_s: float = 0.0):
-        """cpu_clock: the CPU time of the thread `run` runs on (the loop's)."""
+                 max_inbound_lag_s: float = 0.0, jitter: Callable[[], float] = random.random):
+        """cpu_clock: the CPU time of the thread `run` runs on (the loop's);
+        jitter: a uniform draw in [0, 1) that spreads a refusal's retry-after-ms."""
         self.max_loop_lag_s = max_loop_lag_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_loop_busy = max_loop_busy
         self.max_inbound_lag_s = max_inbound_lag_s
         self.rejected = rejected
         self.cpu_clock = cpu_clock
+        self.jitter = jitter
         for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG):   # their series from the start, at 0
             rejected.labels(reason)
         self.behind_since: float | None = None   # monotonic; None: the socket was empty at the last look
@@ -137,4 +148,5 @@ class Saturation:
         if self.reason is not None:
             self.rejected.labels(self.reason).inc()
             raise Overloaded(f"the router is saturated: {self._why(self.reason)}; retry later",
-                             retry_after_s=RETRY_AFTER_S)
+                             retry_after_s=RETRY_AFTER_S,
+                             retry_after_ms=int(1000 * RETRY_AFTER_S * (0.5 + self.jitter())))

@@ -71,6 +71,7 @@ async def refused(s: aiohttp.ClientSession, url: str, setting: str) -> None:
     async with s.post(url + "/v1/completions", json=completion(False)) as r:
         body = await r.json()
         assert r.status == 429 and r.headers["Retry-After"] == "1", body
+        assert 500 <= int(r.headers["retry-after-ms"]) < 1500, r.headers
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
         assert body["error"]["code"] == "rate_limit_exceeded" and setting in body["error"]["message"], body
 
@@ -204,6 +205,31 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
     sat.probe(0.001, 10.7, 0.0)
     assert sat.reason is None and sat.inbound_lag == 0.0
     sat.check()
+
+
+def test_a_refusal_spreads_its_retry_after_ms_over_the_second_it_names():
+    """Every refusal says Retry-After 1 (whole seconds); retry-after-ms is drawn
+    in [500, 1500) ms, so clients refused together do not all come back in one instant."""
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import INBOUND_LAG
+    draws = iter([0.0, 0.5, 0.999])
+    sat, _ = _saturation(max_inbound_lag_s=0.5, jitter=lambda: next(draws))
+    sat.behind(0.0)
+    sat.probe(0.001, 1.0, 0.0)
+    assert sat.reason == INBOUND_LAG
+    waits = []
+    for _ in range(3):
+        with pytest.raises(Overloaded) as refused:
+            sat.check()
+        waits.append((refused.value.retry_after_s, refused.value.retry_after_ms))
+    assert waits == [(1, 500), (1, 1000), (1, 1499)]
+
+
+def test_the_bench_client_waits_what_retry_after_ms_says_before_retry_after():
+    from pdd.bench.frontdoor import _retry_after
+    assert _retry_after({"Retry-After": "1", "retry-after-ms": "730"}) == pytest.approx(0.73)
+    assert _retry_after({"Retry-After": "2"}) == 2.0
+    assert _retry_after({}) == 1.0
 
 
 def _saturation(**limits):
