@@ -256,8 +256,18 @@ def main(a) -> int:
         for s in sources:
             s.kill()
         (run_dir / f"cluster-{a.port}.toml").unlink(missing_ok=True)
+    # Past saturation (issue 36): each point's tokens/s as a share of the sitting's
+    # best point, beside what its clients got instead (429s, resets).
+    peak = max((r["tokens_s"] for r in results), default=0)
+    for r in results:
+        r["share_of_peak"] = round(r["tokens_s"] / peak, 3) if peak else None
+        r["refused_429"] = r.get("429", 0)
+        r["resets"] = r["connection_errors"]
+    if results:
+        print("share of peak: " + "  ".join(f"{r['concurrency']} streams {r['share_of_peak']}" for r in results), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "points": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "peak_tokens_s": peak,
+                                            "points": results}, indent=1))
     return 0
 
 

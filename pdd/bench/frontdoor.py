@@ -51,6 +51,15 @@ GUARD_COUNTERS = ("pdd_requests_rejected_total", "pdd_http_connections_refused_t
 
 # ---------------------------------------------------------------- clients (each in a process of its own)
 
+def _retry_after(headers) -> float:
+    """The wait a 429 asks for, as OpenAI's SDKs read it: `retry-after-ms` first,
+    else Retry-After in seconds (1 s when neither is there)."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        return float(ms) / 1000
+    return float(headers.get("Retry-After", "1"))
+
+
 async def _stream_loop(session, url: str, bodies: list[bytes], max_tokens: int, window: tuple[float, float],
                        tally: dict) -> None:
     t0, t1 = window
@@ -63,7 +72,7 @@ async def _stream_loop(session, url: str, bodies: list[bytes], max_tokens: int, 
                     key = "429" if resp.status == 429 else f"status_{resp.status}"
                     tally[key] = tally.get(key, 0) + 1
                     await resp.read()
-                    wait = float(resp.headers.get("Retry-After", "1")) if resp.status == 429 else 0.5
+                    wait = _retry_after(resp.headers) if resp.status == 429 else 0.5
                     if resp.status == 429:
                         tally["retry_after_s"] = tally.get("retry_after_s", 0.0) + wait
                     await asyncio.sleep(wait)

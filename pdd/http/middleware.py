@@ -101,6 +101,8 @@ async def error_middleware(request: web.Request, handler):
         request.app[ROUTER_KEY].metrics.http_errors.labels("429").inc()
         resp = error_response(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
         resp.headers["Retry-After"] = str(e.retry_after_s)
+        if e.retry_after_ms is not None:
+            resp.headers["retry-after-ms"] = str(e.retry_after_ms)
         return resp
     except Unavailable as e:
         request.app[ROUTER_KEY].metrics.http_errors.labels("503").inc()

@@ -95,11 +95,13 @@ class Unavailable(Exception):
 
 
 class Overloaded(Unavailable):
-    """Too many requests wait for their first token (HTTP 429 with Retry-After)."""
+    """Too many requests wait for their first token (HTTP 429 with Retry-After;
+    with retry_after_ms also `retry-after-ms`, which OpenAI's SDKs prefer)."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: int, retry_after_ms: int | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.retry_after_ms = retry_after_ms
 
 
 Send = Callable[[str, m.Message], None]

@@ -61,7 +61,8 @@ class Router:
                                     traces=TraceStore(cfg.log.trace_recent_requests, cfg.log.trace_slow_requests))
         self.control.on_timer_change = self._rearm
         self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected,
-                                     rc.max_loop_busy, max_inbound_lag_s=rc.max_inbound_lag_s)
+                                     rc.max_loop_busy, max_inbound_lag_s=rc.max_inbound_lag_s,
+                                     in_flight=lambda: len(self.control.requests))
         self.operations = Operations(cfg, self.registry, self.control, self._post)
         self.accepting = True
         self.started_at = time.time()

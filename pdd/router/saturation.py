@@ -28,11 +28,28 @@ Admission reads the last probe's verdict (a new request costs no scan of the
 connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
 shape, counted in pdd_requests_rejected_total{reason}. Nothing already
 admitted is touched.
+
+The wait a refusal asks for is spread: Retry-After says the whole second, and
+`retry-after-ms` (which OpenAI's SDKs honour before Retry-After) a uniform draw
+in [RETRY_AFTER_S / 2, 3 * RETRY_AFTER_S / 2). With one fixed wait, every
+client refused during one saturated spell comes back in the same instant, is
+admitted together once the verdict clears, and saturates the router again at
+once: admission flaps between over-full and refusing. Spread over a second,
+the returns arrive about as fast as streams end.
+
+While saturated, a request is still admitted when the router holds fewer
+requests than it did when the verdict tripped (`in_flight`): it takes the place
+of one that ended. The load stays where it was when the limit was met instead
+of draining below it while every arrival is refused; it is never raised past
+that level until the verdict clears, and the level is forgotten then (nothing
+is learned across trips: a learned cap learned whatever tripped the verdict,
+other processes' load included; docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,14 +69,21 @@ LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buf
 class Saturation:
     def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
                  max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time,
-                 max_inbound_lag_s: float = 0.0):
-        """cpu_clock: the CPU time of the thread `run` runs on (the loop's)."""
+                 max_inbound_lag_s: float = 0.0, jitter: Callable[[], float] = random.random,
+                 in_flight: Callable[[], int] | None = None):
+        """cpu_clock: the CPU time of the thread `run` runs on (the loop's);
+        jitter: a uniform draw in [0, 1) that spreads a refusal's retry-after-ms;
+        in_flight: the requests the router holds now (None: every request is
+        refused while saturated)."""
         self.max_loop_lag_s = max_loop_lag_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_loop_busy = max_loop_busy
         self.max_inbound_lag_s = max_inbound_lag_s
         self.rejected = rejected
         self.cpu_clock = cpu_clock
+        self.jitter = jitter
+        self.in_flight = in_flight
+        self.pinned: int | None = None     # while saturated: the requests held when it tripped
         for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG):   # their series from the start, at 0
             rejected.labels(reason)
         self.behind_since: float | None = None   # monotonic; None: the socket was empty at the last look
@@ -104,8 +128,13 @@ class Saturation:
         if reason != self.reason:
             if reason is None:
                 log.info("router: no longer saturated; new requests are admitted again")
+                self.pinned = None
             else:
-                log.warning("router: saturated (%s); new requests get 429 until it passes", self._why(reason))
+                if self.reason is None and self.in_flight is not None:
+                    self.pinned = self.in_flight()
+                log.warning("router: saturated (%s); new requests get 429 until it passes%s", self._why(reason),
+                            f" (or take the place of one of the {self.pinned} held as it ends)"
+                            if self.pinned is not None else "")
             self.reason = reason
 
     def _verdict(self) -> str | None:
@@ -133,8 +162,10 @@ class Saturation:
                 f"router.max_buffered_bytes = {self.max_buffered_bytes}")
 
     def check(self) -> None:
-        """Overloaded (429) while the router is saturated."""
-        if self.reason is not None:
+        """Overloaded (429) while the router is saturated, unless a request it held
+        when it tripped has ended since (the new one takes its place)."""
+        if self.reason is not None and (self.pinned is None or self.in_flight() >= self.pinned):
             self.rejected.labels(self.reason).inc()
             raise Overloaded(f"the router is saturated: {self._why(self.reason)}; retry later",
-                             retry_after_s=RETRY_AFTER_S)
+                             retry_after_s=RETRY_AFTER_S,
+                             retry_after_ms=int(1000 * RETRY_AFTER_S * (0.5 + self.jitter())))

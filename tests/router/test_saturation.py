@@ -71,6 +71,7 @@ async def refused(s: aiohttp.ClientSession, url: str, setting: str) -> None:
     async with s.post(url + "/v1/completions", json=completion(False)) as r:
         body = await r.json()
         assert r.status == 429 and r.headers["Retry-After"] == "1", body
+        assert 500 <= int(r.headers["retry-after-ms"]) < 1500, r.headers
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
         assert body["error"]["code"] == "rate_limit_exceeded" and setting in body["error"]["message"], body
 
@@ -204,6 +205,75 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
     sat.probe(0.001, 10.7, 0.0)
     assert sat.reason is None and sat.inbound_lag == 0.0
     sat.check()
+
+
+def test_a_refusal_spreads_its_retry_after_ms_over_the_second_it_names():
+    """Every refusal says Retry-After 1 (whole seconds); retry-after-ms is drawn
+    in [500, 1500) ms, so clients refused together do not all come back in one instant."""
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import INBOUND_LAG
+    draws = iter([0.0, 0.5, 0.999])
+    sat, _ = _saturation(max_inbound_lag_s=0.5, jitter=lambda: next(draws))
+    sat.behind(0.0)
+    sat.probe(0.001, 1.0, 0.0)
+    assert sat.reason == INBOUND_LAG
+    waits = []
+    for _ in range(3):
+        with pytest.raises(Overloaded) as refused:
+            sat.check()
+        waits.append((refused.value.retry_after_s, refused.value.retry_after_ms))
+    assert waits == [(1, 500), (1, 1000), (1, 1499)]
+
+
+def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_ended():
+    """The requests held when the verdict tripped are the level kept while it
+    holds: an arrival is refused while as many are held, admitted once one has
+    ended, never past that level; the level is forgotten when the verdict clears."""
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import INBOUND_LAG
+    held = [40]
+    sat, rejected = _saturation(max_inbound_lag_s=0.5, in_flight=lambda: held[0])
+    sat.behind(0.0)
+    sat.probe(0.001, 1.0, 0.0)
+    assert sat.reason == INBOUND_LAG and sat.pinned == 40
+    with pytest.raises(Overloaded):
+        sat.check()
+    held[0] = 39                  # one ended: its place is taken
+    sat.check()
+    held[0] = 40
+    with pytest.raises(Overloaded):
+        sat.check()
+    held[0] = 45                  # more held than at the trip (an n > 1 request): still refused
+    sat.probe(0.001, 1.1, 0.0)    # still saturated: the level stays the trip's
+    assert sat.pinned == 40
+    with pytest.raises(Overloaded):
+        sat.check()
+    assert rejected.labels(INBOUND_LAG)._value.get() == 3
+    sat.caught_up()
+    sat.probe(0.001, 1.2, 0.0)
+    assert sat.reason is None and sat.pinned is None
+    sat.check()
+    held[0] = 10                  # a new trip pins the level of its own moment
+    sat.behind(2.0)
+    sat.probe(0.001, 3.0, 0.0)
+    assert sat.pinned == 10
+
+
+def test_without_a_count_of_requests_held_a_saturated_router_refuses_every_arrival():
+    from pdd.router.control import Overloaded
+    sat, _ = _saturation(max_inbound_lag_s=0.5)
+    sat.behind(0.0)
+    sat.probe(0.001, 1.0, 0.0)
+    assert sat.pinned is None
+    with pytest.raises(Overloaded):
+        sat.check()
+
+
+def test_the_bench_client_waits_what_retry_after_ms_says_before_retry_after():
+    from pdd.bench.frontdoor import _retry_after
+    assert _retry_after({"Retry-After": "1", "retry-after-ms": "730"}) == pytest.approx(0.73)
+    assert _retry_after({"Retry-After": "2"}) == 2.0
+    assert _retry_after({}) == 1.0
 
 
 def _saturation(**limits):
