@@ -194,8 +194,9 @@ def test_warm_up_rows_cover_every_bucket_the_table_picks(monkeypatch):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, 4], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("weight", ["block", "channel"])
-def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch):
+def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, split, monkeypatch):
     from tests.ops.test_gemv import FP8_GPU
     from pdd.model.fp8 import Fp8Linear
     from pdd.model.quant_config import Fp8Scheme
@@ -204,6 +205,12 @@ def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch
     if not ops.report_compiles(lambda kernel: None):
         pytest.skip("this Triton has no compile hook")
     monkeypatch.setenv("PDD_FP8_GEMV", "1,16,32,64,128,256")     # every bucket through the GEMV
+    if split > 1:
+        # As if the sweep had written split-K entries for every dot bucket: the warm-up
+        # must build the split variants and their reduce kernel too.
+        table = tg.gemv_config
+        monkeypatch.setattr(tg, "gemv_config", lambda bucket, *a: (
+            table(bucket, *a)._replace(split_k=split) if bucket > 1 else table(bucket, *a)))
     dev = torch.device("cuda")
     scheme = Fp8Scheme("fp8", weight, (128, 128) if weight == "block" else None, False)
     sites = []
@@ -221,3 +228,25 @@ def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch
             (ops.linear_silu_mul if silu else ops.linear)(x, lin)
     torch.cuda.synchronize()
     assert ops.compiles_reported() == before
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [8, 64, 256])
+@pytest.mark.parametrize("n, k, silu", [(4096, 4096, False), (4096, 14336, False), (28672, 4096, True)])
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_cuda_split_k_on_the_8b_shapes(kind, n, k, silu, m):
+    from tests.ops.test_gemv import FP8_GPU, GPU_TOL, weights_8b
+    if not FP8_GPU:
+        pytest.skip("FP8 weights want compute capability >= 8.9")
+    w, s, block, w_deq = weights_8b(kind, n, k)
+    x = rand(m, k, seed=m).to(torch.bfloat16).to(DEVICE)
+    ref = x.float() @ w_deq.t()
+    if silu:
+        ref = ops.reference.silu_and_mul(ref.to(torch.bfloat16)).float()
+    base = tg.gemv_config(gemv_bucket(m), n // 2 if silu else n, k, 1, 2, silu, block, 132)
+    for split in (2, 4, 8):
+        cfg = base._replace(split_k=split)
+        out = tg.gemv(x, w, s, block, silu=silu, config=cfg)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < GPU_TOL, f"split {split}: relative error {err:.2e}"
+        assert torch.equal(tg.gemv(x, w, s, block, silu=silu, config=cfg), out)   # the same bits every run
