@@ -9,8 +9,8 @@ launch that reads W once is what the step's HBM roofline asks for.
 
 Each program owns BLOCK_N output columns (rows of W) for all M rows of x (up
 to 128; 129..256 rows in two M tiles whose programs run side by side), so W is
-read from HBM once; there is no split over K. Two kernels, picked by M's
-bucket (pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
+read from HBM once. Two kernels, picked by M's bucket
+(pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
 - M == 1: elementwise products of a [BLOCK_N, BLOCK_K] W tile with x, summed
   along K each step (no tensor cores: nothing to pad to 16 rows). A few rows
   and a wide K span a program: its loads in flight are the whole tile.
@@ -19,6 +19,12 @@ bucket (pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
   converted to x's dtype in registers first (exact for e4m3): the W8A16 skinny
   GEMM of decode batches, x's bytes re-read from L2 by each N tile.
 M itself is not a specialization key: one compiled variant per bucket.
+The dot kernel may split K (GemvConfig.split_k, where a table entry says so):
+with few N tiles (N = 4096 in 64-row tiles is 64 programs on 132 SMs) too few
+bytes are in flight to keep HBM busy, so K slices run as programs of their own,
+store fp32 partials, and a second small launch sums them in slice order (the
+same bits every run, unlike atomics) and applies row scales, bias and
+SiLU-and-mul. Block scales multiply each K step inside the slices as before.
 
 Scales (how pdd.model.fp8 stores them): one value (tensor), one per output
 row ([N] or [N, 1]), or one per block ([ceil(N/bn), ceil(K/bk)]). Row and
