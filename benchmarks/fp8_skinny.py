@@ -19,7 +19,8 @@ lines say which path wins each layer and M, and the FP8_GEMV_BUCKETS
 (pdd/ops/__init__.py) that the layers' summed times pick.
 
     python -m benchmarks.fp8_skinny [--m 1,2,4,...] [--json FILE]      # on the device, < 3 min
-    python -m benchmarks.fp8_skinny --sweep [--m 32,64] [--json FILE]   # the skinny tiles
+    python -m benchmarks.fp8_skinny --sweep [--m 1,16,...] [--kinds block,row] [--json FILE]
+        # every bucket's candidate tiles (split-K among them) per layer against scaled_mm, < 4 min
     python -m benchmarks.fp8_skinny --dry-run                           # CPU: the cases and tiles
 """
 from __future__ import annotations
@@ -168,7 +169,8 @@ def _winners(rows: list[dict], ms: list[int]) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--m", default=None, help=f"comma list of token counts (default {_MS}; --sweep: 32,64)")
+    p.add_argument("--m", default=None, help=f"comma list of token counts (default {_MS}; --sweep: {_SWEEP_MS})")
+    p.add_argument("--kinds", default=None, help="--sweep: comma list of scale kinds out of block,row (default both)")
     p.add_argument("--reps", type=int, default=48, help="calls captured in each timed CUDA graph")
     p.add_argument("--sweep", action="store_true", help="time the skinny buckets' tile configs instead")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their GEMV tiles; no GPU needed")
@@ -176,7 +178,7 @@ def add_args(p) -> None:
 
 
 def main(args) -> int:
-    ms = [int(v) for v in (args.m or ("32,64" if args.sweep else _MS)).split(",") if v]
+    ms = [int(v) for v in (args.m or (_SWEEP_MS if args.sweep else _MS)).split(",") if v]
     if args.dry_run:
         return dry_run(ms, args.sweep)
     if not torch.cuda.is_available():
@@ -209,39 +211,68 @@ def dry_run(ms: list[int], sweep_tiles: bool) -> int:
             for kind in _KINDS:
                 for m in ms:
                     print(f"sweep {name} {kind} M={m}: {len(_sweep_configs(m, n, k, silu, kind))} configs")
+        from pdd.ops.limits import gemv_bucket
+        variants = {(kind, name, cfg) for name, (n, k, silu) in SHAPES_8B.items() for kind in _KINDS for m in ms
+                    for cfg in _sweep_configs(m, n, k, silu, kind) + [_config(gemv_bucket(m), n, k, silu, kind,
+                                                                               _SMS_H200)]}
+        print(f"sweep: {len(variants)} distinct variants to compile")
     print(f"{count} cases")
     return 0
 
 
 # ---------------------------------------------------------------------------
-# --sweep: the skinny buckets' tiles (the M given is timed; its bucket's tiles)
+# --sweep: every bucket's candidate tiles (the M given is timed with its bucket's
+# tiles) per 8B layer and scale kind, against scaled_mm and the HBM floor
 # ---------------------------------------------------------------------------
 
+_SWEEP_MS = "1,16,32,64,128,256"    # each bucket's largest row count, as the warm-up runs them
 _SWEEP_BLOCK_N = (32, 64, 128)
-_SWEEP_BLOCK_K = (64, 128, 256)
-_SWEEP_WARPS = (4, 8)
-_SWEEP_STAGES = (3, 4, 6)
+_SWEEP_STAGES = (3, 5)
+_SWEEP_SPLITS = (1, 2, 4, 8)
 _SWEEP_SMEM = 200 << 10
 
 
-def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str) -> list:
+def _sweep_splits(programs: int, k_steps: int, sms: int) -> list[int]:
+    """K slices worth trying for a grid of `programs` (M tiles x N tiles): more only
+    while the grid stays within two programs an SM and each slice keeps 8+ K steps
+    (a slice's pipeline fills and drains once: short slices spend it filling)."""
+    return [sk for sk in _SWEEP_SPLITS if sk == 1 or (programs * sk <= 2 * sms and k_steps // sk >= 8)]
+
+
+def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str, sms: int = _SMS_H200) -> list:
+    """The dot kernel's candidates at m rows (2..256; none at 1 row: benchmarks.gemv
+    --sweep covers the row kernel): BLOCK_N, BLOCK_K (block scales: 128, one scale a
+    K step), stages, split-K; 8 warps only where 4 would hold over 64 fp32
+    accumulators a thread."""
     from pdd.ops.gemv_tiles import GemvConfig
     from pdd.ops.limits import gemv_bucket
 
+    if m == 1:
+        return []
     tiles, out_n = (2, n // 2) if silu else (1, n)
-    block_m = min(gemv_bucket(m), 128)
+    bucket = gemv_bucket(m)
+    block_m = min(bucket, 128)
+    m_tiles = -(-bucket // block_m)
     out = []
     for bn in _SWEEP_BLOCK_N:
-        for bk in (128,) if kind == "block" else _SWEEP_BLOCK_K:
+        for bk in (128,) if kind == "block" else (128, 256) if block_m <= 32 else (128,):
             if out_n % bn or tiles * bn * bk > 2 * 16384:
                 continue
-            for warps in _SWEEP_WARPS:
-                if tiles * bn * block_m > 64 * 32 * warps:     # accumulators past 64 registers a thread
+            warps = 4 if tiles * bn * block_m <= 64 * 32 * 4 else 8
+            if tiles * bn * block_m > 64 * 32 * warps:
+                continue
+            for stages in _SWEEP_STAGES:
+                if stages * (tiles * bn * bk + 2 * bk * block_m) > _SWEEP_SMEM:
                     continue
-                for stages in _SWEEP_STAGES:
-                    if stages * (tiles * bn * bk + 2 * bk * block_m) <= _SWEEP_SMEM:
-                        out.append(GemvConfig(block_m, bn, bk, warps, stages))
+                for sk in _sweep_splits(m_tiles * -(-out_n // bn), -(-k // bk), sms):
+                    out.append(GemvConfig(block_m, bn, bk, warps, stages, split_k=sk))
     return out
+
+
+def _table_entry(cfg) -> tuple:
+    """A config as gemv_tiles' tables write it: (BLOCK_N, BLOCK_K, warps, stages[, K slices])."""
+    entry = (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return entry + (cfg.split_k,) if cfg.split_k > 1 else entry
 
 
 def sweep(ms: list[int], sms: int, args) -> int:
@@ -249,41 +280,94 @@ def sweep(ms: list[int], sms: int, args) -> int:
 
     from pdd.ops.limits import gemv_bucket
 
-    cases = [(_KINDS[kind], name, n, k, silu, cfg) for name, (n, k, silu) in SHAPES_8B.items()
-             for kind in _KINDS for m in ms for cfg in _sweep_configs(m, n, k, silu, kind)]
-    procs = max(1, min(14, (mp.cpu_count() or 2) - 2))
+    kinds = [v for v in args.kinds.split(",") if v] if args.kinds else list(_KINDS)
     t0 = time.monotonic()
+    table = {(kind, name, m): _config(gemv_bucket(m), n, k, silu, kind, sms)
+             for name, (n, k, silu) in SHAPES_8B.items() for kind in kinds for m in ms}
+    cases = sorted({(_KINDS[kind], name, n, k, silu, cfg) for name, (n, k, silu) in SHAPES_8B.items()
+                    for kind in kinds for m in ms
+                    for cfg in [c for c in [table[(kind, name, m)]] if c] + _sweep_configs(m, n, k, silu, kind, sms)},
+                   key=str)
+    procs = max(1, min(14, (mp.cpu_count() or 2) - 2))
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_some, [cases[i::procs] for i in range(procs)]))
     print(f"compiled {len(cases)} variants in {time.monotonic() - t0:.0f} s ({failed} did not build)", flush=True)
-    rows = []
+    rows, best_of = [], {}
+    print(f"{'kind':<5} {'layer':<13} {'M':>3} {'floor':>6} {'scaled_mm':>10} {'table':>14} {'best':>14}  best config"
+          " (BLOCK_N, BLOCK_K, warps, stages, split)", flush=True)
     for name, (n, k, silu) in SHAPES_8B.items():
-        for kind in _KINDS:
+        for kind in kinds:
             weights = _weights(_KINDS[kind], n, k, max(2, -(-_COLD_BYTES // (n * k))))
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                table = _config(gemv_bucket(m), n, k, silu, kind, sms) if m > 16 else None
+                floor = _moved(kind, n, k, m, silu) / HBM_BYTES_S * 1e6
+
+                def timed(path, cfg):
+                    calls = [_call(path, kind, x, w, s, b, silu, cfg) for w, s, b in weights]
+                    return _graph_us(calls * max(1, -(-args.reps // len(calls))), rounds=5)
+
+                try:
+                    lib_us = timed(f"scaled_mm-{kind}", None)
+                except Exception as e:   # noqa: BLE001 - a path this torch lacks is reported, not fatal
+                    print(f"  {kind} {name} M={m} scaled_mm: {type(e).__name__}", flush=True)
+                    lib_us = float("nan")
+                rows.append({"kind": kind, "layer": name, "m": m, "path": f"scaled_mm-{kind}", "us": lib_us,
+                             "floor_us": floor})
+                tab = table[(kind, name, m)]
                 results = []
-                for cfg in [c for c in [table] if c] + _sweep_configs(m, n, k, silu, kind):
-                    calls = [_call("gemv", kind, x, w, s, b, silu, cfg) for w, s, b in weights]
+                for cfg in dict.fromkeys([c for c in [tab] if c] + _sweep_configs(m, n, k, silu, kind, sms)):
                     try:
-                        us = _graph_us(calls * max(1, -(-args.reps // len(calls))), rounds=5)
-                    except Exception as e:   # noqa: BLE001
-                        print(f"  {kind} {name} {tuple(cfg)}: {type(e).__name__}", flush=True)
+                        us = timed("gemv", cfg)
+                    except Exception as e:   # noqa: BLE001 - a config that does not build or run is skipped
+                        print(f"  {kind} {name} M={m} {tuple(cfg)}: {type(e).__name__}", flush=True)
                         continue
                     results.append((us, cfg))
-                    rows.append({"kind": kind, "layer": name, "m": m, "config": cfg._asdict(), "us": us,
-                                 "table": cfg == table})
+                    rows.append({"kind": kind, "layer": name, "m": m, "path": "gemv", "config": cfg._asdict(),
+                                 "us": us, "floor_us": floor, "of_floor": floor / us, "table": cfg == tab})
+                if not results:
+                    continue
                 results.sort(key=lambda r: r[0])
-                table_us = next((us for us, c in results if c == table), float("nan"))
-                floor = _moved(kind, n, k, m, silu) / HBM_BYTES_S * 1e6
-                best = ", ".join(f"{us:.1f} us {tuple(c)[1:]}" for us, c in results[:3])
-                print(f"{kind:<5} {name:<13} M={m:<3} floor {floor:5.1f} | table {table_us:6.1f} | best: {best}",
-                      flush=True)
-            del weights
+                best_us, best = results[0]
+                best_of[(kind, name, m)] = (best_us, best, lib_us)
+                table_us = next((us for us, c in results if c == tab), float("nan"))
+                print(f"{kind:<5} {name:<13} {m:>3} {floor:6.1f} {lib_us:10.1f} {table_us:7.1f} ({100 * floor / table_us:3.0f}%)"
+                      f" {best_us:7.1f} ({100 * floor / best_us:3.0f}%)  {_table_entry(best)}", flush=True)
+            weights = None     # freed before the next layer's copies
             torch.cuda.empty_cache()
-    write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "rows": rows})
+    _sweep_verdicts(best_of, kinds, ms)
+    print(f"sweep took {time.monotonic() - t0:.0f} s", flush=True)
+    write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "sms": sms,
+                           "hbm_bytes_s": HBM_BYTES_S, "rows": rows})
     return 0
+
+
+def _sweep_verdicts(best_of: dict, kinds: list[str], ms: list[int]) -> None:
+    """Per kind and M: a layer's four linears summed, each at its best config, against
+    scaled_mm (the FP8_GEMV_BUCKETS verdict), and the table entries to paste into
+    gemv_tiles (_DOT_TUNED_132 for 2..16 rows, _SKINNY_TUNED_132 past 16)."""
+    from pdd.ops.limits import gemv_bucket
+
+    wins = {kind: set() for kind in kinds}
+    for kind in kinds:
+        for m in ms:
+            got = [best_of[(kind, name, m)] for name in SHAPES_8B if (kind, name, m) in best_of]
+            if len(got) < len(SHAPES_8B):
+                continue
+            gemv_us, lib_us = sum(g[0] for g in got), sum(g[2] for g in got)
+            if gemv_us < lib_us:
+                wins[kind].add(gemv_bucket(m))
+            print(f"{kind:<5} M={m:>3}: a layer's four linears, each at its best tiles: gemv {gemv_us:7.1f} us, "
+                  f"scaled_mm {lib_us:7.1f} us", flush=True)
+        print(f"{kind}: the GEMV at its best tiles wins the summed layer in buckets {sorted(wins[kind])}", flush=True)
+    both = sorted(set.intersection(*wins.values())) if wins else []
+    print(f"FP8_GEMV_BUCKETS the sweep supports for every kind swept: {both}", flush=True)
+    print("table entries (bucket, w_bytes, block scales, N or I, K, silu): best", flush=True)
+    for (kind, name, m), (_, cfg, _) in sorted(best_of.items(), key=str):
+        if m == 1:
+            continue
+        n, k, silu = SHAPES_8B[name]
+        print(f"    ({gemv_bucket(m)}, 1, {kind == 'block'}, {n // 2 if silu else n}, {k}, {silu}): "
+              f"{_table_entry(cfg)},", flush=True)
 
 
 if __name__ == "__main__":

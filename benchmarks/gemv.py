@@ -218,11 +218,14 @@ def _sweep_cases(bucket: int):
 def _compile_some(cases: list) -> int:
     """Run each case once (a child process: fills Triton's on-disk cache)."""
     failed = 0
-    x_cache = {}
+    x_cache, w_cache = {}, {}
     for kind, name, n, k, silu, cfg in cases:
         m = 1 if cfg.block_m == 1 else 4
         x = x_cache.setdefault((m, k), torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-        w, s, b = _weights(kind, n, k, 1)[0]
+        if (kind, n, k) not in w_cache:     # one copy a layer shape: a sweep builds hundreds of variants of each
+            w_cache.clear()
+            w_cache[(kind, n, k)] = _weights(kind, n, k, 1)[0]
+        w, s, b = w_cache[(kind, n, k)]
         try:
             _gemv_call_cfg(x, w, s, b, silu, cfg)()
         except Exception:   # noqa: BLE001 - a config that does not build is reported, not fatal

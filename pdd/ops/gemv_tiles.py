@@ -21,6 +21,7 @@ class GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     w8a8: bool = False   # dot kernel, FP8 weights: x quantized per K step, FP8 tensor cores (an experiment)
+    split_k: int = 1     # dot kernel: K slices a W tile's columns are split over (fp32 partials, one reduce launch)
 
 
 # The row kernel's tiles, measured (`python -m benchmarks.gemv --sweep` on an H200, 132 SMs;
@@ -48,7 +49,7 @@ _ROW_TUNED_132 = {
 # The dot kernel's (2..16 rows) tiles where the sweep (`--sweep-rows 16`, timed
 # at 4 and 16 rows) beat the rule below by more than 3% without spilling
 # registers (bf16 o_proj and down_proj were 5-6% faster with 32x256 tiles that
-# spill): (w_bytes, block scales, N or I, K, silu) -> (BLOCK_N, BLOCK_K, warps, stages).
+# spill): (w_bytes, block scales, N or I, K, silu) -> (BLOCK_N, BLOCK_K, warps, stages[, K slices]).
 _DOT_TUNED_132 = {
     (2, False, 6144, 4096, False): (64, 256, 4, 4),
     (1, True, 6144, 4096, False): (64, 128, 4, 4),
@@ -59,9 +60,16 @@ _DOT_TUNED_132 = {
 
 # The skinny buckets' (17..256 rows) tiles where a sweep (`python -m
 # benchmarks.fp8_skinny --sweep`) beat the rule below: (bucket, w_bytes, block
-# scales, N or I, K, silu) -> (BLOCK_N, BLOCK_K, warps, stages). Empty until
-# the device sweep fills it.
+# scales, N or I, K, silu) -> (BLOCK_N, BLOCK_K, warps, stages[, K slices]).
+# Empty until the device sweep fills it; the sweep's candidates include split-K
+# (GemvConfig.split_k), which the rule below never picks.
 _SKINNY_TUNED_132: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _tuned_config(block_m: int, tuned: tuple[int, ...]) -> GemvConfig:
+    """A dot table entry: (BLOCK_N, BLOCK_K, warps, stages[, K slices])."""
+    block_n, block_k, warps, stages, *split = tuned
+    return GemvConfig(block_m, block_n, block_k, warps, stages, split_k=split[0] if split else 1)
 
 
 def _row_config(n: int, k: int, w_bytes: int, tiles: int, scale_block: tuple[int, int] | None,
@@ -98,7 +106,7 @@ def _dot16_config(n: int, k: int, w_bytes: int, x_bytes: int, silu: bool,
     tiles = 2 if silu else 1
     tuned = _DOT_TUNED_132.get((w_bytes, scale_block is not None, n, k, silu)) if sms == 132 else None
     if tuned is not None:
-        return GemvConfig(GEMV_MAX_M, *tuned)
+        return _tuned_config(GEMV_MAX_M, tuned)
     # x^T is re-read from L2 by every program: wider tiles amortize it; about one
     # program per SM, kept busy by num_stages of W tiles in flight (cp.async).
     block_k = 256 if w_bytes == 1 else 128
@@ -145,7 +153,7 @@ def _skinny_config(bucket: int, n: int, k: int, w_bytes: int, x_bytes: int, silu
         return None
     tuned = _SKINNY_TUNED_132.get((bucket, w_bytes, scale_block is not None, n, k, silu)) if sms == 132 else None
     if tuned is not None:
-        return GemvConfig(block_m, *tuned)
+        return _tuned_config(block_m, tuned)
     block_n = next((c for c in candidates if c <= 2 * block_m), candidates[-1])
     while block_n > candidates[-1] and triton.cdiv(n, block_n) * m_tiles < sms // 2:
         block_n //= 2

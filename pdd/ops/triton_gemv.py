@@ -9,8 +9,8 @@ launch that reads W once is what the step's HBM roofline asks for.
 
 Each program owns BLOCK_N output columns (rows of W) for all M rows of x (up
 to 128; 129..256 rows in two M tiles whose programs run side by side), so W is
-read from HBM once; there is no split over K. Two kernels, picked by M's
-bucket (pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
+read from HBM once. Two kernels, picked by M's bucket
+(pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
 - M == 1: elementwise products of a [BLOCK_N, BLOCK_K] W tile with x, summed
   along K each step (no tensor cores: nothing to pad to 16 rows). A few rows
   and a wide K span a program: its loads in flight are the whole tile.
@@ -19,6 +19,12 @@ bucket (pdd.ops.limits.GEMV_BUCKETS; tiles in pdd.ops.gemv_tiles):
   converted to x's dtype in registers first (exact for e4m3): the W8A16 skinny
   GEMM of decode batches, x's bytes re-read from L2 by each N tile.
 M itself is not a specialization key: one compiled variant per bucket.
+The dot kernel may split K (GemvConfig.split_k, where a table entry says so):
+with few N tiles (N = 4096 in 64-row tiles is 64 programs on 132 SMs) too few
+bytes are in flight to keep HBM busy, so K slices run as programs of their own,
+store fp32 partials, and a second small launch sums them in slice order (the
+same bits every run, unlike atomics) and applies row scales, bias and
+SiLU-and-mul. Block scales multiply each K step inside the slices as before.
 
 Scales (how pdd.model.fp8 stores them): one value (tensor), one per output
 row ([N] or [N, 1]), or one per block ([ceil(N/bn), ceil(K/bk)]). Row and
@@ -183,14 +189,19 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
                      stride_xm, stride_wn, stride_ym, stride_sn, stride_sk,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W8A8: tl.constexpr = False):
+                     SILU: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W8A8: tl.constexpr = False,
+                     p_ptr=None, k_span=0, SPLIT_K: tl.constexpr = 1):
     """2 <= M: x^T as the dot's second operand (W8A8: quantized to FP8 per K step), program (i, j) the M tile i of
     BLOCK_M rows (rows past M masked) and the N tile j. The M tiles of one N
     tile are neighbours in launch order: they run together and read their W
     tile from HBM once, from L2 after. Launched in stream order, not under PDL:
     under PDL a whole step at batch 8 took 5.30 ms against 4.87 on H200. Its
     grid is about one program an SM; placed while the previous kernel still
-    holds some SMs, programs probably double up on the others."""
+    holds some SMs, programs probably double up on the others.
+    SPLIT_K > 1: program (i, j, s) sums only K columns [s * k_span, (s + 1) *
+    k_span) (k_span a multiple of BLOCK_K) and stores its fp32 partials (block
+    scales applied, row scales not) to p_ptr [SPLIT_K, 1 or 2 (silu), M, N];
+    _gemv_reduce_kernel finishes them."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -204,7 +215,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
     s_up = s_ptr + ((n0 + up_off) // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_span
+        k_hi = tl.minimum(K, k_lo + k_span)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         if EVEN_K:
@@ -227,6 +243,38 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, up_off,
             if SCALE == 3:
                 part = part * tl.load(s_up + (k0 // SCALE_BK) * stride_sk)
             acc_up += part
+    if SPLIT_K > 1:
+        mask = n_ok[:, None] & m_ok[None, :]
+        tiles = 2 if SILU else 1
+        part_ptrs = p_ptr + (tl.program_id(2) * tiles * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(part_ptrs, acc, mask=mask)
+        if SILU:
+            tl.store(part_ptrs + M * N, acc_up, mask=mask)
+    else:
+        _store(acc, acc_up, s_ptr, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, up_off, stride_sn, stride_ym,
+               SCALE, HAS_BIAS, SILU)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, up_off, stride_ym, stride_sn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                        SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The split-K dot's partials [SPLIT_K, 1 or 2, M, N] summed in slice order
+    (the same fp32 sums every run: tokens stay bit-identical, unlike atomics),
+    then scaled, biased and stored (SiLU-and-mul fused) as the one-pass kernel does."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    mask = n_ok[:, None] & m_ok[None, :]
+    tiles = 2 if SILU else 1
+    ptrs = p_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for sk in tl.static_range(SPLIT_K):
+        acc += tl.load(ptrs + (sk * tiles * M).to(tl.int64) * N, mask=mask, other=0.0)
+        if SILU:
+            acc_up += tl.load(ptrs + ((sk * tiles + 1) * M).to(tl.int64) * N, mask=mask, other=0.0)
     _store(acc, acc_up, s_ptr, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, up_off, stride_sn, stride_ym,
            SCALE, HAS_BIAS, SILU)
 
@@ -257,6 +305,24 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, block, silu: bool) -> GemvConfi
     n, k = weight.shape
     return gemv_config(gemv_bucket(x.shape[0]), n // 2 if silu else n, k, weight.element_size(), x.element_size(),
                        silu, tuple(block) if block is not None else None, _num_sms(x.device))
+
+
+# The split-K reduce's N tile: [64, BLOCK_M <= 64] fp32 a program, a few KB of partials each.
+_REDUCE_BLOCK_N = 64
+
+
+def _split(cfg: GemvConfig, k: int, m: int, out_n: int, silu: bool, device: torch.device):
+    """(K slices, K columns a slice, the fp32 partials buffer or None) of a dot
+    launch. Slices are whole BLOCK_K steps; a split that leaves the last slice
+    empty is cut to the slices that have columns."""
+    steps = triton.cdiv(k, cfg.block_k)
+    split = max(1, min(cfg.split_k, steps))
+    k_span = triton.cdiv(steps, split) * cfg.block_k
+    split = triton.cdiv(k, k_span)
+    if split == 1:
+        return 1, k_span, None
+    part = torch.empty(split, 2 if silu else 1, m, out_n, dtype=torch.float32, device=device)
+    return split, k_span, part
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,
@@ -316,7 +382,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                                stride_sn, stride_sk, **common, **pdl_options(x.device, m))
     else:
         upcast = x.dtype == torch.float32 or x.device.type == "cpu"
-        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(out_n, cfg.block_n))
+        split, k_span, part = _split(cfg, k, m, out_n, silu, x.device)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(out_n, cfg.block_n), split)
         _gemv_dot_kernel[grid](x, weight, s, b, y, m, out_n, k, up_off, x.stride(0), weight.stride(0), y.stride(0),
-                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, W8A8=cfg.w8a8, **common)
+                               stride_sn, stride_sk, BLOCK_M=cfg.block_m, UPCAST=upcast, W8A8=cfg.w8a8, **common,
+                               p_ptr=part, k_span=k_span, SPLIT_K=split)
+        if split > 1:
+            rbm = min(cfg.block_m, 64)
+            rgrid = (triton.cdiv(m, rbm), triton.cdiv(out_n, _REDUCE_BLOCK_N))
+            _gemv_reduce_kernel[rgrid](part, s, b, y, m, out_n, up_off, y.stride(0), stride_sn,
+                                       BLOCK_M=rbm, BLOCK_N=_REDUCE_BLOCK_N, SPLIT_K=split, SCALE=kind,
+                                       HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     return y

@@ -249,7 +249,9 @@ def test_cuda_engine_steps_take_the_gemv_unless_turned_off(model_factory, monkey
 
 # Every variant the 8B shape's warm-up compiles, built for sm_90 in a process of
 # its own (the kernels here are interpreted): Triton's own compiler and ptxas,
-# no GPU needed. Prints each variant's stack bytes (register spills).
+# no GPU needed. Prints each variant's stack bytes (register spills). A second
+# argument, K slices: the dot buckets' tiles split over K instead, and the
+# split's reduce kernel.
 _SM90_BUILD = """
 import glob, json, os, re, subprocess, sys, tempfile
 import triton
@@ -261,34 +263,54 @@ from pdd.ops.limits import GEMV_BUCKETS
 POINTERS = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr")
 ALIGNED = set(POINTERS) | {"N", "K", "stride_wn", "stride_ym", "stride_xm"}   # as the 8B shapes specialize
 cuobjdump = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))[0]
+split = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 out = []
+
+
+def build(fn, const, types, aligned, num_warps, num_stages, pdl=False):
+    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in sig}
+    built = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(built.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return built, int(re.search(r"STACK:(\\d+)", usage).group(1))
+
+
 for n, k, silu in json.loads(sys.argv[1]):
     for wty, scale, block in (("bf16", tg.NO_SCALE, None), ("fp8e4nv", tg.ROW_SCALE, None),
                               ("fp8e4nv", tg.BLOCK_SCALE, (128, 128))):
         for bucket in ((1, tg.GEMV_MAX_M) if wty == "bf16" else GEMV_BUCKETS):
+            if split > 1 and bucket == 1:
+                continue
             cfg = tg.gemv_config(bucket, n // 2 if silu else n, k, 2 if wty == "bf16" else 1, 2, silu, block, 132)
+            cfg = cfg._replace(split_k=split) if bucket != 1 else cfg
             fn = tg._gemv_row_kernel if bucket == 1 else tg._gemv_dot_kernel
             const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE=scale, SCALE_BN=block[0] if block else 1,
                          SCALE_BK=block[1] if block else 1, HAS_BIAS=False, SILU=silu, EVEN_K=k % cfg.block_k == 0)
             if bucket != 1:
-                const.update(BLOCK_M=cfg.block_m, UPCAST=False, W8A8=False)
+                const.update(BLOCK_M=cfg.block_m, UPCAST=False, W8A8=False, SPLIT_K=cfg.split_k)
+                if cfg.split_k == 1:
+                    const.update(p_ptr=None)
             else:
                 const.update(PDL=True)
             types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": f"*{wty}", "b_ptr": f"*{wty}",
-                     "s_ptr": "*fp32" if scale else f"*{wty}"}
-            sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
-            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED if a in sig}
-            built = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=bucket == 1))
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(built.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            stack = int(re.search(r"STACK:(\\d+)", usage).group(1))
+                     "s_ptr": "*fp32" if scale else f"*{wty}", "p_ptr": "*fp32"}
+            built, stack = build(fn, const, types, ALIGNED | {"p_ptr", "k_span"}, cfg.num_warps, cfg.num_stages,
+                                 bucket == 1)
             out.append(dict(n=n, k=k, silu=silu, w=wty, scale=scale, bucket=bucket, stack=stack, cfg=list(cfg),
                             smem=built.metadata.shared,
                             pipelined="cp.async" in built.asm["ptx"],
                             waits="griddepcontrol.wait" in built.asm["ptx"]))
+            if cfg.split_k > 1 and bucket in (tg.GEMV_MAX_M, GEMV_BUCKETS[-1]):
+                rconst = dict(BLOCK_M=min(cfg.block_m, 64), BLOCK_N=tg._REDUCE_BLOCK_N, SPLIT_K=cfg.split_k,
+                              SCALE=scale, HAS_BIAS=False, SILU=silu)
+                built, stack = build(tg._gemv_reduce_kernel, rconst, types,
+                                     {"p_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "stride_ym"}, 4, 1)
+                out.append(dict(n=n, k=k, silu=silu, w=wty, scale=scale, bucket=bucket, stack=stack,
+                                cfg=["reduce", cfg.split_k], smem=built.metadata.shared, pipelined=None, waits=False))
 print("BUILT " + json.dumps(out))
 """
 
@@ -320,3 +342,30 @@ def test_the_8b_variants_build_for_sm90_without_spills(tmp_path):
     assert all(b["pipelined"] for b in built if b["bucket"] != 1)   # the dot kernel's W tiles stream via cp.async
     # The one-row kernel, launched with PDL, waits for its predecessor's results.
     assert all(b["waits"] == (b["bucket"] == 1) for b in built)
+
+
+def test_the_split_k_variants_build_for_sm90_without_spills(tmp_path):
+    """The dot buckets' tiles of the 8B shapes split over K (4 slices), and the
+    reduce kernel: built for sm_90 as above, no register spills, W still
+    streamed through cp.async."""
+    import glob
+    import json
+    import subprocess
+    import sys
+
+    import triton as real_triton
+    if not glob.glob(os.path.join(os.path.dirname(real_triton.__file__), "backends/nvidia/bin/cuobjdump")):
+        pytest.skip("this Triton ships no NVIDIA tools (ptxas, cuobjdump)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    shapes = [SHAPES_8B[1], SHAPES_8B[2]]     # o_proj, gate_up_proj (silu)
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(shapes), "4"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    built = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("BUILT "))[len("BUILT "):])
+    dots = [b for b in built if b["cfg"][0] != "reduce"]
+    assert len(dots) == len(shapes) * (1 + 2 * (len(GEMV_BUCKETS) - 1))
+    assert len(built) - len(dots) == len(shapes) * (1 + 2 + 2)     # reduces: bf16 at 16 rows, FP8 at 16 and 256
+    assert [b for b in built if b["stack"]] == []
+    assert [b for b in built if b["smem"] > 227 << 10] == []
+    assert all(b["pipelined"] for b in dots)

@@ -65,6 +65,49 @@ def test_skinny_configs_a_sweep_tries(m):
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
 @pytest.mark.parametrize("m", [5, 40, 130])
 @pytest.mark.parametrize("kind", ["block", "channel"])
+def test_split_k_matches_the_dequantized_matmul(kind, m, silu):
+    # K = 320 in 128-column steps: 3 steps; 2 slices (2 + 1 steps) and 4 asked for (cut to 3, one step each).
+    n, k = 192, 320
+    w, s, block, w_deq = weights(kind, 2 * n if silu else n, k, seed=m + 30)
+    x = rand(m, k, seed=m + 31).to(torch.bfloat16).to(DEVICE)
+    block_m = min(gemv_bucket(m), 128)
+    ref = expected(x, w_deq, silu=silu)
+    outs = []
+    for split in (2, 4):
+        cfg = tg.GemvConfig(block_m, 32, 128, 4, 2, split_k=split)
+        outs.append(tg.gemv(x, w, s, block, silu=silu, config=cfg))
+        close(outs[-1], ref, torch.bfloat16)
+        # The partials are summed in slice order, not by atomics: the same bits every call.
+        assert torch.equal(tg.gemv(x, w, s, block, silu=silu, config=cfg), outs[-1])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "plain"])
+def test_split_k_tensor_scale_bias_and_odd_edges(kind):
+    # N and K odd: the last slice's K step is partial; a bias added once, after the slices' sum.
+    n, k, m = 75, 97, 37
+    w, s, block, w_deq = weights(kind, n, k, seed=32, dtype=torch.bfloat16)
+    bias = rand(n, seed=33).to(torch.bfloat16).to(DEVICE)
+    x = rand(m, k, seed=34).to(torch.bfloat16).to(DEVICE)
+    cfg = tg.GemvConfig(64, 16, 32, 4, 2, split_k=4)
+    assert tg._split(cfg, k, m, n, False, x.device)[:2] == (4, 32)     # 4 steps of 32, one a slice, the last partial
+    assert tg._split(cfg._replace(split_k=3), k, m, n, False, x.device)[:2] == (2, 64)   # 2 steps a slice: 2 do
+    close(tg.gemv(x, w, s, block, bias, config=cfg), expected(x, w_deq, bias), torch.bfloat16)
+
+
+def test_split_k_table_entries_and_slices():
+    assert gemv_tiles._tuned_config(32, (64, 128, 4, 3)).split_k == 1
+    assert gemv_tiles._tuned_config(32, (64, 128, 4, 3, 4)) == tg.GemvConfig(32, 64, 128, 4, 3, split_k=4)
+    cpu = torch.device("cpu")
+    cfg = tg.GemvConfig(16, 32, 128, 4, 4, split_k=4)
+    split, span, part = tg._split(cfg, 14336, 8, 4096, False, cpu)     # down_proj: 112 steps, 28 a slice
+    assert (split, span, tuple(part.shape)) == (4, 28 * 128, (4, 1, 8, 4096))
+    assert tg._split(cfg, 256, 8, 4096, True, cpu)[:2] == (2, 128)        # 2 steps: 2 slices, not 4
+    assert tg._split(cfg._replace(split_k=1), 4096, 8, 4096, False, cpu) == (1, 4096, None)
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("m", [5, 40, 130])
+@pytest.mark.parametrize("kind", ["block", "channel"])
 def test_w8a8_matches_the_matmul_of_the_quantized_activations(kind, m, silu):
     # The W8A8 experiment: x quantized per row and 128 columns as fp8_linear's reference does.
     if INTERPRET:   # seen with Triton 3.9: 128.0 -> 64, 80.0 -> 88, -32.0 -> -16 (2-3% of a tile's values)
@@ -151,8 +194,9 @@ def test_warm_up_rows_cover_every_bucket_the_table_picks(monkeypatch):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, 4], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("weight", ["block", "channel"])
-def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch):
+def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, split, monkeypatch):
     from tests.ops.test_gemv import FP8_GPU
     from pdd.model.fp8 import Fp8Linear
     from pdd.model.quant_config import Fp8Scheme
@@ -161,6 +205,12 @@ def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch
     if not ops.report_compiles(lambda kernel: None):
         pytest.skip("this Triton has no compile hook")
     monkeypatch.setenv("PDD_FP8_GEMV", "1,16,32,64,128,256")     # every bucket through the GEMV
+    if split > 1:
+        # As if the sweep had written split-K entries for every dot bucket: the warm-up
+        # must build the split variants and their reduce kernel too.
+        table = tg.gemv_config
+        monkeypatch.setattr(tg, "gemv_config", lambda bucket, *a: (
+            table(bucket, *a)._replace(split_k=split) if bucket > 1 else table(bucket, *a)))
     dev = torch.device("cuda")
     scheme = Fp8Scheme("fp8", weight, (128, 128) if weight == "block" else None, False)
     sites = []
@@ -178,3 +228,25 @@ def test_cuda_fp8_linears_compile_nothing_after_warm_up_gemv(weight, monkeypatch
             (ops.linear_silu_mul if silu else ops.linear)(x, lin)
     torch.cuda.synchronize()
     assert ops.compiles_reported() == before
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [8, 64, 256])
+@pytest.mark.parametrize("n, k, silu", [(4096, 4096, False), (4096, 14336, False), (28672, 4096, True)])
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_cuda_split_k_on_the_8b_shapes(kind, n, k, silu, m):
+    from tests.ops.test_gemv import FP8_GPU, GPU_TOL, weights_8b
+    if not FP8_GPU:
+        pytest.skip("FP8 weights want compute capability >= 8.9")
+    w, s, block, w_deq = weights_8b(kind, n, k)
+    x = rand(m, k, seed=m).to(torch.bfloat16).to(DEVICE)
+    ref = x.float() @ w_deq.t()
+    if silu:
+        ref = ops.reference.silu_and_mul(ref.to(torch.bfloat16)).float()
+    base = tg.gemv_config(gemv_bucket(m), n // 2 if silu else n, k, 1, 2, silu, block, 132)
+    for split in (2, 4, 8):
+        cfg = base._replace(split_k=split)
+        out = tg.gemv(x, w, s, block, silu=silu, config=cfg)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < GPU_TOL, f"split {split}: relative error {err:.2e}"
+        assert torch.equal(tg.gemv(x, w, s, block, silu=silu, config=cfg), out)   # the same bits every run
