@@ -41,14 +41,18 @@ def test_skinny_fused_silu_and_mul(kind, m):
     close(out, expected(x, w_deq, silu=True), torch.bfloat16)
 
 
+def _check_odd_edges(kind: str, m: int, seed: int, config=None) -> None:
+    # N and K odd (no tile divides them) and a bias (with split-K: added once, after the slices' sum).
+    n, k = 75, 97
+    w, s, block, w_deq = weights(kind, n, k, seed=seed, dtype=torch.bfloat16)
+    bias = rand(n, seed=seed + 1).to(torch.bfloat16).to(DEVICE)
+    x = rand(m, k, seed=seed + 2).to(torch.bfloat16).to(DEVICE)
+    close(tg.gemv(x, w, s, block, bias, config=config), expected(x, w_deq, bias), torch.bfloat16)
+
+
 @pytest.mark.parametrize("kind", ["tensor", "plain"])
 def test_skinny_tensor_scale_bias_and_odd_edges(kind):
-    # N and K odd (no tile divides them), a bias, and rows that leave 37 of the second M tile.
-    n, k, m = 75, 97, 165
-    w, s, block, w_deq = weights(kind, n, k, seed=11, dtype=torch.bfloat16)
-    bias = rand(n, seed=12).to(torch.bfloat16).to(DEVICE)
-    x = rand(m, k, seed=13).to(torch.bfloat16).to(DEVICE)
-    close(tg.gemv(x, w, s, block, bias), expected(x, w_deq, bias), torch.bfloat16)
+    _check_odd_edges(kind, 165, seed=11)   # 165 rows leave 37 of the second M tile
 
 
 @pytest.mark.parametrize("m", [40, 130])
@@ -83,15 +87,12 @@ def test_split_k_matches_the_dequantized_matmul(kind, m, silu):
 
 @pytest.mark.parametrize("kind", ["tensor", "plain"])
 def test_split_k_tensor_scale_bias_and_odd_edges(kind):
-    # N and K odd: the last slice's K step is partial; a bias added once, after the slices' sum.
+    # K = 97: the last slice's K step is partial.
     n, k, m = 75, 97, 37
-    w, s, block, w_deq = weights(kind, n, k, seed=32, dtype=torch.bfloat16)
-    bias = rand(n, seed=33).to(torch.bfloat16).to(DEVICE)
-    x = rand(m, k, seed=34).to(torch.bfloat16).to(DEVICE)
     cfg = tg.GemvConfig(64, 16, 32, 4, 2, split_k=4)
-    assert tg._split(cfg, k, m, n, False, x.device)[:2] == (4, 32)     # 4 steps of 32, one a slice, the last partial
-    assert tg._split(cfg._replace(split_k=3), k, m, n, False, x.device)[:2] == (2, 64)   # 2 steps a slice: 2 do
-    close(tg.gemv(x, w, s, block, bias, config=cfg), expected(x, w_deq, bias), torch.bfloat16)
+    assert tg._split(cfg, k, m, n, False, DEVICE)[:2] == (4, 32)     # 4 steps of 32, one a slice, the last partial
+    assert tg._split(cfg._replace(split_k=3), k, m, n, False, DEVICE)[:2] == (2, 64)   # 2 steps a slice: 2 do
+    _check_odd_edges(kind, m, seed=32, config=cfg)
 
 
 def test_split_k_table_entries_and_slices():
