@@ -118,6 +118,7 @@ class ControlPlane:
         self.send = send
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
+        self.retired = 0     # requests (choices) let go since the start: the rate they end (pdd.router.saturation)
         self.traces = traces if traces is not None else TraceStore()   # timelines of finished requests
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
@@ -632,6 +633,7 @@ class ControlPlane:
 
     def _retire(self, state: RequestState) -> None:
         del self.requests[state.request_id]
+        self.retired += 1
         self._mark(state, "end", state.finish_reason or "")
         self.followers.forget(state)
         self.breakers.release(state.request_id)

@@ -62,7 +62,8 @@ class Router:
         self.control.on_timer_change = self._rearm
         self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected,
                                      rc.max_loop_busy, max_inbound_lag_s=rc.max_inbound_lag_s,
-                                     in_flight=lambda: len(self.control.requests))
+                                     in_flight=lambda: len(self.control.requests),
+                                     ended=lambda: self.control.retired)
         self.operations = Operations(cfg, self.registry, self.control, self._post)
         self.accepting = True
         self.started_at = time.time()
@@ -318,6 +319,7 @@ class Router:
             "max_queued_requests": self.cfg.router.max_queued_requests,
             "overloaded": self.overloaded,
             "saturated": self.saturation.reason,
+            "retry_after_s": round(self.saturation.retry_after_s, 2),
             "workers": self.worker_summaries(),
             "departed": self.departed(),
             "breakers": self.breakers(),

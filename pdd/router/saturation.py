@@ -29,13 +29,23 @@ connections): Overloaded, which HTTP answers 429 with Retry-After in OpenAI's
 shape, counted in pdd_requests_rejected_total{reason}. Nothing already
 admitted is touched.
 
-The wait a refusal asks for is spread: Retry-After says the whole second, and
-`retry-after-ms` (which OpenAI's SDKs honour before Retry-After) a uniform draw
-in [RETRY_AFTER_S / 2, 3 * RETRY_AFTER_S / 2). With one fixed wait, every
-client refused during one saturated spell comes back in the same instant, is
-admitted together once the verdict clears, and saturates the router again at
-once: admission flaps between over-full and refusing. Spread over a second,
-the returns arrive about as fast as streams end.
+The wait a refusal asks for is spread: Retry-After says the whole seconds of
+the wait, and `retry-after-ms` (which OpenAI's SDKs honour before Retry-After)
+a uniform draw in [wait / 2, 3 * wait / 2). With one fixed wait, every client
+refused during one saturated spell comes back in the same instant, is admitted
+together once the verdict clears, and saturates the router again at once:
+admission flaps between over-full and refusing.
+
+The wait itself is steered, once a STEER_INTERVAL_S, so that refusals come no
+faster than twice the rate requests end (at least MIN_REFUSALS_PER_S): while
+saturated a request is admitted only in the place of one that ended, so more
+returns than that only cost a refusal each, and a refusal costs the router
+the CPU of 15-30 relayed tokens (a connection's request parsed, answered and
+logged: 0.3-0.6 ms, read off the 16-core runs in docs/benchmarks.md, where
+2,048 clients coming back each second took half the router's core in refusals
+and got 44% of the peak delivered). Over the target
+the wait grows in proportion (the returns' rate falls as 1 / wait), under half
+of it the wait halves, never below RETRY_AFTER_S nor above MAX_RETRY_AFTER_S.
 
 While saturated, a request is still admitted when the router holds fewer
 requests than it did when the verdict tripped (`in_flight`): it takes the place
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -62,7 +73,10 @@ log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.1
 PROBES = 5                 # readings of the loop's lag that must all be over the limit
-RETRY_AFTER_S = 1
+RETRY_AFTER_S = 1          # the shortest wait a refusal asks for
+MAX_RETRY_AFTER_S = 30
+STEER_INTERVAL_S = 1.0     # how often the wait is steered against the refusals' rate
+MIN_REFUSALS_PER_S = 50    # the refusals' rate the wait lets through however few requests end
 LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buffered_bytes", "inbound_lag"
 
 
@@ -70,11 +84,12 @@ class Saturation:
     def __init__(self, max_loop_lag_s: float, max_buffered_bytes: int, rejected: Counter,
                  max_loop_busy: float = 0.0, cpu_clock: Callable[[], float] = time.thread_time,
                  max_inbound_lag_s: float = 0.0, jitter: Callable[[], float] = random.random,
-                 in_flight: Callable[[], int] | None = None):
+                 in_flight: Callable[[], int] | None = None, ended: Callable[[], int] | None = None):
         """cpu_clock: the CPU time of the thread `run` runs on (the loop's);
         jitter: a uniform draw in [0, 1) that spreads a refusal's retry-after-ms;
         in_flight: the requests the router holds now (None: every request is
-        refused while saturated)."""
+        refused while saturated); ended: how many it has let go since it started
+        (None: the refusals' wait is steered against MIN_REFUSALS_PER_S alone)."""
         self.max_loop_lag_s = max_loop_lag_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_loop_busy = max_loop_busy
@@ -83,7 +98,11 @@ class Saturation:
         self.cpu_clock = cpu_clock
         self.jitter = jitter
         self.in_flight = in_flight
+        self.ended = ended
         self.pinned: int | None = None     # while saturated: the requests held when it tripped
+        self.retry_after_s = float(RETRY_AFTER_S)   # the mean wait a refusal asks for now (steered)
+        self.refused = 0                   # refusals since the last steer
+        self.steered_at: tuple[float, int] | None = None   # (monotonic, requests ended) at the last steer
         for reason in (LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG):   # their series from the start, at 0
             rejected.labels(reason)
         self.behind_since: float | None = None   # monotonic; None: the socket was empty at the last look
@@ -124,6 +143,8 @@ class Saturation:
             self.busy = (c1 - c0) / (t1 - t0) if len(self.clocks) > PROBES and t1 > t0 else 0.0
         self.buffered_bytes = sum(source() for source in self._sources)
         self.inbound_lag = now - self.behind_since if now is not None and self.behind_since is not None else 0.0
+        if now is not None:
+            self._steer(now)
         reason = self._verdict()
         if reason != self.reason:
             if reason is None:
@@ -136,6 +157,26 @@ class Saturation:
                             f" (or take the place of one of the {self.pinned} held as it ends)"
                             if self.pinned is not None else "")
             self.reason = reason
+
+    def _steer(self, now: float) -> None:
+        """The refusals' wait against their rate and the rate requests end (see the module's doc)."""
+        ended = self.ended() if self.ended is not None else 0
+        if self.steered_at is None:
+            self.steered_at = (now, ended)
+            return
+        since, ended_then = self.steered_at
+        if now - since < STEER_INTERVAL_S:
+            return
+        dt = now - since
+        refused_per_s = self.refused / dt
+        ended_per_s = (ended - ended_then) / dt
+        target = max(MIN_REFUSALS_PER_S, 2 * ended_per_s)
+        if refused_per_s > target:
+            self.retry_after_s = min(MAX_RETRY_AFTER_S, self.retry_after_s * refused_per_s / target)
+        elif refused_per_s < target / 2:
+            self.retry_after_s = max(RETRY_AFTER_S, self.retry_after_s / 2)
+        self.refused = 0
+        self.steered_at = (now, ended)
 
     def _verdict(self) -> str | None:
         if self.max_loop_lag_s and len(self.lags) == PROBES and min(self.lags) > self.max_loop_lag_s:
@@ -166,6 +207,7 @@ class Saturation:
         when it tripped has ended since (the new one takes its place)."""
         if self.reason is not None and (self.pinned is None or self.in_flight() >= self.pinned):
             self.rejected.labels(self.reason).inc()
+            self.refused += 1
+            wait = self.retry_after_s
             raise Overloaded(f"the router is saturated: {self._why(self.reason)}; retry later",
-                             retry_after_s=RETRY_AFTER_S,
-                             retry_after_ms=int(1000 * RETRY_AFTER_S * (0.5 + self.jitter())))
+                             retry_after_s=math.ceil(wait), retry_after_ms=int(1000 * wait * (0.5 + self.jitter())))

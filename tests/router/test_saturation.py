@@ -259,6 +259,41 @@ def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_end
     assert sat.pinned == 10
 
 
+def test_the_wait_a_refusal_asks_for_grows_while_refusals_outpace_twice_the_requests_ending():
+    """Refusals faster than twice the rate requests end (at least MIN_REFUSALS_PER_S)
+    lengthen the wait in proportion, up to MAX_RETRY_AFTER_S; under half that rate
+    it halves back, never below RETRY_AFTER_S; Retry-After names its whole seconds."""
+    from pdd.router.control import Overloaded
+    from pdd.router.saturation import MAX_RETRY_AFTER_S, MIN_REFUSALS_PER_S, RETRY_AFTER_S
+    ended = [0]
+    sat, _ = _saturation(max_inbound_lag_s=0.5, ended=lambda: ended[0], jitter=lambda: 0.5)
+    sat.behind(0.0)
+
+    def second(t: float, refusals: int, ends: int) -> None:
+        for _ in range(refusals):
+            with pytest.raises(Overloaded):
+                sat.check()
+        ended[0] += ends
+        sat.probe(0.001, t, 0.0)
+
+    sat.probe(0.001, 1.0, 0.0)            # tripped; the first steer's reading
+    assert sat.reason is not None and sat.retry_after_s == RETRY_AFTER_S
+    second(2.0, 400, 100)                 # 400 refusals a second against 2 x 100 ended
+    assert sat.retry_after_s == pytest.approx(2 * RETRY_AFTER_S)
+    with pytest.raises(Overloaded) as refused:
+        sat.check()
+    assert (refused.value.retry_after_s, refused.value.retry_after_ms) == (2, 2000)
+    second(3.0, 150, 100)                 # within [target / 2, target]: the wait holds
+    assert sat.retry_after_s == pytest.approx(2 * RETRY_AFTER_S)
+    second(4.0, 10 * MIN_REFUSALS_PER_S, 0)   # few end: the floor of the refusals' rate is the target
+    assert sat.retry_after_s == pytest.approx(20 * RETRY_AFTER_S)
+    second(5.0, 10 * MIN_REFUSALS_PER_S, 0)
+    assert sat.retry_after_s == MAX_RETRY_AFTER_S
+    for t in (6.0, 7.0, 8.0, 9.0, 10.0, 11.0):   # the clients wait as asked: it halves back to the floor
+        second(t, 0, 100)
+    assert sat.retry_after_s == RETRY_AFTER_S
+
+
 def test_without_a_count_of_requests_held_a_saturated_router_refuses_every_arrival():
     from pdd.router.control import Overloaded
     sat, _ = _saturation(max_inbound_lag_s=0.5)
