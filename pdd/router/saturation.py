@@ -36,16 +36,18 @@ refused during one saturated spell comes back in the same instant, is admitted
 together once the verdict clears, and saturates the router again at once:
 admission flaps between over-full and refusing.
 
-The wait itself is steered, once a STEER_INTERVAL_S, so that refusals come no
-faster than twice the rate requests end (at least MIN_REFUSALS_PER_S): while
-saturated a request is admitted only in the place of one that ended, so more
-returns than that only cost a refusal each, and a refusal costs the router
-the CPU of 15-30 relayed tokens (a connection's request parsed, answered and
-logged: 0.3-0.6 ms, read off the 16-core runs in docs/benchmarks.md, where
-2,048 clients coming back each second took half the router's core in refusals
-and got 44% of the peak delivered). Over the target
-the wait grows in proportion (the returns' rate falls as 1 / wait), under half
-of it the wait halves, never below RETRY_AFTER_S nor above MAX_RETRY_AFTER_S.
+The wait itself is steered, once a STEER_INTERVAL_S, so that refusals come
+about REFUSALS_PER_END times as fast as requests end (at least
+MIN_REFUSALS_PER_S): while saturated a request is admitted only in the place of
+one that ended, so fewer returns than ends leave places empty, and more only
+cost a refusal each, which costs the router the CPU of 15-30 relayed tokens
+(a connection's request parsed, answered and logged: 0.3-0.6 ms, read off the
+16-core runs in docs/benchmarks.md, where 2,048 clients coming back each second
+took half the router's core in refusals and got 44% of the peak delivered).
+Over the target the wait grows in proportion (the returns' rate falls as
+1 / wait); under 0.7 of it, where the returns come near the ends' own rate, it
+shrinks in proportion (at most halved a step); never below RETRY_AFTER_S nor
+above MAX_RETRY_AFTER_S.
 
 While saturated, a request is still admitted when the router holds fewer
 requests than it did when the verdict tripped (`in_flight`): it takes the place
@@ -76,7 +78,8 @@ PROBES = 5                 # readings of the loop's lag that must all be over th
 RETRY_AFTER_S = 1          # the shortest wait a refusal asks for
 MAX_RETRY_AFTER_S = 30
 STEER_INTERVAL_S = 1.0     # how often the wait is steered against the refusals' rate
-MIN_REFUSALS_PER_S = 50    # the refusals' rate the wait lets through however few requests end
+REFUSALS_PER_END = 1.5     # the refusals' rate the wait aims at, against the rate requests end
+MIN_REFUSALS_PER_S = 50    # ... and however few end
 LOOP_LAG, LOOP_BUSY, BUFFERED_BYTES, INBOUND_LAG = "loop_lag", "loop_busy", "buffered_bytes", "inbound_lag"
 
 
@@ -170,11 +173,11 @@ class Saturation:
         dt = now - since
         refused_per_s = self.refused / dt
         ended_per_s = (ended - ended_then) / dt
-        target = max(MIN_REFUSALS_PER_S, 2 * ended_per_s)
+        target = max(MIN_REFUSALS_PER_S, REFUSALS_PER_END * ended_per_s)
         if refused_per_s > target:
             self.retry_after_s = min(MAX_RETRY_AFTER_S, self.retry_after_s * refused_per_s / target)
-        elif refused_per_s < target / 2:
-            self.retry_after_s = max(RETRY_AFTER_S, self.retry_after_s / 2)
+        elif refused_per_s < 0.7 * target:
+            self.retry_after_s = max(RETRY_AFTER_S, self.retry_after_s * max(0.5, refused_per_s / target))
         self.refused = 0
         self.steered_at = (now, ended)
 

@@ -259,12 +259,14 @@ def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_end
     assert sat.pinned == 10
 
 
-def test_the_wait_a_refusal_asks_for_grows_while_refusals_outpace_twice_the_requests_ending():
-    """Refusals faster than twice the rate requests end (at least MIN_REFUSALS_PER_S)
-    lengthen the wait in proportion, up to MAX_RETRY_AFTER_S; under half that rate
-    it halves back, never below RETRY_AFTER_S; Retry-After names its whole seconds."""
+def test_the_wait_a_refusal_asks_for_follows_the_rate_of_refusals_against_the_rate_requests_end():
+    """Refusals faster than REFUSALS_PER_END times the rate requests end (at least
+    MIN_REFUSALS_PER_S) lengthen the wait in proportion, up to MAX_RETRY_AFTER_S;
+    under 0.7 of that rate it shrinks in proportion, at most halved a step, never
+    below RETRY_AFTER_S; Retry-After names its whole seconds."""
     from pdd.router.control import Overloaded
-    from pdd.router.saturation import MAX_RETRY_AFTER_S, MIN_REFUSALS_PER_S, RETRY_AFTER_S
+    from pdd.router.saturation import MAX_RETRY_AFTER_S, MIN_REFUSALS_PER_S, REFUSALS_PER_END, RETRY_AFTER_S
+    assert REFUSALS_PER_END == 1.5   # the figures below are for it
     ended = [0]
     sat, _ = _saturation(max_inbound_lag_s=0.5, ended=lambda: ended[0], jitter=lambda: 0.5)
     sat.behind(0.0)
@@ -278,18 +280,23 @@ def test_the_wait_a_refusal_asks_for_grows_while_refusals_outpace_twice_the_requ
 
     sat.probe(0.001, 1.0, 0.0)            # tripped; the first steer's reading
     assert sat.reason is not None and sat.retry_after_s == RETRY_AFTER_S
-    second(2.0, 400, 100)                 # 400 refusals a second against 2 x 100 ended
+    second(2.0, 300, 100)                 # 300 refusals a second against 1.5 x 100 ended
     assert sat.retry_after_s == pytest.approx(2 * RETRY_AFTER_S)
     with pytest.raises(Overloaded) as refused:
         sat.check()
     assert (refused.value.retry_after_s, refused.value.retry_after_ms) == (2, 2000)
-    second(3.0, 150, 100)                 # within [target / 2, target]: the wait holds
+    second(3.0, 110, 100)                 # within [0.7 target, target]: the wait holds
     assert sat.retry_after_s == pytest.approx(2 * RETRY_AFTER_S)
-    second(4.0, 10 * MIN_REFUSALS_PER_S, 0)   # few end: the floor of the refusals' rate is the target
-    assert sat.retry_after_s == pytest.approx(20 * RETRY_AFTER_S)
-    second(5.0, 10 * MIN_REFUSALS_PER_S, 0)
+    second(3.5, 0, 0)                     # (steered once a STEER_INTERVAL_S: not yet)
+    second(4.0, 90, 100)                  # 90 a second against 150: shrunk in proportion
+    assert sat.retry_after_s == pytest.approx(0.6 * 2 * RETRY_AFTER_S)
+    second(4.5, 0, 0)
+    second(5.0, 10 * MIN_REFUSALS_PER_S, 0)   # few end: the floor of the refusals' rate is the target
+    assert sat.retry_after_s == pytest.approx(12 * RETRY_AFTER_S)
+    second(5.5, 0, 0)
+    second(6.0, 10 * MIN_REFUSALS_PER_S, 0)
     assert sat.retry_after_s == MAX_RETRY_AFTER_S
-    for t in (6.0, 7.0, 8.0, 9.0, 10.0, 11.0):   # the clients wait as asked: it halves back to the floor
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):   # the clients wait as asked: it halves back to the floor
         second(t, 0, 100)
     assert sat.retry_after_s == RETRY_AFTER_S
 
