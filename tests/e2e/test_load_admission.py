@@ -11,7 +11,8 @@ import json
 import aiohttp
 
 from tests.e2e.cluster import UpCluster, _wait_for, children
-from tests.e2e.http_util import post
+from tests.e2e.http_util import get, post
+from tests.router.test_metrics import samples
 
 # Whether a prompt is tokenized in the child process goes by the body's size
 # (past pdd.http.tokenize.INLINE_BYTES): OpenAI's `user` field makes it large
@@ -55,3 +56,28 @@ def test_an_overloaded_router_refuses_a_large_prompt_before_tokenizing_it(tmp_pa
         assert reply.status == 200, reply.body[:300]   # served again, large bodies too
         assert children(router) != []                  # (and this one went to the tokenizer process)
         c.wait_idle(30.0)
+
+
+def test_a_saturated_router_process_answers_429_with_a_spread_wait_and_says_so(tmp_path, tiny_model):
+    """A real router whose loop-busy limit any loop is over (router.max_loop_busy
+    = 1e-9: the forced fault, by configuration) is saturated from its first
+    probes: every generation request gets 429 in OpenAI's shape, Retry-After in
+    whole seconds and retry-after-ms drawn within half of it either side;
+    `pdd admin status` says why and what wait it asks, /metrics counts the
+    refusals by reason; what asks no worker (/v1/models, /health) is served."""
+    env = {"PDD_ROUTER__MAX_LOOP_BUSY": "1e-9"}
+    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1", env=env) as c:
+        _wait_for(lambda: c.admin("status")["saturated"] == "loop_busy", 60.0, "the router saturated")
+        for _ in range(5):
+            reply = post(c.url + "/v1/completions", {"model": c.model_name, "prompt": "hello", "max_tokens": 4})
+            assert reply.status == 429, reply.body[:300]
+            error = json.loads(reply.body)["error"]
+            assert error["code"] == "rate_limit_exceeded" and "router.max_loop_busy" in error["message"], error
+            wait_s = int(reply.headers["Retry-After"])
+            assert wait_s >= 1 and 500 * wait_s // 2 <= int(reply.headers["retry-after-ms"]) < 1500 * wait_s
+        status = c.admin("status")
+        assert status["saturated"] == "loop_busy" and status["retry_after_s"] >= 1, status
+        metrics = get(c.url + "/metrics").body.decode()
+        (refused,) = samples(metrics, "pdd_requests_rejected_total", reason="loop_busy")
+        assert refused >= 5
+        assert get(c.url + "/v1/models").status == 200 and get(c.url + "/health").status == 200
