@@ -1,4 +1,5 @@
-"""The router's books on the requests in flight, and the refusals they set.
+"""The router's books on the requests in flight, and a new request's refusals
+(Unavailable, 503: no worker can take it; Overloaded, 429: too many wait).
 
 Counting is kept apart from deciding: pdd.router.control decides what happens
 to each request, and keeps its counts only through this table, so that every
@@ -13,8 +14,8 @@ count stays exact (`check_invariants`, which the tests call after every event):
     followers      n > 1: the choices waiting on their first (pdd.router.followers)
 
 A request's end gives back what it held here in one place, `release`. What it
-leaves elsewhere (its breaker trial, its timeline, its metrics) is the control
-plane's to settle.
+leaves elsewhere (its breaker trial, its timeline, its latency figures) is the
+control plane's to settle.
 """
 from __future__ import annotations
 
