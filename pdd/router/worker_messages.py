@@ -4,13 +4,15 @@ pdd.router.router has matched the connection a message came on to the worker
 id it speaks for; here the message itself is checked before anything acts on
 it:
 
-    a message that names another worker than its sender   dropped
+    of a type no handler takes                             logged, dropped
+    a message that names another worker than its sender   logged, dropped
     from a worker not registered (lost, or from before a router restart):
         dropped, and the request it names aborted there — whatever that
         worker holds is nobody's; it re-registers on its next heartbeat
         (Register and Heartbeat pass: they are how it does)
-    otherwise   the sender counts as heard (its liveness), and the message
-                goes to its handler, with its request id in the log context
+    otherwise   the sender counts as heard (its liveness; not by a Register,
+                which may be another process's under its id), and the
+                message goes to its handler, its request id in the log context
 
 Registration, heartbeats and goodbyes are pdd.router.membership's; what a
 worker says about a request (TokenBatch, Reserved, FirstToken, PrefillDone,
