@@ -107,7 +107,7 @@ class AdminServer:
     def _trace(self, request_id: str) -> list[dict]:
         """The timeline of the request(s) with this id: in flight, or finished and still kept."""
         now, control = time.monotonic(), self.router.control
-        live = [Timeline.of(s, now, ended=False) for rid, s in control.requests.items() if matches(rid, request_id)]
+        live = [Timeline.of(s, now, ended=False) for rid, s in self.router.requests.items() if matches(rid, request_id)]
         found = control.traces.find(request_id) + sorted(live, key=lambda t: t.arrival)
         if not found:
             raise KeyError(f"no request {request_id!r} in flight, nor among the last "

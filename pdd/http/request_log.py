@@ -7,7 +7,7 @@ router, in every control message to the workers, in every log line while the
 request is handled (pdd.logs.request_context) and in its trace; every
 response carries it back in `X-Request-Id`, errors and streams included. Two
 requests in flight with the same id: the router suffixes the later one's
-(`ID#2`, pdd.router.control) in logs and traces; its response still says `ID`.
+(`ID#2`, pdd.router.inflight) in logs and traces; its response still says `ID`.
 
 The access line: one per request at INFO on logger `pdd.access` (GET /health
 and /metrics at DEBUG: probes), written when the handler is done, however it

@@ -29,7 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pdd.http.validate import APIError
 from pdd.lifetime import die_with_parent
 from pdd.model.tokenizer import Tokenizer
-from pdd.router.control import Overloaded
+from pdd.router.inflight import Overloaded
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from pdd.http.responses import json_response
 from pdd.http.tokenize import OffLoopTokenizer, template_error, tokenize
 from pdd.http.schemas import chat_template_args, parse_messages, served_model
 from pdd.http.validate import APIError, Fields, bad, load_object, token_ids
-from pdd.router.control import Overloaded
+from pdd.router.inflight import Overloaded
 
 if TYPE_CHECKING:
     from pdd.model.tokenizer import Tokenizer

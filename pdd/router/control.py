@@ -53,27 +53,30 @@ block holding the prompt's last token. The first failing fails them; its client 
 drops them; its ending otherwise (a stop string in the first token) places
 them as any request (who waits on whom: pdd.router.followers).
 
-Counters are exact: `WorkerInfo.inflight` is the number of requests with a
-phase owned by that worker, changed only in `_own`.
+What a worker sends reaches the handlers here through
+pdd.router.worker_messages, which checks its sender, says whether it is
+current and what of a TokenBatch is new. The requests held and every count of
+them (the queue admission limits, the phases each worker owns, the choices
+waiting on their first) are pdd.router.inflight's, kept exact there: this
+module changes them through it.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable
 
 from pdd import security
-from pdd.api import INT64_MAX, SamplingParams
+from pdd.api import SamplingParams
 from pdd.config import RouterConfig
 from pdd.kv.hashing import block_hashes
-from pdd.logs import request_context
 from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.router.breaker import ADMIN, Breakers
 from pdd.router.estimator import Estimator
-from pdd.router.followers import Followers
+from pdd.router.followers import make_choice
+from pdd.router.inflight import InFlight, Unavailable
 from pdd.router.membership import Membership
 from pdd.router.placement import (ClusterView, PlaceRequest, Plan, pick_worker, place, policy_for, prefills_for_others,
                                   transfer_backend)
@@ -81,6 +84,7 @@ from pdd.router.registry import WorkerRegistry
 from pdd.router.requests import DECODING, PREFILLING, RESERVING, RequestState, TokenEvent, TraceEvent
 from pdd.router.timers import Timers
 from pdd.router.traces import TraceStore, is_choice_of, matches
+from pdd.router.worker_messages import TokenGap, WorkerMessages, transfer_note, unseen
 from pdd.router import spans
 from pdd.tracing.context import SpanContext
 
@@ -88,21 +92,6 @@ log = logging.getLogger(__name__)
 
 
 ABORTED_BY_OPERATOR = "aborted by the operator (pdd admin abort)"
-
-
-class Unavailable(Exception):
-    """No worker can take the request now (HTTP 503)."""
-
-
-class Overloaded(Unavailable):
-    """Too many requests wait for their first token (HTTP 429 with Retry-After;
-    with retry_after_ms also `retry-after-ms`, which OpenAI's SDKs prefer)."""
-
-    def __init__(self, message: str, retry_after_s: int, retry_after_ms: int | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.retry_after_ms = retry_after_ms
-
 
 Send = Callable[[str, m.Message], None]
 
@@ -117,26 +106,24 @@ class ControlPlane:
         self.metrics = metrics
         self.send = send
         self.clock = clock
-        self.requests: dict[str, RequestState] = {}
-        self.retired = 0     # requests (choices) let go since the start: the rate they end (pdd.router.saturation)
+        self.inflight = InFlight(cfg, registry, metrics, self._place_choice)   # the requests held, counted
         self.traces = traces if traces is not None else TraceStore()   # timelines of finished requests
         self.breakers = Breakers(cfg.breaker, self._breaker_moved)
         self.estimator = Estimator(cfg.adaptive)     # measured state the cost model prices with
         self.policy = policy_for(cfg)                # what place() decides by (router.mode)
         self._timers = Timers()
         self._epochs = itertools.count(1)
-        self.num_queued = 0          # requests in flight without a token yet (admission control)
-        self.followers = Followers(self._place_choice)   # n > 1: the choices waiting on their first
         self.on_timer_change: Callable[[], None] = lambda: None   # the router's timer loop re-arms
         self.membership = Membership(cfg, registry, metrics, self.estimator, self.breakers, self.policy, send, clock,
                                      step_timeout_s, orphaned=self._orphaned, hung=self._hung)
-        members = self.membership
-        self._handlers = {
-            m.Register: members.on_register, m.Heartbeat: members.on_heartbeat, m.Goodbye: members.on_goodbye,
+        self.messages = WorkerMessages(registry, self.membership, self.inflight.requests, send, {
             m.TokenBatch: self.on_tokens, m.RequestFailed: self.on_request_failed,
             m.Reserved: self.on_reserved, m.FirstToken: self.on_first_token,
             m.PrefillDone: self.on_prefill_done, m.PrefillFailed: self.on_prefill_failed,
-        }
+        })
+        # What a worker sent (the router's one entry for it): checked and dispatched
+        # there, bound here once, so a TokenBatch takes no call more on its way.
+        self.handle = self.messages.handle
 
     # ------------------------------------------------------------------ from HTTP
 
@@ -146,12 +133,8 @@ class ControlPlane:
         An id already in flight (two clients sent the same X-Request-Id) gets `#2`, `#3`, ...:
         the id of record is unique, and still starts with what the client sent.
         `span`: its root span's context when traced (pdd.tracing.incoming)."""
-        if request_id in self.requests:
-            n = 2
-            while f"{request_id}#{n}" in self.requests:
-                n += 1
-            request_id = f"{request_id}#{n}"
-        self.check_admission()
+        request_id = self.inflight.unique_id(request_id)
+        self.inflight.check_admission()
         if hashes is None:
             hashes = self.prompt_hashes(prompt_token_ids)
         now = self.clock()
@@ -172,53 +155,27 @@ class ControlPlane:
         self._start(state, plan)
         return state
 
-    def check_admission(self) -> None:
-        """Overloaded when router.max_queued_requests requests wait for their first
-        token: this router's, or with several routers the cluster's, as the
-        workers last said (each counts what every router queued on it)."""
-        limit = self.cfg.max_queued_requests
-        queued = self.num_queued
-        if limit and len(self.cfg.routers) > 1:
-            queued = max(queued, sum(w.load.waiting for w in self.registry.workers.values() if w.load))
-        if limit and queued >= limit:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise Overloaded(f"the server is overloaded: {queued} requests wait for their first "
-                             f"token (router.max_queued_requests = {limit}); retry later", retry_after_s=1)
-
     def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int,
                        hashes: list[int] | None = None, span: SpanContext | None = None) -> list[RequestState]:
         """The n choices of one request (n > 1), ids "<request_id>-<index>" (all
         suffixed `#2`, `#3`, ... while one of them is in flight already, as
-        `submit` suffixes a repeated id): choice i
-        samples with seed + i (mod 2**63), as vLLM, so that they differ and a
-        seeded request still repeats. The first is placed now, the others
-        follow it (see the module's docstring). Only the first computes the
-        prompt's logprobs (they are the same for all): the others may take
-        the prompt from the prefix cache."""
+        `submit` suffixes a repeated id), each sampling with its own seed
+        (pdd.router.followers.make_choice). The first is placed now, the
+        others follow it (see the module's docstring)."""
         if n == 1:
             return [self.submit(prompt_token_ids, sampling, request_id, hashes, span)]
-        ids = [f"{request_id}-{i}" for i in range(n)]
-        repeat = 2
-        while any(rid in self.requests for rid in ids):   # the id in flight already: as submit, `#2`, ...
-            ids = [f"{request_id}-{i}#{repeat}" for i in range(n)]
-            repeat += 1
+        ids = self.inflight.unique_choice_ids(request_id, n)
         first = self.submit(prompt_token_ids, sampling, ids[0], hashes, span)
+        followers = self.inflight.followers
         for i, rid in enumerate(ids[1:], 1):
-            seed = None if sampling.seed is None else (sampling.seed + i) & INT64_MAX
-            follower = RequestState(rid, first.prompt_token_ids,
-                                    dataclasses.replace(sampling, seed=seed, prompt_logprobs=None),
-                                    first.block_hashes, arrival=first.arrival,
-                                    span=span.sibling() if span is not None else None)
+            follower = make_choice(first, sampling, rid, i, span)
             self._hold(follower)
-            self.followers.follow(first, follower)
-        return [first, *self.followers.of(first)]
+            followers.follow(first, follower)
+        return [first, *followers.of(first)]
 
     def _hold(self, state: RequestState) -> None:
         """Take a new request in: counted, timed; not placed yet."""
-        self.requests[state.request_id] = state
-        self.num_queued += 1
-        self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
-        self.metrics.inflight.inc()
+        self.inflight.hold(state)
         if self.cfg.request_timeout_s:
             state.deadline_seq = self._add_timer(state.arrival + self.cfg.request_timeout_s, state.request_id)
 
@@ -257,10 +214,10 @@ class ControlPlane:
     def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away (or a stop string matched: `reason` "stop"): stop
         the work, free its blocks. A client gone takes the choices waiting on it."""
-        if self.requests.get(state.request_id) is not state:
+        if self.inflight.requests.get(state.request_id) is not state:
             return
         if reason == "abort":
-            for follower in self.followers.take(state):
+            for follower in self.inflight.followers.take(state):
                 self.abort(follower)
         if not state.finished:
             state.finished, state.finish_reason = True, reason
@@ -271,12 +228,13 @@ class ControlPlane:
         """`pdd admin abort ID`: the request with this id (an id sent twice: each;
         n > 1: its choices, ID-0, ID-1, ...) ends with an error that says the
         operator aborted it, and its workers free its blocks. The ids ended."""
-        found = [s for rid, s in self.requests.items() if matches(rid, request_id)]
+        requests = self.inflight.requests
+        found = [s for rid, s in requests.items() if matches(rid, request_id)]
         if not found:
-            found = [s for rid, s in self.requests.items() if is_choice_of(rid, request_id)]
+            found = [s for rid, s in requests.items() if is_choice_of(rid, request_id)]
         ended = []
         for state in found:
-            if self.requests.get(state.request_id) is state:   # not gone with its first choice
+            if requests.get(state.request_id) is state:   # not gone with its first choice
                 ended.append(state.request_id)
                 self._fail(state, ABORTED_BY_OPERATOR)
         return ended
@@ -292,68 +250,36 @@ class ControlPlane:
         return place(PlaceRequest([], num_tokens=1, max_tokens=1), view, self.policy) is not None
 
     def fail_all(self, why: str) -> None:
-        for state in list(self.requests.values()):
-            if self.requests.get(state.request_id) is state:   # a waiting choice fails with its first
+        requests = self.inflight.requests
+        for state in list(requests.values()):
+            if requests.get(state.request_id) is state:   # a waiting choice fails with its first
                 self._fail(state, why)
 
     # ------------------------------------------------------------------ from workers
 
-    def handle(self, peer: str, msg: m.Message) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            log.warning("router: ignoring %s from %s", msg.TYPE, peer)
-            return
-        if getattr(msg, "worker_id", peer) != peer:
-            log.warning("router: %s from %s claims to be %s; dropped", msg.TYPE, peer, msg.worker_id)
-            return
-        rid = getattr(msg, "request_id", None)
-        if type(msg) not in (m.Register, m.Heartbeat) and peer not in self.registry.workers:
-            # Not registered (lost, or from before a router restart): whatever it
-            # holds is nobody's; it re-registers on its next heartbeat.
-            if rid is not None:
-                self.send(peer, m.Abort([rid]))
-            return
-        if type(msg) is not m.Register:   # (a Register may be another process's, under its id)
-            self.membership.heard(peer)
-        with request_context(rid):   # what it logs carries the request's id
-            handler(peer, msg)
-
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         now = self.clock()   # the step's tokens all arrived now
-        followers = self.followers
+        followers, current = self.inflight.followers, self.messages.current
         for item in msg.items:
-            state = self._current(peer, item.request_id, item.epoch, None, owner="decode")
+            state = current(peer, item.request_id, item.epoch, None, owner="decode")
             if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
                 continue
             if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
                 self._kv_landed(state)
             if followers.waiting:   # its decode worker has run the prompt: its cache holds it
                 followers.release(state, peer)
-            event = self._unseen(state, item)
+            try:
+                event = unseen(state, item)
+            except TokenGap:   # a worker lost tokens: the request goes on elsewhere from what the client has
+                log.error("tokens of %s from %s start at %d, but the client has %d", state.request_id,
+                          state.decode_worker, item.position, len(state.output_token_ids))
+                self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
+                continue
             if event is not None:
                 self._deliver(state, event, now)
 
-    def _unseen(self, state: RequestState, item: m.TokenItem) -> TokenEvent | m.TokenItem | None:
-        """The part of `item` the client has not had. The first token can come
-        twice (from the prefill worker, and from the decode worker that started
-        on the KV); a gap means a worker lost tokens: the request goes on
-        elsewhere from what the client has."""
-        seen = len(state.output_token_ids) - item.position
-        if seen < 0:
-            log.error("tokens of %s from %s start at %d, but the client has %d", state.request_id,
-                      state.decode_worker, item.position, len(state.output_token_ids))
-            self._place_again(state, "token_gap", f"{state.decode_worker} skipped tokens")
-            return None
-        if seen == 0:   # the common case: all of it is new (an item is an event's shape)
-            return item
-        tokens = item.token_ids[seen:]
-        if not tokens and not item.finished:
-            return None
-        return TokenEvent(tokens, item.finished, item.finish_reason,
-                          item.logprobs[seen:] if item.logprobs else item.logprobs, item.num_cached_tokens)
-
     def on_request_failed(self, peer: str, msg: m.RequestFailed) -> None:
-        state = self._current(peer, msg.request_id, msg.epoch, None, owner="any")
+        state = self.messages.current(peer, msg.request_id, msg.epoch, None, owner="any")
         if state is None:
             return
         log.warning("worker %s failed request %s: %s", peer, msg.request_id, msg.error)
@@ -363,7 +289,7 @@ class ControlPlane:
             self._fail(state, msg.error, status=400 if msg.invalid else 500)
 
     def on_reserved(self, peer: str, msg: m.Reserved) -> None:
-        state = self._current(peer, msg.request_id, msg.epoch, RESERVING, owner="decode")
+        state = self.messages.current(peer, msg.request_id, msg.epoch, RESERVING, owner="decode")
         if state is None:
             return
         if not msg.ok:
@@ -386,31 +312,31 @@ class ControlPlane:
 
     def on_first_token(self, peer: str, msg: m.FirstToken) -> None:
         # Often while the decode worker still reserves: the prompt went to both at once.
-        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        state = self.messages.current(peer, msg.request_id, msg.epoch, None, owner="prefill")
         if state is None or state.output_token_ids or state.phase not in (RESERVING, PREFILLING):
             return
         self.metrics.disagg_phase.labels("first_token").observe(self.clock() - state.placed_at)
         self._deliver(state, TokenEvent([msg.token], False, None, msg.logprobs, msg.num_cached_tokens))
 
     def on_prefill_done(self, peer: str, msg: m.PrefillDone) -> None:
-        landed = self.requests.get(msg.request_id)
+        landed = self.inflight.requests.get(msg.request_id)
         if landed is None:   # the decode worker, started by the data plane, has streamed it all
             ended = self.traces.late(msg.request_id, TraceEvent(self.clock(), "transfer", msg.epoch, None, peer,
-                                                                _transfer_note(peer, msg.transfer)))
+                                                                transfer_note(peer, msg.transfer)))
             if ended is not None:   # its last placement's transfer: counted as any other
                 self.metrics.observe_transfer(peer, ended.served_by()[1] or "", msg.transfer)
             return
         if (landed is not None and landed.epoch == msg.epoch and landed.phase == DECODING
                 and landed.prompt_at == peer and landed.prefill_worker is None):
             # The decode worker started on the KV (and told us) before this came.
-            self._mark(landed, "transfer", _transfer_note(peer, msg.transfer))
+            self._mark(landed, "transfer", transfer_note(peer, msg.transfer))
             self.metrics.observe_transfer(peer, landed.decode_worker or "", msg.transfer)
             self.estimator.transferred(landed.transfer_backend, msg.transfer)
             return
-        state = self._current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
+        state = self.messages.current(peer, msg.request_id, msg.epoch, PREFILLING, owner="prefill")
         if state is None:
             return
-        self._mark(state, "transfer", _transfer_note(peer, msg.transfer))
+        self._mark(state, "transfer", transfer_note(peer, msg.transfer))
         self.metrics.observe_transfer(peer, state.decode_worker or "", msg.transfer)
         self.estimator.transferred(state.transfer_backend, msg.transfer)
         self._kv_landed(state)
@@ -424,11 +350,11 @@ class ControlPlane:
         self.breakers.record(state.prefill_worker, state.decode_worker, True, self.clock())
         self.registry.workers[state.prefill_worker].note_hashes(state.block_hashes)
         self._mark(state, "kv_landed")
-        self._own(state, state.decode_worker, None)
+        self.inflight.own(state, state.decode_worker, None)
         self._enter(state, DECODING)
 
     def on_prefill_failed(self, peer: str, msg: m.PrefillFailed) -> None:
-        state = self._current(peer, msg.request_id, msg.epoch, None, owner="prefill")
+        state = self.messages.current(peer, msg.request_id, msg.epoch, None, owner="prefill")
         if state is None or state.phase not in (RESERVING, PREFILLING):
             return
         if state.phase == RESERVING:   # before any reservation: nothing for the decode worker to fill
@@ -446,7 +372,7 @@ class ControlPlane:
         """The process registered as `worker_id` is gone (a new one may hold the
         id already): each request it held a phase of continues elsewhere, or
         fails, now. Its inflight count went with its registry entry."""
-        held = [s for s in self.requests.values() if worker_id in s.owners]
+        held = self.inflight.held_by(worker_id)
         log.warning("worker %s lost (%s); %d request(s) to move", worker_id, why, len(held))
         for state in held:
             lost_decode = state.decode_worker == worker_id
@@ -469,7 +395,7 @@ class ControlPlane:
     def _hung(self, worker_id: str, running_s: float) -> None:
         """An engine step that never ends, while the worker's loop still answers:
         its requests move as for a lost worker."""
-        held = [s for s in self.requests.values() if worker_id in s.owners]
+        held = self.inflight.held_by(worker_id)
         log.error("worker %s is hung: its engine step has run %.1fs (worker.step_timeout_s = %g); "
                   "%d request(s) move", worker_id, running_s, self.step_timeout_s, len(held))
         for state in held:
@@ -479,7 +405,7 @@ class ControlPlane:
             elif state.phase == PREFILLING:
                 self._prefill_locally(state, "prefill_worker_hung")
             else:
-                self._own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
+                self.inflight.own(state, state.decode_worker, None)   # reserving: another prefill worker at Reserved
 
     # ------------------------------------------------------------------ timers
 
@@ -497,7 +423,7 @@ class ControlPlane:
     def fire_timers(self) -> None:
         now = self.clock()
         for seq, rid in self._timers.due(now):
-            state = self.requests.get(rid)
+            state = self.inflight.requests.get(rid)
             if state is not None and state.deadline_seq == seq:
                 self.metrics.rejected.labels("deadline").inc()
                 self._fail(state, f"the request did not finish within router.request_timeout_s = "
@@ -522,7 +448,7 @@ class ControlPlane:
         """A new placement: a new epoch, its owners, its first message."""
         state.epoch = next(self._epochs)
         state.mode, state.transfer_backend, state.lease_id = plan.mode, plan.backend, ""
-        self._own(state, plan.decode, plan.prefill)
+        self.inflight.own(state, plan.decode, plan.prefill)
         state.placed_at, state.prompt_at = self.clock(), None
         self._mark(state, "placed", f"{plan.kind} ({plan.reason})" + (f" over {plan.backend}" if plan.backend else ""))
         self.metrics.placements.labels(plan.kind, plan.reason).inc()
@@ -555,7 +481,7 @@ class ControlPlane:
         self._mark(state, "fallback", f"{reason or 'migrated'}: {why}")
         self.breakers.release(state.request_id)
         self._abort_owners(state)
-        self._own(state, None, None)
+        self.inflight.own(state, None, None)
         plan = self._place(PlaceRequest(state.block_hashes, colocated_only=True), exclude)
         if plan is None:
             self._fail(state, f"{why}, and no other worker can take the request")
@@ -578,7 +504,7 @@ class ControlPlane:
         self.breakers.release(state.request_id)
         if state.prefill_worker in self.registry.workers:
             self.send(state.prefill_worker, m.Abort([state.request_id]))
-        self._own(state, state.decode_worker, None)
+        self.inflight.own(state, state.decode_worker, None)
         self._enter(state, DECODING)
         first = state.output_token_ids[0] if state.output_token_ids else None
         self.send(state.decode_worker, m.PrefillLocally(state.request_id, state.epoch, state.lease_id, first,
@@ -596,7 +522,7 @@ class ControlPlane:
                    and transfer_backend(w, decode) is not None
                    and self.breakers.allows(w.worker_id, decode.worker_id, now)]
         chosen = pick_worker(choices, state.block_hashes)
-        self._own(state, state.decode_worker, chosen.worker_id if chosen else None)
+        self.inflight.own(state, state.decode_worker, chosen.worker_id if chosen else None)
         if chosen is not None:
             state.transfer_backend = transfer_backend(chosen, decode)
             self.breakers.placed(chosen.worker_id, decode.worker_id, now, state.request_id)
@@ -609,7 +535,7 @@ class ControlPlane:
             self.metrics.observe_tokens(state, now)
         self.metrics.streamed_tokens += len(event.token_ids)
         if event.token_ids and not state.output_token_ids:
-            self.num_queued -= 1
+            self.inflight.first_token()
             self._mark(state, "first_token")
         state.deliver(event, now)
         if event.finished:
@@ -625,38 +551,32 @@ class ControlPlane:
         """`status`: 400 when the request itself is at fault, else 500."""
         log.warning("request %s failed: %s", state.request_id, error)
         self._mark(state, "error", error)
-        for follower in self.followers.take(state):     # the same request: it fails whole
+        for follower in self.inflight.followers.take(state):     # the same request: it fails whole
             self._fail(follower, error, status)
         self._abort_owners(state)
         state.fail(error, status)
         self._retire(state)
 
     def _retire(self, state: RequestState) -> None:
-        del self.requests[state.request_id]
-        self.retired += 1
+        """It ended (its last event posted): its timeline and figures kept, what it held given back."""
         self._mark(state, "end", state.finish_reason or "")
-        self.followers.forget(state)
         self.breakers.release(state.request_id)
-        if not state.output_token_ids:
-            self.num_queued -= 1
         decode = self.registry.workers.get(state.decode_worker)
         if decode is not None and state.output_token_ids and self.registry.layout is not None:
             # That worker now caches this conversation: its next turn should go there.
             decode.note_hashes(state.cached_block_hashes(self.registry.layout.block_size))
-        self.metrics.observe_finished(state)
-        self._own(state, None, None)
-        state.phase, state.timer_seq, state.deadline_seq = "done", 0, 0
-        self.metrics.inflight.dec()
+        self.metrics.observe_finished(state)   # (while decode_worker still names its last worker)
+        self.inflight.release(state)
         spans.export(state.span, self.traces.finished(state, self.clock()))
         # Still waited on: it ended before its decode worker said a word (a stop string in the first token).
-        self.followers.release(state)
+        self.inflight.followers.release(state)
 
     def _abort_owners(self, state: RequestState) -> None:
         for wid in state.owners:
             if wid in self.registry.workers:
                 self.send(wid, m.Abort([state.request_id]))
 
-    # ------------------------------------------------------------------ bookkeeping
+    # ------------------------------------------------------------------ breakers seen, phases, marks, timers
 
     def _breaker_moved(self, key: tuple[str, str], old: str, new: str, cause: str) -> None:
         prefill, decode = key
@@ -671,14 +591,6 @@ class ControlPlane:
         for (prefill, decode), b in self.breakers.breakers.items():
             self.metrics.show_breaker(prefill, decode, b.effective(now))
 
-    def _own(self, state: RequestState, decode: str | None, prefill: str | None) -> None:
-        """Set the phase owners; the only place per-worker inflight counts change."""
-        for wid, delta in ((state.decode_worker, -1), (state.prefill_worker, -1), (decode, 1), (prefill, 1)):
-            w = self.registry.workers.get(wid) if wid is not None else None
-            if w is not None:
-                w.inflight += delta
-        state.decode_worker, state.prefill_worker = decode, prefill
-
     def _enter(self, state: RequestState, phase: str, timeout_s: float | None = None) -> None:
         state.phase, state.phase_since, state.timer_seq = phase, self.clock(), 0
         state.mark(phase, at=state.phase_since)
@@ -692,38 +604,3 @@ class ControlPlane:
         seq = self._timers.add(deadline, request_id)
         self.on_timer_change()
         return seq
-
-    def _current(self, peer: str, request_id: str, epoch: int, phase: str | None, owner: str
-                 ) -> RequestState | None:
-        """The request a worker's message speaks of, if that message is current:
-        same epoch, the sender owns the phase. A worker that holds a request it
-        does not own (any more) is told to drop it."""
-        state = self.requests.get(request_id)
-        owns = state is not None and (
-            (owner in ("decode", "any") and state.decode_worker == peer)
-            or (owner in ("prefill", "any") and state.prefill_worker == peer))
-        if state is not None and owns and state.epoch == epoch and (phase is None or state.phase == phase):
-            return state
-        if state is None or peer not in state.owners:
-            # Unknown (finished, aborted, from before a restart) or placed elsewhere:
-            # its copy there is nobody's. (An owner of the current epoch with a
-            # stale message was sent an Abort before this epoch began.)
-            self.send(peer, m.Abort([request_id]))
-        return None
-
-    def check_invariants(self) -> None:
-        """Every count exact (tests call this after every event)."""
-        for w in self.registry.workers.values():
-            owned = sum(s.owners.count(w.worker_id) for s in self.requests.values())
-            assert w.inflight == owned, f"{w.worker_id}: inflight {w.inflight}, owns {owned}"
-        queued = sum(1 for s in self.requests.values() if not s.output_token_ids)
-        assert self.num_queued == queued, f"num_queued {self.num_queued}, without a token {queued}"
-        for s in self.requests.values():
-            assert not s.finished, f"{s.request_id} finished but still held"
-            assert all(w in self.registry.workers for w in s.owners), f"{s.request_id}: owner not registered"
-
-
-def _transfer_note(peer: str, stats: dict) -> str:
-    """A transfer's figures as its prefill worker measured them."""
-    return (f"from {peer}: {float(stats.get('seconds', 0.0)):.4f}s, {int(stats.get('bytes', 0))} bytes, "
-            f"{int(stats.get('blocks_sent', 0))} blocks sent, {int(stats.get('blocks_skipped', 0))} skipped")

@@ -68,7 +68,7 @@ class WorkerInfo:
     self_draining: bool = False     # ... or by the worker itself (SIGTERM)
     hung: bool = False              # its engine step outran worker.step_timeout_s
     suspect: bool = False           # silent past the liveness window, not yet past the grace
-    # Requests with a phase owned here (pdd.router.control keeps it exact;
+    # Requests with a phase owned here (pdd.router.inflight keeps it exact;
     # fresher than the last heartbeat).
     inflight: int = 0
     inflight_at_report: int = 0     # `inflight` when its last heartbeat came (busy)

@@ -4,7 +4,8 @@ The router keeps each request's prompt, sampling parameters (seed included)
 and every token streamed so far, so a request whose worker dies can be placed
 again with prompt + streamed tokens and continue exactly. Which worker owns
 which phase, and the epoch of the current placement, are here too; only
-pdd.router.control changes them.
+pdd.router.control changes them (the owners through pdd.router.inflight,
+which counts them).
 
     queued ──▶ reserving ──▶ prefilling ──▶ decoding ──▶ done
        │            (disaggregated)             ▲

@@ -26,7 +26,8 @@ from pdd.router.metrics import RouterMetrics
 from pdd.protocol import messages as m
 from pdd.protocol.bus import RouterChannel
 from pdd.router.connections import Connections
-from pdd.router.control import ControlPlane, Overloaded, Unavailable
+from pdd.router.control import ControlPlane
+from pdd.router.inflight import Overloaded, Unavailable
 from pdd.router.operations import Operations
 from pdd.router.placement import ClusterView, transfer_pairs
 from pdd.router.registry import WorkerRegistry
@@ -62,8 +63,8 @@ class Router:
         self.control.on_timer_change = self._rearm
         self.saturation = Saturation(rc.max_loop_lag_s, rc.max_buffered_bytes, self.metrics.rejected,
                                      rc.max_loop_busy, max_inbound_lag_s=rc.max_inbound_lag_s,
-                                     in_flight=lambda: len(self.control.requests),
-                                     ended=lambda: self.control.retired)
+                                     in_flight=lambda: len(self.control.inflight.requests),
+                                     ended=lambda: self.control.inflight.released)
         self.operations = Operations(cfg, self.registry, self.control, self._post)
         self.accepting = True
         self.started_at = time.time()
@@ -83,7 +84,7 @@ class Router:
 
     @property
     def requests(self) -> dict[str, RequestState]:
-        return self.control.requests
+        return self.control.inflight.requests
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,7 +149,7 @@ class Router:
         work that precedes submission (tokenizing a large prompt): the router
         itself saturated, or too many requests waiting for a first token."""
         self.saturation.check()
-        self.control.check_admission()
+        self.control.inflight.check_admission()
 
     async def abort(self, state: RequestState, reason: str = "abort") -> None:
         """The client went away ("abort"), or its answer is complete ("stop": a stop
@@ -315,7 +316,7 @@ class Router:
             "accepting": self.accepting, "ready": self.ready,
             "uptime_s": round(time.time() - self.started_at, 1),
             "requests_in_flight": len(self.requests),
-            "queued_requests": self.control.num_queued,
+            "queued_requests": self.control.inflight.num_queued,
             "max_queued_requests": self.cfg.router.max_queued_requests,
             "overloaded": self.overloaded,
             "saturated": self.saturation.reason,
@@ -367,7 +368,7 @@ class Router:
     def overloaded(self) -> bool:
         """New requests get 429 now: the router saturated, or its queue full."""
         limit = self.cfg.router.max_queued_requests
-        return self.saturation.reason is not None or (bool(limit) and self.control.num_queued >= limit)
+        return self.saturation.reason is not None or (bool(limit) and self.control.inflight.num_queued >= limit)
 
     def breakers(self) -> list[dict]:
         """`pdd admin breaker`: every pair's state, failures in the window, time to the next trial."""

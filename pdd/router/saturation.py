@@ -69,7 +69,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter
 
-from pdd.router.control import Overloaded
+from pdd.router.inflight import Overloaded
 
 log = logging.getLogger(__name__)
 

@@ -223,7 +223,7 @@ class SimCluster:
     # ---------------------------------------------------------------- checks
 
     def check(self) -> None:
-        self.control.check_invariants()
+        self.control.inflight.check_invariants()
         for w in self.workers.values():
             assert not w.violations, w.violations
 
@@ -240,4 +240,4 @@ class SimCluster:
         return ("error" if isinstance(terminal[0], RequestError) else "done"), tokens
 
     def quiescent(self) -> bool:
-        return not self.control.requests and not any(w.inbox or w.holds for w in self.workers.values())
+        return not self.control.inflight.requests and not any(w.inbox or w.holds for w in self.workers.values())

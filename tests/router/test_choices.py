@@ -84,7 +84,7 @@ def test_a_client_gone_drops_the_waiting_choices_without_placing_them():
     first, second = submit(c, 2)
     c.abort("req-0")
     c.check()
-    assert "req-1" not in c.control.requests and not admits(w)[1:]
+    assert "req-1" not in c.control.inflight.requests and not admits(w)[1:]
     run_to_end(c)
     assert c.quiescent()
 

@@ -6,7 +6,7 @@ import pytest
 from pdd.api import SamplingParams
 from pdd.kv.hashing import block_hashes
 from pdd.protocol import messages as m
-from pdd.router.control import Overloaded, Unavailable
+from pdd.router.inflight import Overloaded, Unavailable
 from pdd.router.requests import RequestError
 from tests.router.sim import LAYOUT, SimCluster, token
 

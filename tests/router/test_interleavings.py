@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from pdd.router.control import Unavailable
+from pdd.router.inflight import Unavailable
 from tests.router.sim import SimCluster, token
 
 SEEDS = list(range(40)) + list(range(1000, 1000 + int(os.environ.get("PDD_INTERLEAVING_SEEDS", "0"))))
@@ -52,7 +52,7 @@ def random_step(c: SimCluster, rng: random.Random, chaos: bool) -> None:
         except Unavailable as e:  # no worker at the moment, or overloaded: a 503/429 for the client
             assert "no " in str(e) or "overloaded" in str(e), e
     elif kind == "abort":
-        open_ = [rid for rid in c.states if rid in c.control.requests]
+        open_ = [rid for rid in c.states if rid in c.control.inflight.requests]
         if open_:
             c.abort(rng.choice(open_))
     elif kind == "kill" and len(c.workers) > 1:

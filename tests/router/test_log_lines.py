@@ -14,11 +14,12 @@ from tests.router.test_control import prefilling
 
 @pytest.fixture
 def control_log():
-    """The lines of pdd.router.control and pdd.router.membership, as JSON objects, at DEBUG."""
+    """The lines of pdd.router.control, .membership and .worker_messages, as JSON objects, at DEBUG."""
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logs.JsonFormatter())
-    loggers = [logging.getLogger(name) for name in ("pdd.router.control", "pdd.router.membership")]
+    loggers = [logging.getLogger(name) for name in ("pdd.router.control", "pdd.router.membership",
+                                                     "pdd.router.worker_messages")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)

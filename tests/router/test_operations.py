@@ -41,7 +41,7 @@ def test_in_disagg_mode_a_drained_decode_worker_or_open_breakers_leave_nothing_t
 def test_asking_changes_nothing():
     c = p_and_d()
     c.control.can_place()
-    assert c.control.breakers.breakers == {} and not c.control.requests
+    assert c.control.breakers.breakers == {} and not c.control.inflight.requests
 
 
 def test_no_worker_or_a_hung_one_cannot_serve():
@@ -61,7 +61,7 @@ def test_an_operator_abort_ends_the_request_with_its_reason_and_its_workers_free
     assert c.control.operator_abort(state.request_id) == [state.request_id]
     events = state.events
     assert isinstance(events[-1], RequestError) and str(events[-1]) == ABORTED_BY_OPERATOR
-    assert not c.control.requests
+    assert not c.control.inflight.requests
     run_to_end(c)                                 # the Aborts reach the workers
     assert not any(w.holds for w in c.workers.values())
     assert c.control.operator_abort(state.request_id) == []
@@ -72,7 +72,7 @@ def test_an_abort_by_the_clients_id_takes_every_choice_and_every_repeat():
     c.add_worker("c0", "colocated")
     first = c.submit(max_tokens=50, n=3)
     assert sorted(c.control.operator_abort(first.request_id.rsplit("-", 1)[0])) == [first.request_id]
-    assert not c.control.requests                 # the waiting choices failed with the first
+    assert not c.control.inflight.requests                 # the waiting choices failed with the first
     a = c.control.submit([1, 2, 3], first.sampling, "same")
     b = c.control.submit([1, 2, 3], first.sampling, "same")
     assert (a.request_id, b.request_id) == ("same", "same#2")
@@ -93,7 +93,7 @@ def test_choices_of_an_id_in_flight_already_are_suffixed_as_a_repeated_request_i
     assert [s.sampling.seed for s in third] == [1, 2, 3]
     # Each first choice, whose waiting choices fail with it.
     assert sorted(c.control.operator_abort("same")) == ["same-0", "same-0#2", "same-0#3"]
-    assert not c.control.requests
+    assert not c.control.inflight.requests
     assert [t.request_id for t in c.control.traces.find("same-0")] == ["same-0", "same-0#2", "same-0#3"]
 
 

@@ -168,7 +168,7 @@ def test_a_loop_on_its_cpu_all_the_time_is_saturated_and_one_that_idles_is_not()
     """The loop's thread on a CPU for more than router.max_loop_busy of the last
     probes' span: refused (a request more would slow every stream), though no
     probe ran late; back to admitting once it idles again."""
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     from pdd.router.saturation import LOOP_BUSY, PROBE_INTERVAL_S, PROBES
     sat, _ = _saturation(max_loop_busy=0.95)
     wall = cpu = 0.0
@@ -189,7 +189,7 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
     """The receive loop found a message waiting after each one for longer than
     router.max_inbound_lag_s: refused (every stream's tokens and every first
     token wait in that queue); an empty socket ends it at once."""
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     from pdd.router.saturation import INBOUND_LAG
     sat, rejected = _saturation(max_inbound_lag_s=0.5)
     sat.behind(10.0)
@@ -210,7 +210,7 @@ def test_workers_messages_waiting_without_a_break_saturate_and_a_caught_up_route
 def test_a_refusal_spreads_its_retry_after_ms_over_the_second_it_names():
     """Every refusal says Retry-After 1 (whole seconds); retry-after-ms is drawn
     in [500, 1500) ms, so clients refused together do not all come back in one instant."""
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     from pdd.router.saturation import INBOUND_LAG
     draws = iter([0.0, 0.5, 0.999])
     sat, _ = _saturation(max_inbound_lag_s=0.5, jitter=lambda: next(draws))
@@ -229,7 +229,7 @@ def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_end
     """The requests held when the verdict tripped are the level kept while it
     holds: an arrival is refused while as many are held, admitted once one has
     ended, never past that level; the level is forgotten when the verdict clears."""
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     from pdd.router.saturation import INBOUND_LAG
     held = [40]
     sat, rejected = _saturation(max_inbound_lag_s=0.5, in_flight=lambda: held[0])
@@ -264,7 +264,7 @@ def test_the_wait_a_refusal_asks_for_follows_the_rate_of_refusals_against_the_ra
     MIN_REFUSALS_PER_S) lengthen the wait in proportion, up to MAX_RETRY_AFTER_S;
     under 0.7 of that rate it shrinks in proportion, at most halved a step, never
     below RETRY_AFTER_S; Retry-After names its whole seconds."""
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     from pdd.router.saturation import MAX_RETRY_AFTER_S, MIN_REFUSALS_PER_S, REFUSALS_PER_END, RETRY_AFTER_S
     assert REFUSALS_PER_END == 1.5   # the figures below are for it
     ended = [0]
@@ -302,7 +302,7 @@ def test_the_wait_a_refusal_asks_for_follows_the_rate_of_refusals_against_the_ra
 
 
 def test_without_a_count_of_requests_held_a_saturated_router_refuses_every_arrival():
-    from pdd.router.control import Overloaded
+    from pdd.router.inflight import Overloaded
     sat, _ = _saturation(max_inbound_lag_s=0.5)
     sat.behind(0.0)
     sat.probe(0.001, 1.0, 0.0)
