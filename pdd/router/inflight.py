@@ -31,8 +31,9 @@ class Unavailable(Exception):
 
 
 class Overloaded(Unavailable):
-    """Too many requests wait for their first token (HTTP 429 with Retry-After;
-    with retry_after_ms also `retry-after-ms`, which OpenAI's SDKs prefer)."""
+    """Not now (HTTP 429 with Retry-After; with retry_after_ms also
+    `retry-after-ms`, which OpenAI's SDKs prefer): too many requests wait for
+    their first token, or the router itself is saturated (pdd.router.saturation)."""
 
     def __init__(self, message: str, retry_after_s: int, retry_after_ms: int | None = None):
         super().__init__(message)
