@@ -19,8 +19,9 @@ lines say which path wins each layer and M, and the FP8_GEMV_BUCKETS
 (pdd/ops/__init__.py) that the layers' summed times pick.
 
     python -m benchmarks.fp8_skinny [--m 1,2,4,...] [--json FILE]      # on the device, < 3 min
-    python -m benchmarks.fp8_skinny --sweep [--m 1,16,...] [--kinds block,row] [--json FILE]
-        # every bucket's candidate tiles (split-K among them) per layer against scaled_mm, < 4 min
+    python -m benchmarks.fp8_skinny --sweep [--m 1,16,...] [--kinds block,row] [--w8a8] [--json FILE]
+        # every bucket's candidate tiles (split-K among them; with --w8a8 each also as W8A8)
+        # per layer against scaled_mm, < 4 min
     python -m benchmarks.fp8_skinny --dry-run                           # CPU: the cases and tiles
 """
 from __future__ import annotations
@@ -173,6 +174,7 @@ def add_args(p) -> None:
     p.add_argument("--kinds", default=None, help="--sweep: comma list of scale kinds out of block,row (default both)")
     p.add_argument("--reps", type=int, default=48, help="calls captured in each timed CUDA graph")
     p.add_argument("--sweep", action="store_true", help="time the skinny buckets' tile configs instead")
+    p.add_argument("--w8a8", action="store_true", help="--sweep: each candidate also as W8A8 (GemvConfig.w8a8)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their GEMV tiles; no GPU needed")
     add_json_arg(p)
 
@@ -180,7 +182,7 @@ def add_args(p) -> None:
 def main(args) -> int:
     ms = [int(v) for v in (args.m or (_SWEEP_MS if args.sweep else _MS)).split(",") if v]
     if args.dry_run:
-        return dry_run(ms, args.sweep)
+        return dry_run(ms, args.sweep, args.w8a8)
     if not torch.cuda.is_available():
         raise ValueError("needs a CUDA GPU (--dry-run lists the cases without one)")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -198,7 +200,7 @@ def main(args) -> int:
     return 0
 
 
-def dry_run(ms: list[int], sweep_tiles: bool) -> int:
+def dry_run(ms: list[int], sweep_tiles: bool, w8a8: bool = False) -> int:
     """The cases (and the GEMV's tiles for a 132-SM H200) without a GPU."""
     count = 0
     for name, n, k, silu, m, path, kind, cfg in _cases(ms, _SMS_H200):
@@ -210,10 +212,10 @@ def dry_run(ms: list[int], sweep_tiles: bool) -> int:
         for name, (n, k, silu) in SHAPES_8B.items():
             for kind in _KINDS:
                 for m in ms:
-                    print(f"sweep {name} {kind} M={m}: {len(_sweep_configs(m, n, k, silu, kind))} configs")
+                    print(f"sweep {name} {kind} M={m}: {len(_sweep_configs(m, n, k, silu, kind, w8a8=w8a8))} configs")
         from pdd.ops.limits import gemv_bucket
         variants = {(kind, name, cfg) for name, (n, k, silu) in SHAPES_8B.items() for kind in _KINDS for m in ms
-                    for cfg in _sweep_configs(m, n, k, silu, kind) + [_config(gemv_bucket(m), n, k, silu, kind,
+                    for cfg in _sweep_configs(m, n, k, silu, kind, w8a8=w8a8) + [_config(gemv_bucket(m), n, k, silu, kind,
                                                                                _SMS_H200)]}
         print(f"sweep: {len(variants)} distinct variants to compile")
     print(f"{count} cases")
@@ -239,11 +241,13 @@ def _sweep_splits(programs: int, k_steps: int, sms: int) -> list[int]:
     return [sk for sk in _SWEEP_SPLITS if sk == 1 or (programs * sk <= 2 * sms and k_steps // sk >= 8)]
 
 
-def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str, sms: int = _SMS_H200) -> list:
+def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str, sms: int = _SMS_H200,
+                   w8a8: bool = False) -> list:
     """The dot kernel's candidates at m rows (2..256; none at 1 row: benchmarks.gemv
     --sweep covers the row kernel): BLOCK_N, BLOCK_K (block scales: 128, one scale a
     K step), stages, split-K; 8 warps only where 4 would hold over 64 fp32
-    accumulators a thread."""
+    accumulators a thread. With w8a8 each also as W8A8 (x quantized per row and K
+    step in the kernel, as scaled_mm's activations are; the FP8 tensor cores)."""
     from pdd.ops.gemv_tiles import GemvConfig
     from pdd.ops.limits import gemv_bucket
 
@@ -266,13 +270,15 @@ def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str, sms: int = _SM
                     continue
                 for sk in _sweep_splits(m_tiles * -(-out_n // bn), -(-k // bk), sms):
                     out.append(GemvConfig(block_m, bn, bk, warps, stages, split_k=sk))
-    return out
+    return out + [c._replace(w8a8=True) for c in out] if w8a8 else out
 
 
 def _table_entry(cfg) -> tuple:
-    """A config as gemv_tiles' tables write it: (BLOCK_N, BLOCK_K, warps, stages[, K slices])."""
+    """A config as gemv_tiles' tables write it: (BLOCK_N, BLOCK_K, warps, stages[, K slices]),
+    W8A8 ones marked (the tables have no field for it yet)."""
     entry = (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-    return entry + (cfg.split_k,) if cfg.split_k > 1 else entry
+    entry = entry + (cfg.split_k,) if cfg.split_k > 1 else entry
+    return entry + ("w8a8",) if cfg.w8a8 else entry
 
 
 def sweep(ms: list[int], sms: int, args) -> int:
@@ -286,7 +292,8 @@ def sweep(ms: list[int], sms: int, args) -> int:
              for name, (n, k, silu) in SHAPES_8B.items() for kind in kinds for m in ms}
     cases = sorted({(_KINDS[kind], name, n, k, silu, cfg) for name, (n, k, silu) in SHAPES_8B.items()
                     for kind in kinds for m in ms
-                    for cfg in [c for c in [table[(kind, name, m)]] if c] + _sweep_configs(m, n, k, silu, kind, sms)},
+                    for cfg in [c for c in [table[(kind, name, m)]] if c]
+                    + _sweep_configs(m, n, k, silu, kind, sms, args.w8a8)},
                    key=str)
     procs = max(1, min(14, (mp.cpu_count() or 2) - 2))
     with mp.get_context("spawn").Pool(procs) as pool:
@@ -315,7 +322,7 @@ def sweep(ms: list[int], sms: int, args) -> int:
                              "floor_us": floor})
                 tab = table[(kind, name, m)]
                 results = []
-                for cfg in dict.fromkeys([c for c in [tab] if c] + _sweep_configs(m, n, k, silu, kind, sms)):
+                for cfg in dict.fromkeys([c for c in [tab] if c] + _sweep_configs(m, n, k, silu, kind, sms, args.w8a8)):
                     try:
                         us = timed("gemv", cfg)
                     except Exception as e:   # noqa: BLE001 - a config that does not build or run is skipped
