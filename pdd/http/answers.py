@@ -246,11 +246,10 @@ class Answers:
                             await resp.write(out)
         except RequestError as e:
             # Headers are gone: the error travels as an event (documented in the README).
-            await resp.write(r.sse(APIError(e.status, str(e), type=e.error_type).body()))
+            last = r.sse(APIError(e.status, str(e), type=e.error_type).body())
         else:
-            if req.include_usage:
-                await resp.write(r.sse(r.usage_chunk(req, self.usage(req, groups))))
-        return await end_stream(resp)
+            last = r.sse(r.usage_chunk(req, self.usage(req, groups))) if req.include_usage else b""
+        return await end_stream(resp, last)
 
     async def stream_one(self, req: s.GenerateRequest, c: Choice, resp: web.StreamResponse, emit) -> None:
         """One choice's stream. While its client keeps up, the relay writes each
@@ -305,9 +304,11 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def end_stream(resp: web.StreamResponse) -> web.StreamResponse:
-    await resp.write(r.SSE_DONE)
-    await resp.write_eof()
+async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> web.StreamResponse:
+    """`last` (the usage chunk, an error event), [DONE] and the end of the body in one
+    write: a system call a request fewer than writing each (on 16-token answers the
+    two writes of the end were 11% of the router's samples; docs/benchmarks.md)."""
+    await resp.write_eof(last + r.SSE_DONE)
     return resp
 
 

@@ -296,9 +296,7 @@ class OpenAIServer:
         resp = await open_stream(request)
         so_far = total if req.continuous_usage else None
         await resp.write(b"".join(r.sse(r.completion_chunk(req, "", "length", lp, so_far, i)) for i in indices))
-        if req.include_usage:
-            await resp.write(r.sse(r.usage_chunk(req, total)))
-        return await end_stream(resp)
+        return await end_stream(resp, r.sse(r.usage_chunk(req, total)) if req.include_usage else b"")
 
 
 def build_app(router: Router, tokenizer: Tokenizer, served_models: str | Sequence[str],
