@@ -166,7 +166,7 @@ class OpenAIServer:
         the streams in flight need (a request with max_tokens 0, which would
         ask no worker, is refused with the rest: not worth a parse to tell)."""
         if req.max_tokens_unset or req.sampling.max_tokens:   # max_tokens 0: answered without a worker
-            self.router.check_admission()
+            self.router.check_admission(max(1, len(req.prompts)) * req.n)
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: 200 whenever the event loop answers, whatever the workers do

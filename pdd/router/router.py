@@ -144,11 +144,12 @@ class Router:
                 None, self.control.prompt_hashes, prompt_token_ids)
         return self.control.submit_choices(prompt_token_ids, sampling, request_id, n, hashes, span)
 
-    def check_admission(self) -> None:
+    def check_admission(self, choices: int = 1) -> None:
         """Overloaded (429) when a request submitted now would be: asked before the
         work that precedes submission (tokenizing a large prompt): the router
-        itself saturated, or too many requests waiting for a first token."""
-        self.saturation.check()
+        itself saturated (a request of `choices` held requests: its prompts x n),
+        or too many requests waiting for a first token."""
+        self.saturation.check(choices)
         self.control.inflight.check_admission()
 
     async def abort(self, state: RequestState, reason: str = "abort") -> None:

@@ -205,10 +205,11 @@ class Saturation:
         return (f"its HTTP connections hold {self.buffered_bytes} bytes not yet sent; "
                 f"router.max_buffered_bytes = {self.max_buffered_bytes}")
 
-    def check(self) -> None:
-        """Overloaded (429) while the router is saturated, unless a request it held
-        when it tripped has ended since (the new one takes its place)."""
-        if self.reason is not None and (self.pinned is None or self.in_flight() >= self.pinned):
+    def check(self, choices: int = 1) -> None:
+        """Overloaded (429) while the router is saturated, unless requests it held
+        when it tripped have ended since, as many as the new one's `choices`
+        (prompts x n: each is a request held; the new one takes their places)."""
+        if self.reason is not None and (self.pinned is None or self.in_flight() + choices > self.pinned):
             self.rejected.labels(self.reason).inc()
             self.refused += 1
             wait = self.retry_after_s

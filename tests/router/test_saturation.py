@@ -227,8 +227,9 @@ def test_a_refusal_spreads_its_retry_after_ms_over_the_second_it_names():
 
 def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_ended():
     """The requests held when the verdict tripped are the level kept while it
-    holds: an arrival is refused while as many are held, admitted once one has
-    ended, never past that level; the level is forgotten when the verdict clears."""
+    holds: an arrival is refused while as many are held, admitted once as many
+    as its choices have ended, never past that level; the level is forgotten
+    when the verdict clears."""
     from pdd.router.inflight import Overloaded
     from pdd.router.saturation import INBOUND_LAG
     held = [40]
@@ -243,12 +244,16 @@ def test_while_saturated_a_request_is_admitted_only_in_the_place_of_one_that_end
     held[0] = 40
     with pytest.raises(Overloaded):
         sat.check()
+    held[0] = 38                  # two ended: a request of three choices (n = 3) would pass the level
+    with pytest.raises(Overloaded):
+        sat.check(3)
+    sat.check(2)                  # ... one of two takes both places
     held[0] = 45                  # more held than at the trip (an n > 1 request): still refused
     sat.probe(0.001, 1.1, 0.0)    # still saturated: the level stays the trip's
     assert sat.pinned == 40
     with pytest.raises(Overloaded):
         sat.check()
-    assert rejected.labels(INBOUND_LAG)._value.get() == 3
+    assert rejected.labels(INBOUND_LAG)._value.get() == 4
     sat.caught_up()
     sat.probe(0.001, 1.2, 0.0)
     assert sat.reason is None and sat.pinned is None

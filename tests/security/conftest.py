@@ -89,7 +89,7 @@ class StubRouter:
     def max_model_len(self):
         return self._max_model_len
 
-    def check_admission(self) -> None:
+    def check_admission(self, choices: int = 1) -> None:
         """Admits everything: no queue here."""
 
     def status(self) -> dict:
