@@ -51,7 +51,7 @@ above MAX_RETRY_AFTER_S.
 
 While saturated, a request is still admitted when the router holds fewer
 requests than it did when the verdict tripped (`in_flight`): it takes the place
-of one that ended. The load stays where it was when the limit was met instead
+of one that ended (a request of several choices, the places of as many). The load stays where it was when the limit was met instead
 of draining below it while every arrival is refused; it is never raised past
 that level until the verdict clears, and the level is forgotten then (nothing
 is learned across trips: a learned cap learned whatever tripped the verdict,
