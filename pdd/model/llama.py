@@ -69,8 +69,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # On the CPU whatever the default device: build_model's is meta, where
+        # this arithmetic runs torch's Python meta kernels, whose first use
+        # imports torch._dynamo (~1.5 s of CPU in every process that builds a model).
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(rope, head_dim)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -143,7 +147,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         max_positions = cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its tensor given, not drawn: the checkpoint fills it, and normal_ is one
+        # of those Python meta kernels (RotaryEmbedding says why that costs).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

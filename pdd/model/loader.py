@@ -30,12 +30,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model.to_empty(device=device)
-    model.to(dtype)
-    # Buffers are not in the checkpoint: recompute them on the real device, in float32.
+    # The rotary tables are not in the checkpoint: RotaryEmbedding computed them
+    # on the CPU in float32 (even under the meta device); kept so on the real device.
     rotary = model.model.rotary
-    fresh = type(rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-    rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
+    cos, sin = rotary.cos, rotary.sin
+    # Module.to_empty, but by torch.empty: empty_like of a meta tensor is a Python
+    # kernel whose first use imports sympy (~0.3 s of CPU in every process).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.to(dtype)
+    rotary.cos, rotary.sin = cos.to(device), sin.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

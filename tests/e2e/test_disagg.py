@@ -23,6 +23,22 @@ def metric(cluster, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def transfer_blocks(cluster) -> tuple[float, float]:
+    """(KV blocks sent, skipped) from one read of /metrics: a transfer's PrefillDone adds to both at once."""
+    text = http_util.get(cluster.url + "/metrics").body.decode()
+    return tuple(float(m.group(1)) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0.0
+                 for name in ("pdd_kv_transfer_blocks_sent_total", "pdd_kv_transfer_blocks_skipped_total"))
+
+
+def counted(cluster, since: tuple[float, float], blocks: int) -> tuple[float, float]:
+    """transfer_blocks once those counted after `since` add up to `blocks`, sent
+    or skipped (a PrefillDone may come after its answer: wait for the count)."""
+    def read():
+        now = transfer_blocks(cluster)
+        return now if sum(now) - sum(since) >= blocks else None
+    return _wait_for(read, 30.0, f"a transfer of {blocks} blocks counted")
+
+
 async def complete(session, cluster, prompt, sp: SamplingParams) -> tuple[list[int], str]:
     body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": sp.max_tokens,
             "temperature": sp.temperature, "ignore_eos": sp.ignore_eos, "logprobs": 0}
@@ -92,13 +108,11 @@ def test_second_turn_sends_only_new_blocks(disagg, offline):
     turn1 = tok.encode_chat([{"role": "user", "content": "Tell me about the sea and the boats on it."}])
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     out1 = offline.generate([turn1], sp)[0]
-    sent0, skipped0 = (metric(disagg, "pdd_kv_transfer_blocks_sent_total"),
-                       metric(disagg, "pdd_kv_transfer_blocks_skipped_total"))
+    sent0, skipped0 = transfer_blocks(disagg)
     assert run_all(disagg, [turn1], [sp])[0][0] == out1.text
-    sent1, skipped1 = (metric(disagg, "pdd_kv_transfer_blocks_sent_total"),
-                       metric(disagg, "pdd_kv_transfer_blocks_skipped_total"))
     bs = 16
     blocks1 = -(-len(turn1) // bs)
+    sent1, skipped1 = counted(disagg, (sent0, skipped0), blocks1)
     # Turn 1 may find earlier tests' blocks on the decode worker; what is not cached is sent.
     assert sent1 - sent0 + skipped1 - skipped0 == blocks1
 
@@ -106,12 +120,11 @@ def test_second_turn_sends_only_new_blocks(disagg, offline):
                                                 "<|im_start|>assistant\n", add_special_tokens=False)
     out2 = offline.generate([turn2], sp)[0]
     assert run_all(disagg, [turn2], [sp])[0][0] == out2.text
-    sent2, skipped2 = (metric(disagg, "pdd_kv_transfer_blocks_sent_total"),
-                       metric(disagg, "pdd_kv_transfer_blocks_skipped_total"))
     # The decode worker holds turn 1's prompt and output (all but the last
     # token): every full block of that is skipped; only the rest crosses.
     cached = (len(turn1) + len(out1.token_ids) - 1) // bs
     blocks2 = -(-len(turn2) // bs)
+    sent2, skipped2 = counted(disagg, (sent1, skipped1), blocks2)
     assert skipped2 - skipped1 == cached
     assert sent2 - sent1 == blocks2 - cached
     disagg.wait_idle()

@@ -8,10 +8,12 @@ one write carries are the steps the router did not serve it for."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
 import aiohttp
+import pytest
 
 from pdd.http.tokenize import UTILITY_IN_FLIGHT
 from tests.e2e.cluster import UpCluster
@@ -51,42 +53,57 @@ async def bystander(session, c: UpCluster, writes: list[int], started: asyncio.E
             started.set()
 
 
-def test_a_large_answer_with_logprobs_leaves_the_loop_serving_other_streams(tmp_path, tiny_model):
-    entries = BIG_N * BIG_TOKENS * (TOP + 1)
-    env = {"PDD_ROUTER__MAX_LOGPROB_ENTRIES": str(entries)}
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory, tiny_model):
+    """One worker, its router holding the large answer's logprobs (and no more):
+    the large answer's test and the tokenize flood's (which the bound does not
+    touch) share it."""
+    env = {"PDD_ROUTER__MAX_LOGPROB_ENTRIES": str(BIG_N * BIG_TOKENS * (TOP + 1))}
+    with UpCluster(tmp_path_factory.mktemp("roomy") / "run", tiny_model, "--mode", "colocated", "--workers", "1",
+                   env=env) as c:
+        yield c
+
+
+def test_a_large_answer_with_logprobs_leaves_the_loop_serving_other_streams(roomy):
     body: dict = {}
-    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1", env=env) as c:
-        async def main():
-            writes: list[int] = []
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-                started = asyncio.Event()
-                side = asyncio.create_task(bystander(session, c, writes, started))
-                await started.wait()
-                before = len(writes)
-                nonlocal body
-                body = {"model": c.model_name, "messages": [{"role": "user", "content": "hi"}], "n": BIG_N,
-                        "max_tokens": BIG_TOKENS, "ignore_eos": True, "logprobs": True, "top_logprobs": TOP}
-                async with session.post(c.url + "/v1/chat/completions", json=body) as resp:
-                    assert resp.status == 200, await resp.text()
-                    answer = await resp.json()
-                during = writes[before:]
-                assert not side.done(), "the bystander ended before the large answer: it saw no build"
+    c = roomy
+
+    async def main():
+        writes: list[int] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            started = asyncio.Event()
+            side = asyncio.create_task(bystander(session, c, writes, started))
+            await started.wait()
+            before = len(writes)
+            nonlocal body
+            body = {"model": c.model_name, "messages": [{"role": "user", "content": "hi"}], "n": BIG_N,
+                    "max_tokens": BIG_TOKENS, "ignore_eos": True, "logprobs": True, "top_logprobs": TOP}
+            async with session.post(c.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+            during = writes[before:]
+            assert not side.done(), "the bystander ended before the large answer: it saw no build"
+            # Its part is done: the ~2,500 tokens it has left (seconds of the router's
+            # and the worker's time) would show nothing more. Its client leaves.
+            side.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
                 await side
-            return answer, during
-        answer, during = asyncio.run(main())
-        assert max(during) <= MAX_STEPS_UNSERVED, during
-        assert len(answer["choices"]) == BIG_N
-        assert all(len(ch["logprobs"]["content"]) == BIG_TOKENS for ch in answer["choices"])
-        # One entry more than the router holds for an answer: refused before anything runs, naming the fields.
-        reply = post(c.url + "/v1/chat/completions", {**body, "max_tokens": BIG_TOKENS + 1})
-        assert reply.status == 400, reply.body[:300]
-        error = reply.json()["error"]
-        assert error["param"] == "top_logprobs" and "router.max_logprob_entries" in error["message"], error
-        assert "n 128" in error["message"] and "max_tokens 201" in error["message"], error
-        assert c.admin("requests") == []
-        # Streamed, the same request holds no logprobs at the router: not bounded by it.
-        reply = post(c.url + "/v1/chat/completions", {**body, "n": 2, "max_tokens": 4, "stream": True})
-        assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n"), reply.body[-300:]
+        return answer, during
+    answer, during = asyncio.run(main())
+    assert max(during) <= MAX_STEPS_UNSERVED, during
+    _wait_for(lambda: c.admin("requests") == [], 60.0, "the bystander's request aborted")
+    assert len(answer["choices"]) == BIG_N
+    assert all(len(ch["logprobs"]["content"]) == BIG_TOKENS for ch in answer["choices"])
+    # One entry more than the router holds for an answer: refused before anything runs, naming the fields.
+    reply = post(c.url + "/v1/chat/completions", {**body, "max_tokens": BIG_TOKENS + 1})
+    assert reply.status == 400, reply.body[:300]
+    error = reply.json()["error"]
+    assert error["param"] == "top_logprobs" and "router.max_logprob_entries" in error["message"], error
+    assert "n 128" in error["message"] and "max_tokens 201" in error["message"], error
+    assert c.admin("requests") == []
+    # Streamed, the same request holds no logprobs at the router: not bounded by it.
+    reply = post(c.url + "/v1/chat/completions", {**body, "n": 2, "max_tokens": 4, "stream": True})
+    assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n"), reply.body[-300:]
 
 
 # A prompt near router.max_body_bytes (4 MiB): seconds of its tokenizer child.
@@ -96,35 +113,35 @@ FLOOD = 4
 LARGE_CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "user": "u" * 20_000}
 
 
-def test_a_tokenize_flood_does_not_delay_chat_requests(tmp_path, tiny_model):
-    with UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1") as c:
-        chat = {"model": c.model_name, **LARGE_CHAT}
-        assert post(c.url + "/v1/chat/completions", chat).status == 200   # its tokenizer child started
+def test_a_tokenize_flood_does_not_delay_chat_requests(roomy):
+    c = roomy
+    chat = {"model": c.model_name, **LARGE_CHAT}
+    assert post(c.url + "/v1/chat/completions", chat).status == 200   # its tokenizer child started
 
-        async def main():
-            done: list[str] = []   # what ended, in order
+    async def main():
+        done: list[str] = []   # what ended, in order
 
-            async def one(name: str, path: str, body: dict):
-                reply = await asyncio.to_thread(post, c.url + path, body)
-                done.append(f"{name}:{reply.status}")
-                return reply
-            flood = [asyncio.create_task(one("tokenize", "/tokenize", {"model": c.model_name, **FLOOD_BODY}))
-                     for _ in range(FLOOD)]
-            # The flood's refusals come at once: by then the others are in the tokenizer.
-            while not any(d == "tokenize:429" for d in done) and not all(t.done() for t in flood):
-                await asyncio.wait(flood, return_when=asyncio.FIRST_COMPLETED)
-            answer = await one("chat", "/v1/chat/completions", chat)
-            return await asyncio.gather(*flood), answer, done
-        flood, answer, done = asyncio.run(main())
-        assert answer.status == 200, answer.body[:300]
-        # Over its lane's share, a large /tokenize is refused (429, retry), not queued ...
-        refused = [r for r in flood if r.status == 429]
-        assert len(refused) == FLOOD - UTILITY_IN_FLIGHT and all(r.headers["Retry-After"] == "1" for r in refused), done
-        assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
-        # ... and the chat request is answered before the admitted ones are: it did not wait behind them.
-        assert done.index("chat:200") < done.index("tokenize:200"), done
-        admitted = [r.json() for r in flood if r.status == 200]
-        assert all(a["count"] == len(a["tokens"]) == len(a["token_strs"]) > 290_000 for a in admitted)
+        async def one(name: str, path: str, body: dict):
+            reply = await asyncio.to_thread(post, c.url + path, body)
+            done.append(f"{name}:{reply.status}")
+            return reply
+        flood = [asyncio.create_task(one("tokenize", "/tokenize", {"model": c.model_name, **FLOOD_BODY}))
+                 for _ in range(FLOOD)]
+        # The flood's refusals come at once: by then the others are in the tokenizer.
+        while not any(d == "tokenize:429" for d in done) and not all(t.done() for t in flood):
+            await asyncio.wait(flood, return_when=asyncio.FIRST_COMPLETED)
+        answer = await one("chat", "/v1/chat/completions", chat)
+        return await asyncio.gather(*flood), answer, done
+    flood, answer, done = asyncio.run(main())
+    assert answer.status == 200, answer.body[:300]
+    # Over its lane's share, a large /tokenize is refused (429, retry), not queued ...
+    refused = [r for r in flood if r.status == 429]
+    assert len(refused) == FLOOD - UTILITY_IN_FLIGHT and all(r.headers["Retry-After"] == "1" for r in refused), done
+    assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
+    # ... and the chat request is answered before the admitted ones are: it did not wait behind them.
+    assert done.index("chat:200") < done.index("tokenize:200"), done
+    admitted = [r.json() for r in flood if r.status == 200]
+    assert all(a["count"] == len(a["tokens"]) == len(a["token_strs"]) > 290_000 for a in admitted)
 
 
 # Each stream takes ~2,500 tokens (steps) to fill the router's socket buffer (the
