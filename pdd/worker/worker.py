@@ -81,7 +81,7 @@ class Worker:
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
-        control = control_security(self.cfg, self.role)   # a config error stops us before the model loads
+        control_security(self.cfg, self.role)   # its keys checked: a config error stops us before the model loads
         self.started, self.stopping = asyncio.Event(), asyncio.Event()
         self.outbox: asyncio.Queue[tuple[RouterLink, m.Message] | None] = asyncio.Queue()
         for sig in (signal.SIGTERM, signal.SIGINT):
