@@ -5,9 +5,10 @@ For each --host-kv size a colocated `pdd up` is started (the pool fixed by
 --kv-cache-bytes, or --num-blocks on a CPU), `pdd bench serve --dataset
 multi-turn` runs against it, and its workers' counters are read from the
 router's /metrics after. Printed per size: prompt tokens computed and found
-cached, the host tier's hit blocks, TTFT of the later turns (the returning
-conversations) median / p99, ITL p99; then the ratios of the last size to the
-first.
+cached, the host tier's hit blocks and its loads' mean wait (from a load's
+start until the engine saw it done: the part of a returning turn's TTFT spent
+on its history), TTFT of the later turns (the returning conversations) median
+/ p99, ITL p99; then the ratios of the last size to the first.
 
     python -m benchmarks.host_kv_chat --model conf/models/llama-3.1-8b --load-format dummy \\
         --kv-cache-bytes 17179869184 --host-kv 0,68719476736 --num-prompts 100 --turns 8 \\
@@ -32,7 +33,8 @@ from pdd.bench.serve_args import add_endpoint_args, add_load_args, add_report_ar
 from pdd.model.tokenizer import servable_copy
 
 COUNTERS = ("pdd_prefix_cache_query_tokens_total", "pdd_prefix_cache_hit_tokens_total",
-            "pdd_host_kv_cache_hit_blocks_total", "pdd_host_kv_cache_evicted_blocks_total")
+            "pdd_host_kv_cache_hit_blocks_total", "pdd_host_kv_cache_evicted_blocks_total",
+            "pdd_host_kv_cache_loads_total", "pdd_host_kv_cache_load_wait_seconds_total")
 
 
 def add_args(p) -> None:
@@ -74,6 +76,9 @@ def one_run(args, host_bytes: int, checkpoint: str | None, out: Path) -> dict:
             "prompt_tokens_cached": m.total_cached_tokens, "workers_prefix_hit_rate": round(hit / queried, 3) if queried
             else None,
             "host_hit_blocks": total(COUNTERS[2]), "host_evicted_blocks": total(COUNTERS[3]),
+            "host_loads": total(COUNTERS[4]),   # a returning turn's wait for its history's load, on average:
+            "host_load_wait_mean_ms": round(1000 * total(COUNTERS[5]) / total(COUNTERS[4]), 2) if total(COUNTERS[4])
+            else None,
             "later_ttft_median_ms": later.median if later else None, "later_ttft_p99_ms": later.p99 if later else None,
             "itl_p99_ms": m.itl_ms.p99 if m.itl_ms else None, "duration_s": round(m.duration_s, 1)}
 

@@ -22,11 +22,12 @@ the process.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import takewhile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +43,7 @@ class TierCopy:
     hashes: list[int]
     slots: list[int]
     done: CopyDone
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -55,6 +57,8 @@ class TierStats:
     bytes_in: int = 0             # GPU -> tier
     bytes_out: int = 0            # tier -> GPU
     evicted_blocks: int = 0
+    loads: int = 0                # loads finished ...
+    load_wait_s: float = 0.0      # ... and their time from the start until finish() (what their requests waited)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -164,6 +168,8 @@ class HostTier(KVTier):
                 self._slot_of[h] = slot
             self._stored.extend(copy.hashes)
             return
+        self._stats.loads += 1
+        self._stats.load_wait_s += time.monotonic() - copy.started
         for slot in copy.slots:
             left = self._pins.pop(slot) - 1
             if left:

@@ -335,7 +335,10 @@ class _HostTierFamilies:
               ("pdd_host_kv_cache_bytes_in", "bytes_in", True, "Bytes copied from the GPU pool into the host tier"),
               ("pdd_host_kv_cache_bytes_out", "bytes_out", True, "Bytes loaded from the host tier into the GPU pool"),
               ("pdd_host_kv_cache_evicted_blocks", "evicted_blocks", True,
-               "KV blocks the host tier dropped (least recently used) for others"))
+               "KV blocks the host tier dropped (least recently used) for others"),
+              ("pdd_host_kv_cache_loads", "loads", True, "Loads from the host tier into the GPU pool, finished"),
+              ("pdd_host_kv_cache_load_wait_seconds", "load_wait_s", True,
+               "Seconds from each load's start until the engine saw it done (what its request waited for the tier)"))
 
     def __init__(self):
         self.families = [(CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["worker"])

@@ -97,6 +97,9 @@ def test_an_evicted_prefix_is_served_from_the_host_tier_with_a_fresh_prefills_te
         assert after[wid]["hit_blocks"] - before[wid]["hit_blocks"] == 12, (wid, before, after)
         assert after[wid]["bytes_in"] > 0 and after[wid]["used_blocks"] > 0
     assert hit_blocks_metric(tiered) - hits_before == 12 * len(after)
+    for wid in after:   # each load counted, and what it made its request wait
+        assert after[wid]["loads"] > before[wid]["loads"] and after[wid]["load_wait_s"] > before[wid]["load_wait_s"]
+        assert metric(tiered, "pdd_host_kv_cache_loads_total", f'{{worker="{wid}"}}') >= 1
     rows = tiered.admin("workers")
     assert all(r["host_kv_blocks"] == f"{r['host_kv']['used_blocks']}/{r['host_kv']['capacity_blocks']}"
                for r in rows)

@@ -50,9 +50,12 @@ def test_an_evicted_prefix_is_loaded_from_the_host_and_gives_the_tokens_of_a_fre
                                                            "all_token_ids": prompt})())
     assert all(pool.get_cached_block(h) is None for h in hashes), "the pool still caches the prefix"
     before = _tier(tiered).stats.hit_blocks
+    loads_before, waited_before = _tier(tiered).stats.loads, _tier(tiered).stats.load_wait_s
     again = tiered.generate([prompt], greedy(20))[0]
     assert again.num_cached_tokens == (len(prompt) - 1) // BS * BS    # 192: every full block but the last token's
     assert _tier(tiered).stats.hit_blocks - before == 12
+    assert _tier(tiered).stats.loads - loads_before == 1             # one load, its wait counted
+    assert _tier(tiered).stats.load_wait_s > waited_before
     fresh = plain.generate([prompt], greedy(20))[0]
     assert again.token_ids == first.token_ids == fresh.token_ids
     assert_all_blocks_free(tiered)
