@@ -270,7 +270,7 @@ def _sweep_configs(m: int, n: int, k: int, silu: bool, kind: str, sms: int = _SM
                     continue
                 for sk in _sweep_splits(m_tiles * -(-out_n // bn), -(-k // bk), sms):
                     out.append(GemvConfig(block_m, bn, bk, warps, stages, split_k=sk))
-    return out + [c._replace(w8a8=True) for c in out] if w8a8 else out
+    return (out + [c._replace(w8a8=True) for c in out]) if w8a8 else out
 
 
 def _table_entry(cfg) -> tuple:

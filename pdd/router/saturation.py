@@ -51,11 +51,12 @@ above MAX_RETRY_AFTER_S.
 
 While saturated, a request is still admitted when the router holds fewer
 requests than it did when the verdict tripped (`in_flight`): it takes the place
-of one that ended (a request of several choices, the places of as many). The load stays where it was when the limit was met instead
-of draining below it while every arrival is refused; it is never raised past
-that level until the verdict clears, and the level is forgotten then (nothing
-is learned across trips: a learned cap learned whatever tripped the verdict,
-other processes' load included; docs/benchmarks.md).
+of one that ended (a request of several choices, the places of as many). The
+load stays where it was when the limit was met instead of draining below it
+while every arrival is refused; it is never raised past that level until the
+verdict clears, and the level is forgotten then (nothing is learned across
+trips: a learned cap learned whatever tripped the verdict, other processes'
+load included; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -163,21 +164,17 @@ class Saturation:
 
     def _steer(self, now: float) -> None:
         """The refusals' wait against their rate and the rate requests end (see the module's doc)."""
+        if self.steered_at is not None and now - self.steered_at[0] < STEER_INTERVAL_S:
+            return
         ended = self.ended() if self.ended is not None else 0
-        if self.steered_at is None:
-            self.steered_at = (now, ended)
-            return
-        since, ended_then = self.steered_at
-        if now - since < STEER_INTERVAL_S:
-            return
-        dt = now - since
-        refused_per_s = self.refused / dt
-        ended_per_s = (ended - ended_then) / dt
-        target = max(MIN_REFUSALS_PER_S, REFUSALS_PER_END * ended_per_s)
-        if refused_per_s > target:
-            self.retry_after_s = min(MAX_RETRY_AFTER_S, self.retry_after_s * refused_per_s / target)
-        elif refused_per_s < 0.7 * target:
-            self.retry_after_s = max(RETRY_AFTER_S, self.retry_after_s * max(0.5, refused_per_s / target))
+        if self.steered_at is not None:   # (the first call only takes the readings)
+            since, ended_then = self.steered_at
+            refused_per_s = self.refused / (now - since)
+            target = max(MIN_REFUSALS_PER_S, REFUSALS_PER_END * (ended - ended_then) / (now - since))
+            if refused_per_s > target:
+                self.retry_after_s = min(MAX_RETRY_AFTER_S, self.retry_after_s * refused_per_s / target)
+            elif refused_per_s < 0.7 * target:
+                self.retry_after_s = max(RETRY_AFTER_S, self.retry_after_s * max(0.5, refused_per_s / target))
         self.refused = 0
         self.steered_at = (now, ended)
 
