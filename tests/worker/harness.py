@@ -59,6 +59,18 @@ class FakeRouter:
                     return msg
             await self._receive()
 
+    async def first(self, kind: type, match: Callable[[m.Message], bool] = lambda _: True):
+        """The first message of `kind` satisfying `match` ever received, waiting
+        for it if none came yet; next()'s place does not move. For a message
+        from another worker than the one just awaited: their order is not fixed."""
+        async def wait():
+            while True:
+                found = next((x for x in self.received if isinstance(x, kind) and match(x)), None)
+                if found is not None:
+                    return found
+                await self._receive()
+        return await asyncio.wait_for(wait(), EVENT_TIMEOUT_S)
+
     async def _receive(self) -> None:
         peer, msg = await self.chan.recv()
         if isinstance(msg, m.Register):

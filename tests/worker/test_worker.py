@@ -373,7 +373,8 @@ async def disaggregate(router, rid: str, epoch: int, prompt: list[int], sampling
     await router.send(m.Prefill(rid, epoch, prompt, sampling), to="prefill-0")
     await router.send(m.Reserve(rid, epoch, prompt, sampling, 30.0), to="decode-0")
     reserved = await router.next(m.Reserved)
-    first = await router.next(m.FirstToken) if target_after_first_token else None
+    # The prefill worker's first token may come before or after the decode worker's Reserved.
+    first = await router.first(m.FirstToken, lambda f: f.request_id == rid) if target_after_first_token else None
     await router.send(m.KVTarget(rid, epoch, "decode-0", decode.data_addr, reserved.block_ids,
                                  reserved.num_cached_tokens // 16, reserved.lease_id), to="prefill-0")
     return reserved, first
