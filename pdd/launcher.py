@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from pdd import sdnotify
@@ -40,10 +41,26 @@ from pdd.security import admin_token_problem, read_secret_file
 from pdd.supervisor import API_KEYS_ENV, STOP_TIMEOUT_S, Cluster
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()
+
+
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A loopback port free now, never one this process handed out before nor
+    one of `avoid`: the kernel may give a port that was picked and closed
+    again to the next bind to port 0, and a cluster's addresses must differ."""
+    held = []
+    try:
+        while True:
+            s = socket.socket()
+            held.append(s)   # open until the end: the next bind gets another port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in _handed_out and port not in avoid:
+                _handed_out.add(port)
+                return port
+    finally:
+        for s in held:
+            s.close()
 
 
 def address_in_use(cfg: ClusterConfig) -> str | None:
@@ -99,12 +116,13 @@ def build_cluster(args) -> Cluster:
     if routers < 1:
         raise ValueError(f"--routers: want at least one router, got {routers}")
     if not args.config:
-        control = [f"tcp://127.0.0.1:{free_port()}" for _ in range(routers)]
-        admin = [f"tcp://127.0.0.1:{free_port()}" for _ in range(routers)]
+        named = {args.port}   # (the port another process picked for us may come back from the kernel)
+        control = [f"tcp://127.0.0.1:{free_port(named)}" for _ in range(routers)]
+        admin = [f"tcp://127.0.0.1:{free_port(named)}" for _ in range(routers)]
         overrides["router"]["control_addr"], overrides["router"]["admin_addr"] = control[0], admin[0]
         if routers > 1:
             overrides["router"]["control_addrs"], overrides["router"]["admin_addrs"] = control, admin
-            overrides["router"]["http_ports"] = [free_port() for _ in range(routers)]
+            overrides["router"]["http_ports"] = [free_port(named) for _ in range(routers)]
     elif routers > 1 and len(base.router.routers) != routers:
         raise ValueError(f"--routers {routers}: {args.config} names {len(base.router.routers)} router(s); "
                          "list every router in router.control_addrs and router.admin_addrs (or drop --routers)")

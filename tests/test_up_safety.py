@@ -273,3 +273,27 @@ def test_a_router_count_pdd_up_cannot_run_is_refused_in_one_line(tmp_path):
     line = one_line(r)
     assert r.returncode == 2 and "names 1 router(s)" in line and "router.control_addrs" in line
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_ports_pdd_up_picks_differ_from_each_other_and_from_its_http_port(monkeypatch):
+    """The kernel may hand a port picked and closed (the HTTP port a caller chose,
+    one picked a moment ago) to the next bind to port 0; a cluster whose admin
+    socket took its HTTP port cannot start. A fake kernel offers them again (a
+    forced fault, so mocked)."""
+    import pdd.launcher as launcher
+    offered = iter([41000, 41000, 41001, 41001, 41002])
+
+    class Kernel:   # socket.socket as free_port uses it
+        def bind(self, addr):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(launcher.socket, "socket", Kernel)
+    monkeypatch.setattr(launcher, "_handed_out", set())
+    assert launcher.free_port(avoid={41000}) == 41001   # 41000: the HTTP port
+    assert launcher.free_port(avoid={41000}) == 41002   # 41001: handed out already
