@@ -96,6 +96,28 @@ def test_generated_and_field_by_field_builders_agree():
             fast(item(position=value))
 
 
+def test_trailing_defaults_stay_off_the_wire_and_come_back():
+    """A decode step's item is a token and nothing else: its array stops at the
+    last field that is not its default, and every length reads back as sent."""
+    from pdd.protocol import codec
+
+    plain = m.TokenItem("r", 1, 4, [9])
+    cached = m.TokenItem("r", 1, 0, [9], num_cached_tokens=32)
+    zero_not_false = m.TokenItem("r", 1, 0, [9], finished=True, finish_reason="length")
+    assert codec._field_values(m.TokenItem)(plain) == ("r", 1, 4, [9])
+    assert len(codec._field_values(m.TokenItem)(cached)) == 8
+    assert len(codec._field_values(m.TokenItem)(zero_not_false)) == 6
+    batch = m.TokenBatch("w", [plain, cached, zero_not_false])
+    assert decode(encode(batch)) == batch
+    fast, checked = codec._builder(m.TokenItem, True), codec._checked_builder(m.TokenItem, True)
+    full = list(codec._field_values(m.TokenItem)(m.TokenItem("r", 1, 0, [9], True, "stop", [[-0.1, []]], 3, [])))
+    for length in range(4, len(full) + 1):
+        assert fast(full[:length]) == checked(full[:length])
+    for short in (full[:3], full + [None], ["r", 1, 0, [None]]):   # too short, too long, a bad token: named
+        with pytest.raises(codec._Mismatch):
+            fast(list(short))
+
+
 def test_a_structured_output_travels_inside_sampling_params():
     """SamplingParams.structured_output: None or an array [kind, spec], built
     into a StructuredOutput by the fast path and the checked one alike."""

@@ -222,6 +222,9 @@ class Answers:
                 if plain and frag is None and reason is None:
                     return chunks.plain(i, delta) if delta else b""
                 return chunk(i, delta, reason, frag) if delta or frag or reason else b""
+            if plain and all([frag is None and reason is None for _, frag, reason in pieces]):
+                text = "".join([delta for delta, _, _ in pieces])   # the steps' tokens since the last write
+                return chunks.plain(i, text) if text else b""
             return b"".join([chunk(i, delta, reason, frag) for delta, frag, reason in joined(pieces)
                              if delta or frag or reason])
 

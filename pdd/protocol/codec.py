@@ -28,19 +28,50 @@ def encode(msg: Message) -> bytes:
 
 def _as_fields(obj):
     """Nested dataclasses (TokenItem, SamplingParams) travel as arrays of their
-    fields in declaration order: a step's TokenBatch holds hundreds of items,
-    and an array is a quarter of the bytes of a map and packs and unpacks
-    several times faster (no key strings)."""
+    fields in declaration order, without the trailing fields that hold their
+    defaults: a step's TokenBatch holds hundreds of items, most of them a
+    token and nothing else, and an array is a quarter of the bytes of a map and
+    packs and unpacks several times faster (no key strings)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _field_values(type(obj))(obj)
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+# Defaults a trailing field may leave off the wire: constants only (a
+# default_factory's value is a new object each time) of the types whose
+# equality is exact (0 == False, so the type is compared as well).
+_CONSTANT_DEFAULTS = (type(None), bool, int, float, str)
+
+
 @lru_cache(maxsize=None)
 def _field_values(cls):
-    """obj -> the tuple of its field values (msgpack packs a tuple as an array)."""
-    get = operator.attrgetter(*_fields(cls))
-    return get if len(_fields(cls)) > 1 else (lambda obj: (get(obj),))
+    """obj -> the tuple of its field values up to the last one that differs
+    from its default (msgpack packs a tuple as an array): generated code, a
+    test a trailing field, as the builders are."""
+    fields = dataclasses.fields(cls)
+    get = operator.attrgetter(*(f.name for f in fields))
+    full = get if len(fields) > 1 else (lambda obj: (get(obj),))
+    trailing = 0
+    for f in reversed(fields):
+        if f.default is dataclasses.MISSING or type(f.default) not in _CONSTANT_DEFAULTS:
+            break
+        trailing += 1
+    if not trailing:
+        return full
+    env = {"_full": full}
+    lines = ["def values(o):"]
+    for i in range(len(fields) - 1, len(fields) - 1 - trailing, -1):
+        f = fields[i]
+        env[f"_d{i}"] = f.default
+        same = f"v is _d{i}" if f.default is None or type(f.default) is bool else \
+            f"(type(v) is {type(f.default).__name__} and v == _d{i})"
+        lines += [f"    v = o.{f.name}",
+                  f"    if not ({same}):",
+                  f"        return _full(o){'' if i == len(fields) - 1 else f'[:{i + 1}]'}"]
+    kept = len(fields) - trailing
+    lines.append(f"    return ({''.join(f'o.{f.name}, ' for f in fields[:kept])})")
+    exec("\n".join(lines), env)   # noqa: S102 -- code generated from our own dataclasses
+    return env["values"]
 
 
 def decode(data: bytes) -> Message:
@@ -181,30 +212,35 @@ def _fast_builder(cls, checked):
 
 
 def _fast_positional_builder(cls, checked):
-    """Generated code for a nested `cls` sent as an array of all its fields
-    (what `encode` sends); a shorter array or anything else goes to `checked`."""
+    """Generated code for a nested `cls` sent as an array of its fields, all of
+    them or the first ones (what `encode` sends: the trailing defaults left
+    off), a branch an array length, the shortest first; anything else goes to
+    `checked`."""
     spec = _fields(cls)
     if any(f.kw_only or not f.init for f in dataclasses.fields(cls)):
         return checked    # built by keyword (cls(**fields)) there
+    if any(dataclasses.is_dataclass(hint) or _nested_list(hint) for hint, _ in spec.values()):
+        return checked    # no such nesting below a nested dataclass today: the checked path suffices
     env = {"_cls": cls, "_checked": checked}
-    names = [f"v{i}" for i in range(len(spec))]
-    lines = ["def build(raw):",
-             f"    if type(raw) is not list or len(raw) != {len(spec)}:",
-             "        return _checked(raw)",
-             f"    {', '.join(names)}{',' if len(names) == 1 else ''} = raw"]
-    for i, (var, (hint, _)) in enumerate(zip(names, spec.values())):
-        if dataclasses.is_dataclass(hint) or _nested_list(hint):
-            return checked    # no such nesting below a nested dataclass today: the checked path suffices
-        optional = _optional_dataclass(hint)
-        if optional is not None:   # SamplingParams.structured_output: None, or an array of its fields
-            env[f"_b{i}"], env["_Mismatch"] = _builder(optional, True), _Mismatch
-            lines += [f"    if {var} is not None:", "        try:", f"            {var} = _b{i}({var})",
-                      "        except _Mismatch:", "            return _checked(raw)"]
-            continue
-        env[f"_p{i}"] = _predicate(hint)
-        test = _inline_check(hint, var) or f"_p{i}({var})"
-        lines += [f"    if not {test}:", "        return _checked(raw)"]
-    lines.append(f"    return _cls({', '.join(names)})")
+    lines = ["def build(raw):", "    if type(raw) is not list:", "        return _checked(raw)", "    n = len(raw)"]
+    required = sum(req for _, req in spec.values())
+    for length in range(required, len(spec) + 1):
+        names = [f"v{i}" for i in range(length)]
+        lines.append(f"    if n == {length}:")
+        if names:
+            lines.append(f"        {', '.join(names)}{',' if len(names) == 1 else ''} = raw")
+        for i, (var, (hint, _)) in enumerate(zip(names, spec.values())):
+            optional = _optional_dataclass(hint)
+            if optional is not None:   # SamplingParams.structured_output: None, or an array of its fields
+                env[f"_b{i}"], env["_Mismatch"] = _builder(optional, True), _Mismatch
+                lines += [f"        if {var} is not None:", "            try:", f"                {var} = _b{i}({var})",
+                          "            except _Mismatch:", "                return _checked(raw)"]
+                continue
+            env[f"_p{i}"] = _predicate(hint)
+            test = _inline_check(hint, var) or f"_p{i}({var})"
+            lines += [f"        if not {test}:", "            return _checked(raw)"]
+        lines.append(f"        return _cls({', '.join(names)})")
+    lines.append("    return _checked(raw)")
     exec("\n".join(lines), env)   # noqa: S102 -- code generated from our own type hints
     return env["build"]
 
@@ -240,8 +276,9 @@ def _inline_check(hint, var: str) -> str | None:
         return "True"
     if hint in simple:
         return simple[hint]
-    if hint == list[int]:
-        return f"(type({var}) is list and all([type(x) is int for x in {var}]))"
+    if hint == list[int]:   # most often a decode step's one token: tested without a list of tests
+        return (f"(type({var}) is list and (len({var}) == 1 and type({var}[0]) is int "
+                f"or all([type(x) is int for x in {var}])))")
     return None
 
 

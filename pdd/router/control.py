@@ -259,15 +259,26 @@ class ControlPlane:
 
     def on_tokens(self, peer: str, msg: m.TokenBatch) -> None:
         now = self.clock()   # the step's tokens all arrived now
-        followers, current = self.inflight.followers, self.messages.current
+        followers, current, requests = self.inflight.followers, self.messages.current, self.inflight.requests
         for item in msg.items:
-            state = current(peer, item.request_id, item.epoch, None, owner="decode")
-            if state is None or state.phase == RESERVING:   # no KV target yet: nothing it could decode
-                continue
-            if state.phase == PREFILLING:   # it started on the KV before PrefillDone reached us
-                self._kv_landed(state)
+            # Most items are current and all new: tested inline (once per stream per step),
+            # the rest by current() (which tells a worker to drop what is nobody's) and unseen().
+            state = requests.get(item.request_id)
+            if state is None or state.decode_worker != peer or state.epoch != item.epoch:
+                state = current(peer, item.request_id, item.epoch, None, owner="decode")
+                if state is None:
+                    continue
+            phase = state.phase
+            if phase != DECODING:
+                if phase == RESERVING:   # no KV target yet: nothing it could decode
+                    continue
+                if phase == PREFILLING:   # it started on the KV before PrefillDone reached us
+                    self._kv_landed(state)
             if followers.waiting:   # its decode worker has run the prompt: its cache holds it
                 followers.release(state, peer)
+            if len(state.output_token_ids) == item.position:
+                self._deliver(state, item, now)   # an item is an event's shape
+                continue
             try:
                 event = unseen(state, item)
             except TokenGap:   # a worker lost tokens: the request goes on elsewhere from what the client has
