@@ -30,13 +30,34 @@ def transfer_blocks(cluster) -> tuple[float, float]:
                  for name in ("pdd_kv_transfer_blocks_sent_total", "pdd_kv_transfer_blocks_skipped_total"))
 
 
-def counted(cluster, since: tuple[float, float], blocks: int) -> tuple[float, float]:
+def families(cluster, *names: str) -> float:
+    """The sum of every series of these counter families, from one read of /metrics."""
+    text = http_util.get(cluster.url + "/metrics").body.decode()
+    return sum(float(m.group(1)) for name in names
+               for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+# Ways a disaggregated request may finish other than by its transfer (a busy
+# box's worker declared lost or hung, a fallback): correct answers, but not the
+# path a test of the transfer's counts looks at.
+OTHER_WAYS = ("pdd_disagg_fallbacks_total", "pdd_request_migrations_total", "pdd_kv_transfer_failures_total")
+
+
+def counted(cluster, since: tuple[float, float], blocks: int, others: float | None = None):
     """transfer_blocks once those counted after `since` add up to `blocks`, sent
-    or skipped (a PrefillDone may come after its answer: wait for the count)."""
+    or skipped (a PrefillDone may come after its answer: wait for the count);
+    None once the request went another way (OTHER_WAYS past `others`)."""
     def read():
+        if others is not None and families(cluster, *OTHER_WAYS) > others:
+            return "another way"
         now = transfer_blocks(cluster)
         return now if sum(now) - sum(since) >= blocks else None
-    return _wait_for(read, 30.0, f"a transfer of {blocks} blocks counted")
+    try:
+        out = _wait_for(read, 30.0, f"a transfer of {blocks} blocks counted")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; /metrics: {transfer_blocks(cluster)}, other ways "
+                             f"{families(cluster, *OTHER_WAYS)}\n{cluster.logs()}") from None
+    return None if out == "another way" else out
 
 
 async def complete(session, cluster, prompt, sp: SamplingParams) -> tuple[list[int], str]:
@@ -104,15 +125,33 @@ def test_50_requests_match_colocated(disagg, offline):
 
 
 def test_second_turn_sends_only_new_blocks(disagg, offline):
+    """A conversation's second turn on the decode worker that holds its first:
+    only the blocks it lacks cross. On a busy box a turn may finish another way
+    (its prefill worker taken for hung, say: counted in OTHER_WAYS); then a new
+    conversation tries again."""
+    for attempt in range(3):
+        if second_turn(disagg, offline, f"Tell me about the sea and the boats on it ({attempt})."):
+            break
+    else:
+        pytest.fail("three conversations in a row went another way than by their transfers")
+    disagg.wait_idle()
+
+
+def second_turn(disagg, offline, question: str) -> bool:
+    """False: a turn went another way (nothing asserted of its counts)."""
     tok = offline.tokenizer
-    turn1 = tok.encode_chat([{"role": "user", "content": "Tell me about the sea and the boats on it."}])
+    turn1 = tok.encode_chat([{"role": "user", "content": question}])
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     out1 = offline.generate([turn1], sp)[0]
     sent0, skipped0 = transfer_blocks(disagg)
+    others = families(disagg, *OTHER_WAYS)
     assert run_all(disagg, [turn1], [sp])[0][0] == out1.text
     bs = 16
     blocks1 = -(-len(turn1) // bs)
-    sent1, skipped1 = counted(disagg, (sent0, skipped0), blocks1)
+    first = counted(disagg, (sent0, skipped0), blocks1, others)
+    if first is None:
+        return False
+    sent1, skipped1 = first
     # Turn 1 may find earlier tests' blocks on the decode worker; what is not cached is sent.
     assert sent1 - sent0 + skipped1 - skipped0 == blocks1
 
@@ -124,10 +163,13 @@ def test_second_turn_sends_only_new_blocks(disagg, offline):
     # token): every full block of that is skipped; only the rest crosses.
     cached = (len(turn1) + len(out1.token_ids) - 1) // bs
     blocks2 = -(-len(turn2) // bs)
-    sent2, skipped2 = counted(disagg, (sent1, skipped1), blocks2)
+    second = counted(disagg, (sent1, skipped1), blocks2, others)
+    if second is None:
+        return False
+    sent2, skipped2 = second
     assert skipped2 - skipped1 == cached
     assert sent2 - sent1 == blocks2 - cached
-    disagg.wait_idle()
+    return True
 
 
 def test_two_prefill_two_decode(tmp_path, tiny_model, offline):
