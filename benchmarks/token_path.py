@@ -6,7 +6,9 @@ two parts (no sockets, no HTTP, no writes):
   the metrics, the event posted), for --streams requests decoding on one worker;
 - text: what the relay's flush makes of one token besides the write, its text
   (TextStream: detokenized, looked at for stop strings) and its chunk's bytes
-  (StreamChunks), over a stream of the tiny tokenizer's plain words.
+  (StreamChunks), over a stream of the tiny tokenizer's plain words;
+- and the codec alone: a decode step's TokenBatch (a token an item) decoded, as
+  the router does, and encoded, as the worker does, per item, with its bytes.
 
     python -m benchmarks.token_path --streams 256 --steps 200
 
@@ -69,6 +71,20 @@ def one_run(streams: int, steps: int) -> float:
     return (time.perf_counter() - t0) / (steps * streams) * 1e6
 
 
+def codec_run(streams: int, reps: int = 500) -> tuple[float, float, int]:
+    """(decode, encode) microseconds per item of a decode step's TokenBatch, and its bytes."""
+    batch = m.TokenBatch("w0", [m.TokenItem(f"cmpl-{i:032x}", 1, 100 + i, [1234]) for i in range(streams)])
+    data = encode(batch)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        decode(data)
+    t1 = time.perf_counter()
+    for _ in range(reps):
+        encode(batch)
+    t2 = time.perf_counter()
+    return (t1 - t0) / (reps * streams) * 1e6, (t2 - t1) / (reps * streams) * 1e6, len(data)
+
+
 def text_run(tokenizer: Tokenizer, ids: list[int], rounds: int = 20) -> float:
     """Microseconds per token of a stream's text and chunk."""
     req = SimpleNamespace(kind="completion", request_id="cmpl-bench", created=0, model="tiny", include_usage=False)
@@ -86,6 +102,8 @@ def text_run(tokenizer: Tokenizer, ids: list[int], rounds: int = 20) -> float:
 
 def main(a) -> int:
     control = sorted(one_run(a.streams, a.steps) for _ in range(a.repeat))
+    codec = [codec_run(a.streams) for _ in range(a.repeat)]
+    decodes, encodes = sorted(c[0] for c in codec), sorted(c[1] for c in codec)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "tiny"
         make_model(model)
@@ -96,7 +114,12 @@ def main(a) -> int:
                       "control_plane_us_per_item": {"best": round(control[0], 2),
                                                     "median": round(control[len(control) // 2], 2)},
                       "text_and_chunk_us_per_token": {"best": round(text[0], 2),
-                                                      "median": round(text[len(text) // 2], 2)}}))
+                                                      "median": round(text[len(text) // 2], 2)},
+                      "token_batch_decode_us_per_item": {"best": round(decodes[0], 3),
+                                                         "median": round(decodes[len(decodes) // 2], 3)},
+                      "token_batch_encode_us_per_item": {"best": round(encodes[0], 3),
+                                                         "median": round(encodes[len(encodes) // 2], 3)},
+                      "token_batch_bytes": codec[0][2]}))
     return 0
 
 
