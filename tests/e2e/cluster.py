@@ -108,8 +108,9 @@ class UpCluster:
     def workers(self, router: int = 0) -> dict[str, dict]:
         return {w["worker_id"]: w for w in self.admin("workers", router=router)}
 
-    def wait_idle(self, timeout_s: float = 2.0) -> dict[str, dict]:
-        """Until no request is in flight and every worker reports all blocks free."""
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, dict]:
+        """Until no request is in flight and every worker reports all blocks free
+        (a busy box's heartbeats may say so seconds late); the last reading either way."""
         deadline = time.monotonic() + timeout_s
         while True:
             workers = self.workers()

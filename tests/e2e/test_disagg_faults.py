@@ -4,7 +4,6 @@ transfers. After each, both workers must hold no block."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import pytest
