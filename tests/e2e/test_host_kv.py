@@ -10,7 +10,7 @@ import pytest
 from pdd import SamplingParams
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
-from tests.e2e.test_disagg import metric
+from tests.e2e.test_disagg import PATIENT, metric
 from tests.engine.helpers import random_prompts
 
 BS = 16
@@ -25,7 +25,7 @@ def tiered(request, tmp_path_factory, tiny_model, offline):
     # float32 on a GPU too (its default is bf16): the texts are compared with the
     # CPU engine's, and a bf16 prefix hit need not give a fresh prefill's tokens.
     env = {"PDD_ENGINE__NUM_BLOCKS": str(POOL_BLOCKS), "PDD_ENGINE__HOST_KV_CACHE_BYTES": str(400 * block_bytes),
-           "PDD_ENGINE__DTYPE": "float32"}
+           "PDD_ENGINE__DTYPE": "float32", **PATIENT}   # (PATIENT: every worker counts its hits)
     with UpCluster(tmp_path_factory.mktemp(f"hostkv-{request.param}"), tiny_model, *LAYOUTS[request.param],
                    env=env) as c:
         c.layout = request.param

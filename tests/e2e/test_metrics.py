@@ -11,12 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests import monitoring
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster
+from tests.e2e.test_disagg import PATIENT
 
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, tiny_model):
     with UpCluster(tmp_path_factory.mktemp("metrics"), tiny_model, "--mode", "disagg", "--prefill", "1",
-                   "--decode", "1") as c:
+                   "--decode", "1", env=PATIENT) as c:   # its requests are placed as the test expects
         yield c
 
 

@@ -8,10 +8,11 @@ import sys
 
 from pdd import SamplingParams
 from tests.e2e.cluster import UpCluster
-from tests.e2e.test_disagg import metric, run_all
+from tests.e2e.test_disagg import PATIENT, metric, run_all
 from tests.engine.helpers import random_prompts
 
-THRESHOLD = {"PDD_ROUTER__MODE": "threshold", "PDD_ROUTER__THRESHOLD__MAX_LOCAL_PREFILL_TOKENS": "64"}
+# PATIENT: the test counts placements, which a worker suspect for a moment would change.
+THRESHOLD = {"PDD_ROUTER__MODE": "threshold", "PDD_ROUTER__THRESHOLD__MAX_LOCAL_PREFILL_TOKENS": "64", **PATIENT}
 
 
 def test_threshold_layout_prefills_short_prompts_locally_and_shows_its_queues(tmp_path, tiny_model, offline):
