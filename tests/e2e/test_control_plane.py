@@ -82,8 +82,10 @@ def test_worker_restarted_under_its_id_takes_its_old_requests(tmp_path, tiny_mod
     """kill -9 a colocated worker; `pdd up` restarts it under the same id long
     before its old entry would expire (heartbeat timeout 60 s here): the new
     process registering is the old one's loss, and its requests move onto it."""
+    # Steps of 10 ms at least: 300 tokens take 3 s, so all three still run when the
+    # kill comes, however late a busy box lets the test send it.
     c = UpCluster(tmp_path / "run", tiny_model, "--mode", "colocated", "--workers", "1",
-                  env={"PDD_ROUTER__HEARTBEAT_MISSES": "120"}).start()
+                  env={"PDD_ROUTER__HEARTBEAT_MISSES": "120", "PDD_FAULTS": "colocated.step_delay_s=0.01"}).start()
     try:
         old_pid = c.workers()["colocated-0"]["pid"]
         prompts = random_prompts([4, 30, 11], seed=5)
