@@ -18,6 +18,7 @@ from pdd.security import write_private
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster
 from tests.engine.helpers import random_prompts
+from tests.e2e.test_disagg import PATIENT
 from tests.e2e.test_disagg_faults import _wait_for
 
 PROMPT = random_prompts([40], seed=77)[0]
@@ -27,7 +28,7 @@ PROMPT = random_prompts([40], seed=77)[0]
 def cluster(tmp_path_factory, tiny_model):
     # Run-time fault injection: one test makes a transfer fail to see the fallback in a trace.
     with UpCluster(tmp_path_factory.mktemp("logs"), tiny_model, "--mode", "disagg", "--log-level", "info",
-                   env={"PDD_LOG__FORMAT": "json", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}) as c:
+                   env={"PDD_LOG__FORMAT": "json", "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true", **PATIENT}) as c:
         yield c
 
 
@@ -104,7 +105,10 @@ PHASE_ORDER = ["queued", "placed", "reserving", "prefilling", "decoding", "end"]
 
 def test_trace_shows_every_phase_of_a_disaggregated_request(cluster):
     assert complete(cluster, "trace-disagg-1").status == 200
-    events = trace(cluster, "trace-disagg-1")["events"]
+    # The prefill worker's PrefillDone (the "transfer" event) may come after the answer.
+    events = _wait_for(lambda: next((t["events"] for t in [trace(cluster, "trace-disagg-1")]
+                                     if "transfer" in [e["event"] for e in t["events"]]), None),
+                       30.0, "the transfer in the trace")
     names = [e["event"] for e in events]
     phases = [n for n in names if n in PHASE_ORDER]
     assert phases == PHASE_ORDER, names
