@@ -12,7 +12,7 @@ import pytest
 from pdd import __version__
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
-from tests.e2e.test_disagg import metric
+from tests.e2e.test_disagg import PATIENT, metric
 from tests.engine.helpers import random_prompts
 from tests.tracing.collector import Collector, attrs, closed_port
 
@@ -30,7 +30,7 @@ def collector():
 def traced(tmp_path_factory, tiny_model, collector):
     with UpCluster(tmp_path_factory.mktemp("traced"), tiny_model, "--mode", "disagg",
                    env={"PDD_TRACING__OTLP_ENDPOINT": collector.endpoint, "PDD_TRACING__EXPORT_INTERVAL_S": "0.1",
-                        "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true"}) as c:
+                        "PDD_ROUTER__ALLOW_FAULT_INJECTION": "true", **PATIENT}) as c:   # (spans of one path)
         yield c
 
 
