@@ -15,19 +15,24 @@ from pdd import SamplingParams
 from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
 from tests.engine.helpers import random_prompts
+from tests.router.test_metrics import samples
+
+
+def scrape(cluster) -> str:
+    return http_util.get(cluster.url + "/metrics").body.decode()
 
 
 def metric(cluster, name: str, labels: str = "") -> float:
-    text = http_util.get(cluster.url + "/metrics").body.decode()
+    text = scrape(cluster)
     m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
 def transfer_blocks(cluster) -> tuple[float, float]:
     """(KV blocks sent, skipped) from one read of /metrics: a transfer's PrefillDone adds to both at once."""
-    text = http_util.get(cluster.url + "/metrics").body.decode()
-    return tuple(float(m.group(1)) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0.0
-                 for name in ("pdd_kv_transfer_blocks_sent_total", "pdd_kv_transfer_blocks_skipped_total"))
+    text = scrape(cluster)
+    return (sum(samples(text, "pdd_kv_transfer_blocks_sent_total")),
+            sum(samples(text, "pdd_kv_transfer_blocks_skipped_total")))
 
 
 # Ways a request of a disaggregated cluster may be served other than by a
@@ -40,12 +45,9 @@ OTHER_WAYS = ("pdd_disagg_fallbacks_total", "pdd_request_migrations_total", "pdd
 
 def other_ways(cluster) -> float:
     """How many times requests went one of those ways so far (one read of /metrics)."""
-    text = http_util.get(cluster.url + "/metrics").body.decode()
-    moved = sum(float(m.group(1)) for name in OTHER_WAYS
-                for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-    placed = sum(float(m.group(2)) for m in re.finditer(r'^pdd_placement_total\{([^}]*)\} (\S+)$', text, re.M)
-                 if 'kind="disagg"' not in m.group(1))
-    return moved + placed
+    text = scrape(cluster)
+    placed_alone = sum(samples(text, "pdd_placement_total")) - sum(samples(text, "pdd_placement_total", kind="disagg"))
+    return sum(sum(samples(text, name)) for name in OTHER_WAYS) + placed_alone
 
 
 def counted(cluster, since: tuple[float, float], blocks: int, others: float | None = None):

@@ -4,16 +4,15 @@ bf16 page's bytes); a decode worker with a bf16 cache is refused beside the
 FP8 prefill worker, naming the KV dtype."""
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
 import pytest
 
 from pdd import LLM
-from tests.e2e import http_util
 from tests.e2e.cluster import UpCluster, _wait_for
-from tests.e2e.test_disagg import PATIENT, metric, mixed_workload, other_ways, run_all
+from tests.e2e.test_disagg import PATIENT, metric, mixed_workload, other_ways, run_all, scrape
+from tests.router.test_metrics import samples
 
 # bf16 weights so that a worker differing only in its cache has the cluster's model dtype.
 ENGINE = {"PDD_ENGINE__DTYPE": "bfloat16", "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4m3"}
@@ -22,11 +21,10 @@ ENGINE = {"PDD_ENGINE__DTYPE": "bfloat16", "PDD_ENGINE__KV_CACHE_DTYPE": "fp8_e4
 def transfers(cluster) -> tuple[float, float, float]:
     """(KV blocks sent, their bytes, blocks skipped) from one read of /metrics:
     a transfer's PrefillDone adds to all three at once."""
-    text = http_util.get(cluster.url + "/metrics").body.decode()
-    names = ("pdd_kv_transfer_blocks_sent_total", 'pdd_kv_transfer_bytes_total{decode="decode-0",prefill="prefill-0"}',
-             "pdd_kv_transfer_blocks_skipped_total")
-    return tuple(float(m.group(1)) if (m := re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)) else 0.0
-                 for name in names)
+    text = scrape(cluster)
+    return (sum(samples(text, "pdd_kv_transfer_blocks_sent_total")),
+            sum(samples(text, "pdd_kv_transfer_bytes_total", decode="decode-0", prefill="prefill-0")),
+            sum(samples(text, "pdd_kv_transfer_blocks_skipped_total")))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,7 @@ def test_1p1d_with_fp8_kv_equals_colocated_fp8_kv(fp8_disagg, tiny_model):
         _wait_for(counted, 30.0, "transfers counted")
     except AssertionError:
         # A shortfall names where the requests went (a prompt that fell back sends no blocks).
-        series = http_util.get(fp8_disagg.url + "/metrics").body.decode().splitlines()
+        series = scrape(fp8_disagg).splitlines()
         raise AssertionError(f"{transfers(fp8_disagg)} against {before} (sent, bytes, skipped), {blocks} blocks; "
                              f"{[s for s in series if s.startswith(('pdd_disagg_fallbacks', 'pdd_placement'))]}")
     fp8_disagg.wait_idle()
